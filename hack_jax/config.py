@@ -1,0 +1,62 @@
+"""QuantConfig: how the KV cache is stored (docs/DESIGN.md, "Cache and attention API")."""
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal, get_args
+
+import jax.numpy as jnp
+
+KVFormat = Literal["hack", "bf16", "float32", "int8"]
+Layout = Literal["kivi", "seed"]
+Rounding = Literal["nearest", "stochastic"]
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Frozen, hashable (usable as a static jit argument) description of the KV cache format.
+
+    Attributes:
+      kv_format: "hack" (2-bit codes, HACK.md), "bf16" / "float32" (unquantized), "int8" (per
+        (token, kv head) asymmetric baseline, HACK.md §8).
+      layout: "kivi" (K per channel, V per token; default, HACK.md §4) or "seed" (K per token,
+        V per channel, as the paper describes).
+      partition_size: P, tokens or channels per quantization partition; a power of two >= 16.
+      page_size: tokens per cache page; a multiple of 4 * partition_size (one packing group).
+      num_sink_tokens: leading tokens kept in residual_dtype (>= 0).
+      rounding: "nearest" or "stochastic" (HACK.md §2).
+      meta_dtype: dtype of scale and minimum (class constant).
+      residual_dtype: dtype of the open block and the sinks (class constant).
+
+    Raises:
+      ValueError naming the offending value when a field is out of its domain.
+    """
+
+    kv_format: KVFormat = "hack"
+    layout: Layout = "kivi"
+    partition_size: int = 64
+    page_size: int = 256
+    num_sink_tokens: int = 4
+    rounding: Rounding = "nearest"
+
+    meta_dtype: ClassVar = jnp.float16
+    residual_dtype: ClassVar = jnp.bfloat16
+
+    def __post_init__(self):
+        for name, literal in (("kv_format", KVFormat), ("layout", Layout), ("rounding", Rounding)):
+            value = getattr(self, name)
+            if value not in get_args(literal):
+                raise ValueError(f"{name} must be one of {get_args(literal)}, got {value!r}")
+        for name in ("partition_size", "page_size", "num_sink_tokens"):
+            value = getattr(self, name)
+            # bool is an int subclass; True as a size is always a bug.
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        p = self.partition_size
+        if p < 16 or p & (p - 1):
+            raise ValueError(f"partition_size must be a power of two >= 16, got {p=}")
+        if self.page_size <= 0 or self.page_size % (4 * p):
+            raise ValueError(
+                f"page_size must be a positive multiple of 4 * partition_size = {4 * p}, "
+                f"got page_size={self.page_size}"
+            )
+        if self.num_sink_tokens < 0:
+            raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
