@@ -1,0 +1,591 @@
+"""Decode attention: HACK (2-bit codes) vs dequant vs bf16 kernels vs jax's Pallas gqa vs XLA.
+
+One decode step of one layer (one query token per sequence, every sequence holding kv_len tokens),
+for real models' heads: Llama-3.1-8B (32 q / 8 kv heads, head_dim 128) and SmolLM2 (9 / 3, 64).
+Per impl and shape: us per call, the bytes it must read, GB/s, % of the HBM roofs measured in the
+same run (copy: read + written bytes of a device-to-device copy; read: a sum's read rate), and the
+time ratio to our paged bf16 kernel (< 1: faster than it).
+
+Timing (us): per impl one jitted `lax.fori_loop` runs n_iter x UNROLL calls, as a decode loop would:
+each call's query is q + 1e-3 * (previous output), and every large cache array gets a one-element
+in-place write per call (a shrunk cache append; the carry is donated). So no call can be hoisted or
+merged, and neither can per-call work on K/V done outside a kernel (jax gqa's and XLA's layout
+transposes): with a constant cache XLA hoists it (a first H200 run measured jax gqa at 274 us where
+it costs ~1 ms per call). Loops of n and 2n iterations are timed wall-clock (block_until_ready) and
+per call = (median t(2n) - median t(n)) / (n * UNROLL): dispatch and other fixed costs cancel (if that
+differs from t(2n) / (2n * UNROLL) by more than 2x, noise won and the latter is used); the
+tiny query update and cache write (two small fusions per call) are included. us_wall: the median of
+single jitted calls with block_until_ready, no loop (GPU.md's anchor method; includes dispatch).
+When one call reads less than ROTATE_BYTES, the inputs are held in n_copies copies (one pool for
+paged caches, switched by a page-table offset; a stacked axis for contiguous K/V, switched by a
+dynamic slice) and the calls rotate through them, so that consecutive calls do not hit the 60 MB L2.
+
+bytes = what an impl must read from HBM at minimum: K+V (+ page table) for bf16; codes + metadata
++ sums + open block + sinks + page table for HACK (only the parts holding the kv_len tokens);
+the same minus the code sums for dequant (it does not read them). q and the output are not counted (< 0.1%).
+
+HACK caches are filled with random codes/metadata directly in the layout (hack_jax.kv_cache
+dataclasses; timing does not depend on the values, which are finite and nonzero). Any impl that fails
+for a shape is recorded with its error and the run goes on.
+
+Usage: python3 bench/bench_decode_attention.py [--quick | --smoke] [--impls ...] [--out DIR]
+  --smoke: CPU check of the script itself (interpret=True, tiny shapes); numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)  # Pallas-Triton and ops/gpu, jax >= 0.11
+
+HEADS = {"llama3.1-8b": (32, 8, 128), "smollm2": (9, 3, 64), "tiny": (4, 2, 64)}
+BATCHES = (1, 8, 32)
+KV_LENS = (1024, 8192, 32768, 131072)
+QUICK = [("llama3.1-8b", 8, 32768), ("llama3.1-8b", 1, 32768), ("llama3.1-8b", 32, 8192),
+         ("llama3.1-8b", 8, 8192), ("llama3.1-8b", 8, 131072), ("smollm2", 8, 32768)]
+SMOKE = [("tiny", 2, 256), ("tiny", 1, 100)]
+IMPLS = ("hack", "dequant", "bf16", "jax_gqa", "xla")
+PAGE_SIZE = 256  # QuantConfig's default
+UNROLL = 8
+ROTATE_BYTES = 256 << 20  # >= 4x the H200's 60 MB L2
+MAX_COPIES = 8
+MEMORY_LIMIT = 100 << 30
+L2_BYTES = 60 << 20
+
+
+# ----------------------------------------------------------------------------- data
+
+def rand_bf16(key, shape):
+    """Random bf16 of both signs with magnitudes in [2**-7, 2): built from 16 random bits, so the only
+    temporary is the size of the result (jax.random.normal would need a float32 copy)."""
+    b = jax.random.bits(key, shape, jnp.uint16)
+    sign = b & jnp.uint16(0x8000)
+    exponent = (jnp.uint16(120) + ((b >> 7) & jnp.uint16(7))) << 7
+    return lax.bitcast_convert_type(sign | exponent | (b & jnp.uint16(0x7F)), jnp.bfloat16)
+
+
+@dataclasses.dataclass
+class Shape:
+    heads: str
+    batch: int
+    kv_len: int
+
+    @property
+    def num_q_heads(self):
+        return HEADS[self.heads][0]
+
+    @property
+    def num_kv_heads(self):
+        return HEADS[self.heads][1]
+
+    @property
+    def head_dim(self):
+        return HEADS[self.heads][2]
+
+    @property
+    def kv_bytes(self):  # bf16 K + V
+        return 2 * self.batch * self.kv_len * self.num_kv_heads * self.head_dim * 2
+
+
+def copies_for(nbytes):
+    return int(min(MAX_COPIES, max(1, math.ceil(ROTATE_BYTES / max(nbytes, 1)))))
+
+
+def _set_limits(max_copies, unroll):
+    global MAX_COPIES, UNROLL
+    MAX_COPIES, UNROLL = max_copies, unroll
+
+
+def paged_table(key, shape, pages_per_seq, n_copies):
+    """Shuffled page ids: copy c of sequence b's pages lives in pool slots of copy c only."""
+    per_copy = shape.batch * pages_per_seq
+    perm = jax.random.permutation(key, per_copy).astype(jnp.int32).reshape(shape.batch, pages_per_seq)
+    return perm, per_copy * n_copies
+
+
+@dataclasses.dataclass
+class Prepared:
+    """call(q, i, arrays) -> f32[batch, num_q_heads, head_dim]; i = call number (for rotation)."""
+    call: object
+    arrays: object
+    nbytes: int
+    config: str
+    n_copies: int
+
+
+# ----------------------------------------------------------------------------- impls
+
+def prep_bf16(shape, key, *, interpret, config_fields=None):
+    from pallas_kernels.bf16_decode_attention import bf16_decode_attention, default_config
+    pps = -(-shape.kv_len // PAGE_SIZE)
+    nbytes = shape.kv_bytes + shape.batch * pps * 4
+    n = copies_for(nbytes)
+    k1, k2, k3 = jax.random.split(key, 3)
+    table, num_pages = paged_table(k1, shape, pps, n)
+    pool = (num_pages, shape.num_kv_heads, PAGE_SIZE, shape.head_dim)
+    arrays = dict(k=rand_bf16(k2, pool), v=rand_bf16(k3, pool), table=table,
+                  lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
+    per_copy = shape.batch * pps
+    config = default_config(batch=shape.batch, num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
+                            head_dim=shape.head_dim, page_size=PAGE_SIZE, pages_per_seq=pps)
+    config = dataclasses.replace(config, **(config_fields or {}))
+
+    def call(q, i, a):
+        table = a["table"] + (i % n) * per_copy
+        return bf16_decode_attention(q, a["k"], a["v"], table, a["lens"], config=config, interpret=interpret)
+
+    return Prepared(call, arrays, nbytes, f"page_size={PAGE_SIZE} {config}", n)
+
+
+def _random_hack_layer(key, layer_shapes):
+    """Random finite contents for every field of a hack-format LayerCache (shapes from eval_shape)."""
+    fields = {}
+    names = [f.name for f in dataclasses.fields(layer_shapes) if f.name != "config"]
+    for name, k in zip(names, jax.random.split(key, len(names))):
+        s = getattr(layer_shapes, name)
+        if name.endswith("codes"):
+            fields[name] = jax.random.bits(k, s.shape, jnp.uint8)
+        elif name.endswith("sums"):
+            fields[name] = jax.random.randint(k, s.shape, 0, 3 * 64, jnp.int32).astype(s.dtype)
+        elif name.endswith("scale"):
+            fields[name] = jax.random.uniform(k, s.shape, jnp.float32, 0.01, 0.1).astype(s.dtype)
+        else:  # minimum, open block, sinks
+            fields[name] = rand_bf16(k, s.shape).astype(s.dtype)
+    return dataclasses.replace(layer_shapes, **fields)
+
+
+def _cache_bytes(layer_shapes, shape, config, pps, skip_fields=()):
+    """Bytes a decode step must read for kv_len tokens of every sequence: per-page fields scale with
+    the tokens they describe; open block and sinks with the rows in use; plus the page table."""
+    from hack_jax import kv_cache
+    ns = kv_cache.sink_tokens(config)
+    in_pages = shape.kv_len - ns
+    p = config.partition_size if config.kv_format == "hack" else 1
+    sealed, open_rows = (in_pages // p) * p, in_pages % p
+    total = 0
+    for f in dataclasses.fields(layer_shapes):
+        if f.name == "config" or f.name in skip_fields:
+            continue
+        s = getattr(layer_shapes, f.name)
+        row = math.prod(s.shape[3:]) * jnp.dtype(s.dtype).itemsize  # one row, one kv head
+        if f.name.startswith("open"):
+            total += open_rows * row * shape.num_kv_heads
+        elif f.name.startswith("sink"):
+            total += ns * row * shape.num_kv_heads
+        else:  # [num_pages, kv heads, rows proportional to tokens, ...]
+            per_token = s.shape[2] * row / config.page_size
+            total += sealed * per_token * shape.num_kv_heads
+    return int(total * shape.batch + shape.batch * pps * 4)
+
+
+def _layer_prep(shape, key, kv_format, skip_fields=()):
+    from hack_jax import kv_cache, paging
+    from hack_jax.config import QuantConfig
+    config = QuantConfig(kv_format=kv_format, page_size=PAGE_SIZE)
+    pps = paging.pages_needed(shape.kv_len, page_size=PAGE_SIZE, num_sink_tokens=kv_cache.sink_tokens(config))
+    one = jax.eval_shape(lambda: kv_cache.init_layer(config, num_kv_heads=shape.num_kv_heads,
+                                                     head_dim=shape.head_dim, num_pages=2, max_seqs=1))
+    nbytes = _cache_bytes(one, shape, config, pps, skip_fields)
+    n = copies_for(nbytes)
+    k1, k2 = jax.random.split(key)
+    table, num_pages = paged_table(k1, shape, pps, n)
+    # Open blocks and sinks are per sequence slot: give each copy its own slots.
+    shapes = jax.eval_shape(lambda: kv_cache.init_layer(config, num_kv_heads=shape.num_kv_heads,
+                                                        head_dim=shape.head_dim, num_pages=num_pages,
+                                                        max_seqs=shape.batch * n))
+    layer = _random_hack_layer(k2, shapes)
+    return layer, table, pps, nbytes, n, config
+
+
+def _slots(layer, shape, i, n):
+    """The layer with its per-sequence fields (open blocks, sinks) cut to copy i % n."""
+    per = {}
+    for f in dataclasses.fields(layer):
+        if f.name.startswith(("open", "sink")):
+            a = getattr(layer, f.name)
+            per[f.name] = lax.dynamic_slice_in_dim(a, (i % n) * shape.batch, shape.batch, 0) if n > 1 else a
+    return dataclasses.replace(layer, **per) if per else layer
+
+
+def hack_variants():
+    """The dot variants hack_decode_attention exposes, as (name, kwargs)."""
+    from pallas_kernels import decode_attention as mod
+    if "dot_dtype" in inspect.signature(mod.hack_decode_attention).parameters:
+        return [(f"hack_{d}dot", {"dot_dtype": d}) for d in ("bf16", "int8")]
+    return [("hack", {})]
+
+
+def prep_hack(shape, key, *, interpret, variant_kwargs=None):
+    from pallas_kernels import decode_attention as mod
+    layer, table, pps, nbytes, n, _ = _layer_prep(shape, key, "hack")
+    arrays = dict(layer=layer, table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
+    per_copy = shape.batch * pps
+    kwargs = dict(variant_kwargs or {})
+
+    def call(q, i, a):
+        table = a["table"] + (i % n) * per_copy
+        return mod.hack_decode_attention(q, _slots(a["layer"], shape, i, n), table, a["lens"],
+                                         interpret=interpret, **kwargs)
+
+    return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={PAGE_SIZE} ns=4 default_config {kwargs}", n)
+
+
+def prep_dequant(shape, key, *, interpret):
+    from pallas_kernels.dequant_decode_attention import dequant_decode_attention
+    layer, table, pps, nbytes, n, _ = _layer_prep(shape, key, "hack", skip_fields=("k_sums", "v_sums"))
+    arrays = dict(layer=layer, table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
+    per_copy = shape.batch * pps
+
+    def call(q, i, a):
+        table = a["table"] + (i % n) * per_copy
+        return dequant_decode_attention(q, _slots(a["layer"], shape, i, n), table, a["lens"], interpret=interpret)
+
+    return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={PAGE_SIZE} ns=4 default_config "
+                    "(HACK cache, codes dequantized in registers; code sums not read)", n)
+
+
+def _contiguous(shape, key):
+    n = copies_for(shape.kv_bytes)
+    k1, k2 = jax.random.split(key)
+    kv = (n * shape.batch, shape.kv_len, shape.num_kv_heads, shape.head_dim)
+    return dict(k=rand_bf16(k1, kv), v=rand_bf16(k2, kv)), n
+
+
+def _pick(a, shape, i, n):
+    return lax.dynamic_slice_in_dim(a, (i % n) * shape.batch, shape.batch, 0) if n > 1 else a
+
+
+def prep_jax_gqa(shape, key, *, interpret, contiguous=None):
+    from jax.experimental.pallas.ops.gpu import decode_attention as jax_decode
+    arrays, n = contiguous or _contiguous(shape, key)
+    k_splits = 16
+    while shape.kv_len % k_splits or shape.kv_len // k_splits < 16:
+        k_splits //= 2
+    block_k = min(128, shape.kv_len // k_splits)
+
+    def call(q, i, a):
+        out = jax_decode.gqa(q.astype(jnp.bfloat16), _pick(a["k"], shape, i, n), _pick(a["v"], shape, i, n),
+                             k_splits=k_splits, block_k=block_k, interpret=interpret)
+        return out.astype(jnp.float32)
+
+    return Prepared(call, arrays, shape.kv_bytes, f"contiguous [b, s, kvh, d]; k_splits={k_splits} "
+                    f"block_k={block_k} block_h=16 (defaults otherwise)", n)
+
+
+def prep_xla(shape, key, *, interpret, contiguous=None):
+    del interpret
+    arrays, n = contiguous or _contiguous(shape, key)
+    g = shape.num_q_heads // shape.num_kv_heads
+
+    def call(q, i, a):
+        k, v = _pick(a["k"], shape, i, n), _pick(a["v"], shape, i, n)
+        qg = q.astype(jnp.bfloat16).reshape(shape.batch, shape.num_kv_heads, g, shape.head_dim)
+        s = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32) / math.sqrt(shape.head_dim)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("bkgs,bskd->bkgd", p.astype(jnp.bfloat16), v, preferred_element_type=jnp.float32)
+        return o.reshape(shape.batch, shape.num_q_heads, shape.head_dim)
+
+    return Prepared(call, arrays, shape.kv_bytes, "jnp.einsum + jax.nn.softmax, contiguous [b, s, kvh, d]", n)
+
+
+# ----------------------------------------------------------------------------- timing
+
+def _touch(arrays, out):
+    """A decode step's cache append, shrunk to one element: every large cache array gets element 0
+    overwritten (in place: the loop carry is donated) with a value of the last output. It makes the
+    cache loop-variant, so XLA cannot hoist per-call work on K/V (layout transposes in a wrapper) out
+    of the timed loop, as it could with a constant cache."""
+    val = out.reshape(-1)[0]
+
+    def touch(a):
+        if a.size * a.dtype.itemsize < (1 << 20):
+            return a
+        return lax.dynamic_update_slice(a, jnp.full((1,) * a.ndim, val).astype(a.dtype), (0,) * a.ndim)
+
+    return jax.tree.map(touch, arrays)
+
+
+def time_impl(prep, shape, *, reps, target_ms, key, wall_calls):
+    """Returns (us per call from the loop slope, us per call wall clock, first call s, n_iter)."""
+    q = jax.random.normal(key, (shape.batch, shape.num_q_heads, shape.head_dim), jnp.float32)
+
+    @functools.partial(jax.jit, donate_argnums=2)
+    def loop(q0, n_iter, arrays):
+        def body(j, carry):
+            qc, arrs = carry
+            for u in range(UNROLL):
+                out = prep.call(qc, j * UNROLL + u, arrs).astype(jnp.float32)
+                qc = q0 + 1e-3 * out
+                arrs = _touch(arrs, out)
+            return qc, arrs
+        return lax.fori_loop(0, n_iter, body, (q0, arrays))
+
+    def run(n_iter):
+        t0 = time.perf_counter()
+        out, prep.arrays = loop(q, jnp.int32(n_iter), prep.arrays)
+        out.block_until_ready()
+        return time.perf_counter() - t0, out
+
+    first_s, out = run(1)  # compile + warm up
+    if not bool(jnp.all(jnp.isfinite(out))):
+        raise FloatingPointError("non-finite output")
+    t2 = run(2)[0]
+    n_iter = int(np.clip(target_ms * 1e-3 / max(t2 / 2, 1e-7), 2, 5000))
+    # Slope: loops of n and 2n iterations, so fixed costs (dispatch, sync) cancel.
+    t_n = float(np.median([run(n_iter)[0] for _ in range(reps)]))
+    t_2n = float(np.median([run(2 * n_iter)[0] for _ in range(reps)]))
+    us = (t_2n - t_n) / (n_iter * UNROLL) * 1e6
+    plain = t_2n / (2 * n_iter * UNROLL) * 1e6  # fixed costs included: an upper bound
+    if not 0.5 * plain < us <= plain * 1.05:  # noise swamped the difference (CPU smoke, tiny loops)
+        us = plain
+
+    one = jax.jit(prep.call)  # no loop: one dispatch per call, GPU.md's anchor method
+    one(q, 0, prep.arrays).block_until_ready()
+    walls = []
+    for i in range(wall_calls):
+        t0 = time.perf_counter()
+        one(q, i, prep.arrays).block_until_ready()
+        walls.append(time.perf_counter() - t0)
+    return us, float(np.median(walls)) * 1e6, first_s, n_iter
+
+
+def measure_roof(nbytes, reps=10):
+    """HBM roofs, each the median of `reps` calls on nbytes of int32 (per-call dispatch < 2% at 4 GiB):
+    copy = bytes read + written per second, best of a device-to-device copy and an elementwise x + 1;
+    read = bytes read per second of a sum (decode attention only reads)."""
+    x = jnp.ones((nbytes // 4,), jnp.int32)
+    found = {}
+    for name, fn, moved in (("copy", jax.jit(lambda x: jnp.copy(x)), 2), ("x+1", jax.jit(lambda x: x + 1), 2),
+                            ("read", jax.jit(lambda x: jnp.sum(x)), 1)):
+        fn(x).block_until_ready()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn(x).block_until_ready()
+            ts.append(time.perf_counter() - t0)
+        gbps = moved * x.nbytes / float(np.median(ts)) / 1e9
+        if gbps < 20000:  # a forwarded (not copied) buffer would read as absurd bandwidth
+            found[name] = round(gbps)
+    del x
+    return max(found.get("copy", 0), found.get("x+1", 0)), found
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def write_markdown(rows, path, header):
+    lines = [header, "",
+             "| heads | batch | kv_len | impl | us | us wall | MiB read | GB/s | % copy roof | % read roof "
+             "| time / bf16 | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['heads']} | {r['batch']} | {r['kv_len']} | {r['impl']} | - | - | - | - | - | - | - | "
+                         f"FAILED: {r['error'][:120].replace('|', '/')} |")
+            continue
+        ratio = f"{r['ratio_vs_bf16']:.2f}" if r.get("ratio_vs_bf16") is not None else "-"
+        lines.append(f"| {r['heads']} | {r['batch']} | {r['kv_len']} | {r['impl']} | {r['us']:.1f} | "
+                     f"{r.get('us_wall', float('nan')):.1f} | {r['bytes'] / 2**20:.1f} | {r['gbps']:.0f} | "
+                     f"{r['pct_roof']:.1f} | {r.get('pct_read_roof', float('nan')):.1f} | {ratio} | "
+                     f"{'L2-resident' if r.get('l2_resident') else ''} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"no plot: {e}")
+        return
+    ok = [r for r in rows if not r.get("error")]
+    panels = sorted({(r["heads"], r["batch"]) for r in ok})
+    if not panels:
+        return
+    cols = min(3, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 4 * nrows), squeeze=False)
+    impls = sorted({r["impl"] for r in ok})
+    colors = {impl: plt.get_cmap("tab10" if len(impls) <= 10 else "tab20")(i) for i, impl in enumerate(impls)}
+    for ax, (heads, batch) in zip(axes.flat, panels):
+        for impl in impls:
+            pts = sorted((r["kv_len"], r["us"]) for r in ok if (r["heads"], r["batch"], r["impl"]) == (heads, batch, impl))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl, color=colors[impl])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{heads}, batch {batch}")
+        ax.set_xlabel("kv_len")
+        ax.set_ylabel("us per decode step (one layer)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_bf16_configs(specs):
+    """'block_k:num_splits:num_warps:num_stages' strings -> (name, dict); num_splits 'd' = the default
+    heuristic's for each shape."""
+    out = []
+    for spec in specs or ():
+        bk, sp, nw, ns = spec.split(":")
+        fields = dict(block_k=int(bk), num_warps=int(nw), num_stages=int(ns))
+        if sp != "d":
+            fields["num_splits"] = int(sp)
+        out.append((f"bf16[{spec}]", fields))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} shapes (GPU.md's anchors)")
+    ap.add_argument("--smoke", action="store_true", help="CPU check: interpret=True, tiny shapes")
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--heads", nargs="+", choices=sorted(HEADS), help="restrict head configs")
+    ap.add_argument("--batches", nargs="+", type=int)
+    ap.add_argument("--kv-lens", nargs="+", type=int)
+    ap.add_argument("--bf16-configs", nargs="*", metavar="BK:SPLITS:WARPS:STAGES",
+                    help="extra runs of our bf16 kernel with these configs (a sweep; default config always runs)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--target-ms", type=float, default=60.0, help="wall time of one timed loop")
+    ap.add_argument("--unroll", type=int, default=UNROLL, help="calls per loop iteration")
+    ap.add_argument("--wall-calls", type=int, default=20, help="single calls timed for us_wall")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--append", action="store_true", help="keep the rows already in OUT/decode_attention.jsonl")
+    args = ap.parse_args(argv)
+    _set_limits(2 if args.smoke else MAX_COPIES, args.unroll)
+
+    interpret = args.smoke
+    if args.smoke:
+        shapes, args.reps, args.target_ms, args.wall_calls = SMOKE, 2, 1.0, 3
+    elif args.quick:
+        shapes = QUICK
+    else:
+        shapes = [(h, b, s) for h in ("llama3.1-8b", "smollm2") for b in BATCHES for s in KV_LENS]
+    shapes = [Shape(*s) for s in shapes
+              if (not args.heads or s[0] in args.heads) and (not args.batches or s[1] in args.batches)
+              and (not args.kv_lens or s[2] in args.kv_lens)]
+    os.makedirs(args.out, exist_ok=True)
+
+    device = jax.devices()[0]
+    gpu = getattr(device, "device_kind", str(device))
+    roof, roof_parts = measure_roof(64 << 20 if args.smoke else 4 << 30)
+    timing = (f"us: slope of wall clock over jitted lax.fori_loops of n and 2n iterations x {UNROLL} calls "
+              f"(median of {args.reps} loops each, n for ~{args.target_ms:g} ms): q_next = q + 1e-3 * out and a "
+              f"one-element in-place write into every cache array are carried, so nothing is hoisted; inputs "
+              f"rotated over n_copies when one call reads < {ROTATE_BYTES >> 20} MiB. us_wall: median of "
+              f"{args.wall_calls} single jitted calls with block_until_ready (includes dispatch)")
+    print(f"{gpu} jax {jax.__version__}  HBM roof {roof:.0f} GB/s {roof_parts}  interpret={interpret}", flush=True)
+
+    impls = []
+    for name in args.impls:
+        if name == "hack":
+            try:
+                impls += [(v, lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret, variant_kwargs=kw))
+                          for v, kw in hack_variants()]
+            except Exception as e:  # the module itself is missing or broken: one row per shape says so
+                err = f"{type(e).__name__}: {e}"
+                impls.append(("hack", lambda s, k, err=err: (_ for _ in ()).throw(RuntimeError(err))))
+        elif name == "bf16":
+            impls.append(("bf16", lambda s, k: prep_bf16(s, k, interpret=interpret)))
+            for cname, fields in parse_bf16_configs(args.bf16_configs):
+                impls.append((cname, lambda s, k, f=fields: prep_bf16(s, k, interpret=interpret, config_fields=f)))
+        elif name == "dequant":
+            impls.append(("dequant", lambda s, k: prep_dequant(s, k, interpret=interpret)))
+        elif name == "jax_gqa":
+            impls.append(("jax_gqa", lambda s, k: prep_jax_gqa(s, k, interpret=interpret)))
+        else:
+            impls.append(("xla", lambda s, k: prep_xla(s, k, interpret=interpret)))
+
+    path = os.path.join(args.out, "decode_attention.jsonl")
+    rows = []
+    if args.append and os.path.exists(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    key = jax.random.key(0)
+    for shape in shapes:
+        for impl, prep_fn in impls:
+            row = dict(impl=impl, heads=shape.heads, batch=shape.batch, num_q_heads=shape.num_q_heads,
+                       num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, kv_len=shape.kv_len,
+                       gpu=gpu, jax_version=jax.__version__, timing_method=timing, roof_gbps=roof)
+            if 3 * shape.kv_bytes > MEMORY_LIMIT:
+                row["error"] = f"skipped: needs > {MEMORY_LIMIT >> 30} GiB"
+            else:
+                key, k_data, k_q = jax.random.split(key, 3)
+                try:
+                    prep = prep_fn(shape, k_data)
+                    us, us_wall, compile_s, n_iter = time_impl(
+                        prep, shape, reps=args.reps, target_ms=args.target_ms, key=k_q, wall_calls=args.wall_calls)
+                    gbps = prep.nbytes / us / 1e3
+                    row.update(us=us, us_wall=us_wall, bytes=prep.nbytes, gbps=gbps, pct_roof=100 * gbps / roof,
+                               pct_read_roof=100 * gbps / roof_parts.get("read", roof),
+                               config=prep.config, n_copies=prep.n_copies, n_iter=n_iter,
+                               compile_s=round(compile_s, 2),
+                               l2_resident=prep.n_copies * prep.nbytes < 2 * L2_BYTES)
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+                    row["traceback"] = traceback.format_exc()[-3000:]
+                finally:
+                    prep = None
+            rows.append(row)
+            status = (f"{row['us']:9.1f} us {row['gbps']:7.0f} GB/s {row['pct_roof']:5.1f}% roof "
+                      f"(wall {row['us_wall']:.1f} us) "
+                      f"(first call {row['compile_s']:.1f} s, copies {row['n_copies']})"
+                      if "us" in row else row["error"][:150].replace("\n", " "))
+            print(f"{shape.heads:12s} b{shape.batch:<3d} kv{shape.kv_len:<7d} {impl:24s} {status}", flush=True)
+        write_outputs(rows, args, gpu, roof, roof_parts, timing, interpret)
+    failed = [r for r in rows if r.get("error") and not r["error"].startswith("skipped")]
+    print(f"wrote {args.out}/decode_attention.{{jsonl,md,png}}; {len(rows)} rows, {len(failed)} failed")
+    return rows
+
+
+def _shape_key(r):
+    return (r["heads"], r["batch"], r["kv_len"])
+
+
+def write_outputs(rows, args, gpu, roof, roof_parts, timing, interpret):
+    """Rewrites all three outputs from every row so far (after each shape: a timeout loses little)."""
+    order = {name: i for i, name in enumerate(("bf16", "hack_bf16dot", "hack_int8dot", "hack", "dequant",
+                                               "jax_gqa", "xla"))}
+    rows.sort(key=lambda r: (_shape_key(r), order.get(r["impl"], 99), r["impl"]))
+    base = {_shape_key(r): r["us"] for r in rows if r["impl"] == "bf16" and "us" in r}
+    for r in rows:
+        b = base.get(_shape_key(r))
+        r["ratio_vs_bf16"] = r["us"] / b if b and "us" in r else None
+    with open(os.path.join(args.out, "decode_attention.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    header = (f"# Decode attention, one layer, one step ({gpu}, jax {jax.__version__})\n\n"
+              f"HBM roofs measured in this run (GB/s): {roof_parts}; % copy roof uses {roof:.0f} (read + "
+              f"written bytes of a device-to-device copy), % read roof the sum's read rate. Timing: {timing}. "
+              f"GB/s = bytes the impl must read / us. time / bf16 < 1: faster than our paged bf16 kernel."
+              + ("\n\n**SMOKE RUN (interpret mode on CPU): the numbers mean nothing.**" if interpret else ""))
+    write_markdown(rows, os.path.join(args.out, "decode_attention.md"), header)
+    if not args.no_plot:
+        write_plot(rows, os.path.join(args.out, "decode_attention.png"))
+
+
+if __name__ == "__main__":
+    main()

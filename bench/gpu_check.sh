@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU check on the H200 machine: gpu-marked tests, the decode attention benchmark, versions.
+#
+#   bench/gpu_check.sh OUT_DIR
+#
+# Writes OUT_DIR/env.txt (nvidia-smi, versions), gpu_tests.log, bench.log and the benchmark's
+# decode_attention.{jsonl,md,png}. Each stage has a time limit, so the whole stays under 9 minutes
+# (defaults: 180 + 150 + 150 s + a few seconds, + SWEEP_TIMEOUT when BF16_SWEEP is set: lower the
+# others to make room). On 2026-11-29 (older, faster harness) tests took 35 s, bf16/gqa/xla on the 6
+# quick shapes ~60 s, hack+dequant ran past 125 s after 5 of 6 shapes (~5 s compile per impl).
+# Subsets, by environment variable:
+#   GPU_TESTS="tests/test_bf16_decode_kernel.py"   test paths / pytest args (default: tests/)
+#   BENCH_ARGS="--quick --reps 3"                  bench_decode_attention.py args (default: that;
+#                                                  no --impls: the script runs two impl groups itself)
+#   BF16_SWEEP="128:d:4:3 128:d:8:2 ..."           extra run: our bf16 kernel with these configs
+#                                                  (BLOCK_K:SPLITS|d:WARPS:STAGES) -> OUT_DIR/sweep/, on
+#   SWEEP_ARGS="--heads llama3.1-8b --batches 8 --kv-lens 32768"   these shapes
+#   SKIP_TESTS=1, SKIP_BENCH=1                     leave a stage out
+#   TEST_TIMEOUT=180, BENCH_TIMEOUT=150 (bf16, jax_gqa, xla), HACK_BENCH_TIMEOUT=150 (hack, dequant),
+#   SWEEP_TIMEOUT=90                               seconds per stage
+# Needs no network and no install: PYTHONPATH=. (jax, triton, pytest preinstalled there).
+set -uo pipefail
+OUT=${1:?usage: bench/gpu_check.sh OUT_DIR}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+{
+  date -u
+  nvidia-smi
+  python3 -c 'import sys, jax, jaxlib; print("python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
+  python3 -c 'import triton; print("triton", triton.__version__)' 2>&1
+  python3 -c 'import flax; print("flax", flax.__version__)' 2>&1
+  git log -1 --format='commit %H %s' 2>/dev/null; git status --short 2>/dev/null | head -30
+} >"$OUT/env.txt" 2>&1
+
+if [[ -z "${SKIP_TESTS:-}" ]]; then
+  # shellcheck disable=SC2086
+  timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/} 2>&1 | tee "$OUT/gpu_tests.log"
+  echo "gpu tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.log"
+fi
+
+if [[ -z "${SKIP_BENCH:-}" ]]; then
+  # Two processes: a crash (not an exception) in one impl's compile cannot take the others' rows with it.
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-150}" python3 bench/bench_decode_attention.py --out "$OUT" ${BENCH_ARGS:---quick --reps 3} \
+    --impls bf16 jax_gqa xla 2>&1 | tee "$OUT/bench.log"
+  echo "bench (bf16, jax_gqa, xla) exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+  # shellcheck disable=SC2086
+  timeout "${HACK_BENCH_TIMEOUT:-150}" python3 bench/bench_decode_attention.py --out "$OUT" ${BENCH_ARGS:---quick --reps 3} \
+    --impls hack dequant --append 2>&1 | tee -a "$OUT/bench.log"
+  echo "bench (hack, dequant) exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+fi
+
+if [[ -n "${BF16_SWEEP:-}" ]]; then
+  # shellcheck disable=SC2086
+  timeout "${SWEEP_TIMEOUT:-90}" python3 bench/bench_decode_attention.py --out "$OUT/sweep" --no-plot \
+    --impls bf16 ${SWEEP_ARGS:---heads llama3.1-8b --batches 8 --kv-lens 32768} --reps 3 --target-ms 30 \
+    --bf16-configs $BF16_SWEEP 2>&1 | tee -a "$OUT/bench.log"
+  echo "sweep exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+fi

@@ -1,0 +1,233 @@
+"""THE attention dispatch point: decode and prefill attention over a paged cache layer.
+
+Models call only `decode_attention` / `prefill_attention` (STYLE.md rule 11); `impl` picks:
+  "reference": pure jnp, jit-able, vectorized over sequences and blocks.
+    kv_format="hack": the paged homomorphic reference. Codes, metadata and sums are read from the
+      pages through page_indices (`kv_cache.read_blocks`, which zeroes everything beyond a
+      sequence's length), then hack_jax.reference's per-segment steps run the exact DESIGN.md
+      "Homomorphic attention semantics" (HACK.md §3-§5): sinks, the sealed blocks in order
+      (`lax.scan`, each step vmapped over sequences and kv heads), the open block, one online
+      softmax. This is the twin the Pallas kernels are tested against, code for code.
+    "bf16" / "float32" / "int8": dequantize the pages (`kv_cache.dequantize_cache`), then dense
+      float32 attention.
+  "pallas": the GPU kernels, imported lazily from `pallas_kernels` (models never import them);
+    NotImplementedError names the missing kernel when a format has none.
+  "pallas_dequant": the fused-dequantization baseline kernel on the same hack cache (HACK.md §7:
+    same bytes read, codes dequantized in registers, float math), for benchmarks and comparisons.
+
+Query positions. decode: one query per sequence at position kv_lens[s] - 1 (kv_lens include the
+token just appended). prefill: q is left-aligned like write_prefill's k/v: row t of sequence s is
+the query at position t and sees keys at positions <= t; rows t >= kv_lens[s] see nothing and
+return 0 (right padding of a ragged batch). Sequences with kv_lens 0 return 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+
+from hack_jax import kv_cache, reference
+
+IMPLS = ("reference", "pallas", "pallas_dequant")
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+# (module, function) of the Pallas kernel per (impl, kind, kv_format); called as fn(q, <cache>,
+# page_indices, kv_lens, **kernel_options) where <cache> is the layer, or (k, v) pages for bf16.
+_PALLAS = {
+    ("pallas", "decode", "hack"): ("pallas_kernels.decode_attention", "hack_decode_attention"),
+    ("pallas", "decode", "bf16"): ("pallas_kernels.bf16_decode_attention", "bf16_decode_attention"),
+    ("pallas", "prefill", "hack"): ("pallas_kernels.prefill_attention", "hack_prefill_attention"),
+    ("pallas_dequant", "decode", "hack"): ("pallas_kernels.dequant_decode_attention",
+                                           "dequant_decode_attention"),
+}
+
+
+def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, impl="reference",
+                     **kernel_options):
+    """Attention of one new query token per sequence over its cached keys.
+
+    Args:
+      q: float[max_seqs, num_q_heads, head_dim]; query head h uses kv head
+        h // (num_q_heads // num_kv_heads). sm_scale = 1 / sqrt(head_dim).
+      layer: a LayerCache (any kv_format) holding the sequences, new token included.
+      page_indices: i32[max_seqs, pages_per_seq]; kv_lens: i32[max_seqs] (the new token included).
+      impl: "reference" | "pallas" | "pallas_dequant".
+      kernel_options: passed to the Pallas kernel (e.g. interpret=True); only with a Pallas impl.
+    Returns f32[max_seqs, num_q_heads, head_dim] (0 for kv_lens 0).
+    Raises ValueError on an unknown impl or inconsistent shapes; NotImplementedError when a Pallas
+    impl has no kernel for the layer's format.
+    """
+    q = jnp.asarray(q)
+    if q.ndim != 3:
+        raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
+    page_indices, kv_lens = _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
+    if impl != "reference":
+        return _pallas(impl, "decode", layer)(q, *_kernel_cache(layer), page_indices, kv_lens,
+                                              **kernel_options)
+    return _reference(q[:, None], layer, page_indices, kv_lens, decode=True)[:, 0]
+
+
+def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, impl="reference",
+                      **kernel_options):
+    """Causal attention of whole prompts over the cache contents (written by write_prefill).
+
+    Args:
+      q: float[max_seqs, T, num_q_heads, head_dim], left-aligned: row t is the query at position t
+        (module docstring).
+      layer, page_indices, impl, kernel_options: as in decode_attention.
+      kv_lens: i32[max_seqs] tokens held per sequence (the prompt lengths for a fresh prefill).
+    Returns f32[max_seqs, T, num_q_heads, head_dim]; rows t >= kv_lens[s] are 0.
+    Raises as decode_attention.
+    """
+    q = jnp.asarray(q)
+    if q.ndim != 4:
+        raise ValueError(f"prefill q must be [max_seqs, T, num_q_heads, head_dim], got {q.shape=}")
+    page_indices, kv_lens = _check(q, layer, page_indices, kv_lens, impl, kernel_options)
+    if impl != "reference":
+        return _pallas(impl, "prefill", layer)(q, *_kernel_cache(layer), page_indices, kv_lens,
+                                               **kernel_options)
+    return _reference(q, layer, page_indices, kv_lens, decode=False)
+
+
+def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl=}")
+    if kernel_options and impl == "reference":
+        raise ValueError(f"kernel options only apply to the Pallas impls: {sorted(kernel_options)}")
+    if not isinstance(layer, (kv_cache.KiviPages, kv_cache.SeedPages, kv_cache.DensePages,
+                              kv_cache.Int8Pages)):
+        raise ValueError(f"layer must be a kv_cache LayerCache, got {type(layer).__name__}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating, got {q.dtype=}")
+    s, _, num_q_heads, head_dim = q.shape
+    if head_dim != layer.head_dim or num_q_heads % layer.num_kv_heads:
+        raise ValueError(f"q does not match the cache (num_kv_heads={layer.num_kv_heads}, "
+                         f"head_dim={layer.head_dim}): {q.shape=}")
+    page_indices = jnp.asarray(page_indices, jnp.int32)
+    kv_lens = jnp.asarray(kv_lens, jnp.int32)
+    if page_indices.ndim != 2 or page_indices.shape[0] != s or kv_lens.shape != (s,):
+        raise ValueError(f"batch mismatch: {q.shape=} {page_indices.shape=} {kv_lens.shape=}")
+    return page_indices, kv_lens
+
+
+def _kernel_cache(layer):
+    return (layer.k, layer.v) if isinstance(layer, kv_cache.DensePages) else (layer,)
+
+
+def _pallas(impl, kind, layer):
+    fmt = layer.config.kv_format
+    if isinstance(layer, kv_cache.SeedPages):
+        raise NotImplementedError(f"impl={impl!r} has no kernel for layout='seed' (HACK.md §4: it "
+                                  "needs none unless it becomes accurate); use impl='reference'")
+    if (impl, kind, fmt) not in _PALLAS:
+        raise NotImplementedError(f"impl={impl!r} has no {kind} kernel for kv_format={fmt!r}")
+    module, name = _PALLAS[impl, kind, fmt]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise NotImplementedError(
+            f"impl={impl!r} {kind} kernel for kv_format={fmt!r} is unavailable: "
+            f"{module}.{name} ({type(e).__name__}: {e})") from e
+
+
+@functools.partial(jax.jit, static_argnames="decode")
+def _reference(q, layer, page_indices, kv_lens, *, decode):
+    """q f32[S, T, Hq, D] -> f32[S, T, Hq, D]; positions as in the module docstring."""
+    t = q.shape[1]
+    if decode:
+        q_pos = kv_lens[:, None] - 1  # [S, 1]
+    else:
+        steps = jnp.arange(t)[None, :]
+        q_pos = jnp.where(steps < kv_lens[:, None], steps, -1)  # [S, T]; -1 sees nothing
+    if isinstance(layer, (kv_cache.KiviPages, kv_cache.SeedPages)):
+        return _homomorphic(q, layer, page_indices, kv_lens, q_pos)
+    return _dense(q, layer, page_indices, kv_lens, q_pos)
+
+
+def _dense(q, layer, page_indices, kv_lens, q_pos):
+    """Dequantize-then-attend: float32 softmax attention over the gathered pages."""
+    k, v = kv_cache.dequantize_cache(layer, page_indices, kv_lens)  # f32[S, C, H, D], 0 beyond kv_lens
+    s, t, hq, d = q.shape
+    h = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(s, t, h, hq // h, d) / math.sqrt(d)
+    logits = jnp.einsum("stkgd,sckd->skgtc", qg, k, precision=_HIGHEST)
+    j = jnp.arange(k.shape[1])
+    mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_lens[:, None, None])
+    mask = mask[:, None, None]  # [S, 1, 1, T, C]
+    m = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
+    w = jnp.where(mask, jnp.exp(logits - jnp.where(m == -jnp.inf, 0.0, m)), 0.0)
+    out = reference.softmax_state_output(reference.SoftmaxState(
+        jnp.einsum("skgtc,sckd->skgtd", w, v, precision=_HIGHEST), m[..., 0], w.sum(-1)))
+    return out.transpose(0, 3, 1, 2, 4).reshape(s, t, hq, d)
+
+
+def _homomorphic(q, layer, page_indices, kv_lens, q_pos):
+    """The paged homomorphic reference (module docstring). Query rows per kv head are r = t * G + g,
+    as in hack_jax.reference."""
+    cfg = layer.config
+    p, ns = cfg.partition_size, cfg.num_sink_tokens
+    blocks = kv_cache.read_blocks(layer, page_indices, kv_lens)
+    s, nb, h, _, d = blocks.k_codes.shape
+    t, hq = q.shape[1], q.shape[2]
+    g = hq // h
+    rows = t * g
+    q_s = (q.astype(jnp.float32) / math.sqrt(d)).reshape(s, t, h, g, d)
+    q_s = q_s.transpose(0, 2, 1, 3, 4).reshape(s, h, rows, d)  # [S, H, rows, D]
+    r_pos = jnp.repeat(q_pos, g, axis=1)  # [S, rows]
+
+    def visible(key_pos, key_ok):  # int/bool[S, n] -> bool[S, rows, n]
+        return key_ok[:, None, :] & (key_pos[:, None, :] <= r_pos[:, :, None])
+
+    def per_head(step, num_args):  # vmap over kv heads (mask shared), then sequences
+        return jax.vmap(jax.vmap(step, in_axes=(0,) * num_args + (None,)), in_axes=(0,) * (num_args + 1))
+
+    def rows_below(x, n):  # zero the 16-bit rows [n, ...) of x [S, H, R, D]: stale rows must not leak
+        keep = jnp.arange(x.shape[2])[None, None, :, None] < n[:, None, None, None]
+        return jnp.where(keep, x, 0).astype(x.dtype)
+
+    state = reference.empty_softmax_state((s, h, rows), d)
+    if ns:
+        j = jnp.broadcast_to(jnp.arange(ns), (s, ns))
+        sink_k, sink_v = (rows_below(x, blocks.num_sinks) for x in (layer.sink_k, layer.sink_v))
+        state = reference.online_softmax_merge(state, per_head(reference.float_attention_step, 3)(
+            q_s, sink_k, sink_v, visible(j, j < blocks.num_sinks[:, None])))
+
+    # Sealed blocks, in order: block b holds positions ns + b P + i.
+    b = jnp.arange(nb)
+    i = jnp.arange(p)
+    key_pos = ns + b[:, None] * p + i[None, :]  # [NB, P]
+    masks = ((b[None, :] < blocks.num_sealed[:, None])[:, :, None, None]
+             & (key_pos[None, :, None, :] <= r_pos[:, None, :, None]))  # [S, NB, rows, P]
+    step = (reference.seed_block_attention_step if isinstance(layer, kv_cache.SeedPages)
+            else reference.kivi_block_attention_step)
+    block_step = per_head(step, 9)
+
+    def body(carry, xs):
+        mask, *fields = xs
+        return reference.online_softmax_merge(carry, block_step(q_s, *fields, mask)), None
+
+    leading = lambda x: jnp.moveaxis(x, 1, 0)  # [NB, S, ...]
+    state, _ = jax.lax.scan(body, state, (leading(masks), *map(leading, blocks[:8])))
+
+    # The open block: positions ns + num_sealed P + i, i < num_open.
+    open_pos = ns + blocks.num_sealed[:, None] * p + i[None, :]  # [S, P]
+    open_vis = visible(open_pos, i[None, :] < blocks.num_open[:, None])
+    open_v = rows_below(layer.open_v, blocks.num_open)
+    if isinstance(layer, kv_cache.SeedPages):
+        # K of the open tokens was quantized on arrival: it is block num_sealed's first rows.
+        at = jnp.minimum(blocks.num_sealed, nb - 1)
+        pick = lambda x: jnp.take_along_axis(x, at.reshape((s, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+        open_state = per_head(reference.seed_open_block_attention_step, 6)(
+            q_s, pick(blocks.k_codes), pick(blocks.k_scale), pick(blocks.k_min), pick(blocks.k_sums),
+            open_v, open_vis)
+    else:
+        open_state = per_head(reference.float_attention_step, 3)(
+            q_s, rows_below(layer.open_k, blocks.num_open), open_v, open_vis)
+    state = reference.online_softmax_merge(state, open_state)
+
+    out = reference.softmax_state_output(state).reshape(s, h, t, g, d)
+    return out.transpose(0, 2, 1, 3, 4).reshape(s, t, hq, d)

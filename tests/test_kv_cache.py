@@ -1,0 +1,418 @@
+"""hack_jax.kv_cache: contents vs the written K/V, prefill/append equivalence, reuse, compiles, bytes.
+
+Every format runs the same suite (FORMATS) on one shared geometry: 11 sequences of LENGTHS tokens
+(on and off block and page boundaries at the default P = 64, page_size = 256), prompt axis T = 1024,
+2 kv heads of head_dim 128 (two channel groups), each sequence's pages drawn from a shuffled pool.
+Page tables and lengths are runtime values, so every test of a format reuses the same compiled
+write_prefill / append / dequantize (`written` memoizes the written caches; test_attention uses
+them too). "kivi" keeps the 4 default sinks; "seed" runs without sinks, so there LENGTHS hit the
+block boundaries exactly.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hack_jax import kv_cache, paging
+from hack_jax.config import QuantConfig
+
+EPS32 = float(np.finfo(np.float32).eps)
+LENGTHS = (1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000)
+T_LEN = 1024
+NUM_KV_HEADS, HEAD_DIM = 2, 128
+
+FORMATS = {
+    "kivi": QuantConfig(),
+    "seed": QuantConfig(layout="seed", num_sink_tokens=0),
+    "bf16": QuantConfig(kv_format="bf16"),
+    "float32": QuantConfig(kv_format="float32"),
+    "int8": QuantConfig(kv_format="int8"),
+}
+HOWS = ("prefill", "append", "both")
+
+
+def bf16_exact(x):
+    """x rounded to bf16 and back: values the 16-bit parts store exactly."""
+    return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def make_kv(seed=0, *, exact=False, num_seqs=len(LENGTHS), t_len=T_LEN):
+    """k, v f32[num_seqs, t_len, NUM_KV_HEADS, HEAD_DIM]; per-channel offsets in K, as in real K."""
+    rng = np.random.default_rng(seed)
+    shape = (num_seqs, t_len, NUM_KV_HEADS, HEAD_DIM)
+    k = rng.standard_normal(shape).astype(np.float32) + rng.standard_normal(HEAD_DIM).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    return (bf16_exact(k), bf16_exact(v)) if exact else (k, v)
+
+
+def shuffled_table(config, lengths=LENGTHS, *, spare=3, seed=0):
+    """(page_indices i32[len(lengths), pages_per_seq], num_pages): pages from a shuffled pool."""
+    ns = kv_cache.sink_tokens(config)
+    need = [paging.pages_needed(n, page_size=config.page_size, num_sink_tokens=ns) for n in lengths]
+    num_pages = 1 + sum(need) + spare
+    perm = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
+    table = np.zeros((len(lengths), max(max(need), 1)), np.int32)
+    nxt = 0
+    for s, n in enumerate(need):
+        table[s, :n] = perm[nxt:nxt + n]
+        nxt += n
+    return table, num_pages
+
+
+def empty_layer(config, num_pages, max_seqs=len(LENGTHS)):
+    return kv_cache.init_layer(config, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                               num_pages=num_pages, max_seqs=max_seqs)
+
+
+prefill_jit = jax.jit(kv_cache.write_prefill)
+append_jit = jax.jit(kv_cache.append, donate_argnums=0)
+
+
+def write(layer, k, v, lengths, table, how, key=None):
+    """Writes sequence s's first lengths[s] tokens by "prefill", "append" or "both" (a prefill of
+    half, then appends); one jitted append call per step for all sequences. Returns the layer."""
+    lengths = np.asarray(lengths, np.int32)
+    pre = {"prefill": lengths, "append": 0 * lengths, "both": lengths // 2}[how]
+    layer = prefill_jit(layer, k, v, lengths=pre, page_indices=table, key=key)
+    cur = pre.copy()
+    rows = np.arange(len(lengths))
+    while (cur < lengths).any():
+        t = np.minimum(cur, k.shape[1] - 1)
+        step_key = None if key is None else jax.random.fold_in(key, int(cur.sum()))
+        layer = append_jit(layer, k[rows, t], v[rows, t], kv_lens=cur, active=cur < lengths,
+                           page_indices=table, key=step_key)
+        cur = cur + (cur < lengths)
+    return layer
+
+
+@functools.lru_cache(maxsize=None)
+def written(fmt, how, *, exact=False, cap=None):
+    """(layer, k, v, lengths, table) for FORMATS[fmt]: LENGTHS (capped at cap) written by `how`."""
+    config = FORMATS[fmt]
+    table, num_pages = shuffled_table(config)
+    lengths = np.minimum(LENGTHS, cap or T_LEN).astype(np.int32)
+    k, v = make_kv(exact=exact)
+    return write(empty_layer(config, num_pages), k, v, lengths, table, how), k, v, lengths, table
+
+
+def error_bound(config, x, x_hat, step):
+    """Per-element bound on |x - x_hat| for what the cache stores.
+
+    2-bit: step / 2 from the stored scale (nearest rounding, HACK.md §2), plus bf16 rounding
+    (2**-8 |x|, the unit roundoff of 8 significant bits) since the open block and sinks hold x in
+    bf16 and blocks sealed by append are quantized from those bf16 values; int8: step / 2 plus half
+    an ulp of the f16 folded minimum, |m| <= |x_hat| + 128 step; bf16: 2**-8 |x|; float32: exact.
+    Plus float32 arithmetic slack.
+    """
+    slack = 4 * EPS32 * (np.abs(x) + np.abs(x_hat) + 8 * step)
+    fmt = config.kv_format
+    if fmt == "hack":
+        return step / 2 + 2.0**-8 * np.abs(x) + slack
+    if fmt == "int8":
+        return step / 2 + 2.0**-11 * (np.abs(x_hat) + 128 * step) + slack
+    return (2.0**-8 * np.abs(x) if fmt == "bf16" else 0 * x) + slack
+
+
+dequantize_jit = jax.jit(functools.partial(kv_cache.dequantize_cache, return_step=True))
+
+
+def assert_contents(config, layer, k, v, lengths, table, seqs=None):
+    """Each sequence's dequantized contents are within error_bound of the K/V that were written,
+    and zero beyond its length."""
+    contents = [np.asarray(x) for x in dequantize_jit(layer, table, np.asarray(lengths, np.int32))]
+    for s in range(len(lengths)) if seqs is None else seqs:
+        n = int(lengths[s])
+        k_hat, v_hat, k_step, v_step = (x[s, :n] for x in contents)
+        assert all((x[s, n:] == 0).all() for x in contents)
+        for name, x, x_hat, step in (("k", k[s, :n], k_hat, k_step), ("v", v[s, :n], v_hat, v_step)):
+            excess = np.abs(x - x_hat) - error_bound(config, x, x_hat, step)
+            assert excess.max() <= 0, f"{name} of sequence {s} (length {n}): max excess {excess.max()}"
+            sealed = n >= kv_cache.sink_tokens(config) + config.partition_size
+            if config.kv_format in ("hack", "int8") and sealed:
+                assert step.max() > 0, "sealed blocks must be quantized"
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_contents_within_quantization_bound(fmt, how):
+    layer, k, v, lengths, table = written(fmt, how)
+    assert_contents(FORMATS[fmt], layer, k, v, lengths, table)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_and_appends_store_identical_bytes(fmt):
+    """With bf16-exact inputs (what the open block holds anyway) sealing a block in append quantizes
+    exactly what prefill quantizes: every byte of the cache agrees, whichever path wrote it."""
+    ref = written(fmt, "prefill", exact=True, cap=300)[0]
+    for how in ("append", "both"):
+        other = written(fmt, how, exact=True, cap=300)[0]
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(other)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("fmt", ["kivi", "seed"])
+def test_stored_sums_match_codes(fmt):
+    """Code sums (HACK.md §3 summation elimination) agree with the stored codes; both layouts keep
+    K sums per (token, channel group) and V sums per (block, channel)."""
+    config = FORMATS[fmt]
+    layer, _, _, lengths, table = written(fmt, "both")
+    b = jax.tree.map(np.asarray, kv_cache.read_blocks(layer, table, lengths))
+    group = min(config.partition_size, HEAD_DIM)
+    k_codes, v_codes = b.k_codes.astype(np.int64), b.v_codes.astype(np.int64)  # [S, NB, H, P, D]
+    np.testing.assert_array_equal(b.k_sums, k_codes.reshape(k_codes.shape[:-1] + (-1, group)).sum(-1))
+    np.testing.assert_array_equal(b.v_sums, v_codes.sum(3))
+    ns = config.num_sink_tokens
+    assert b.num_sealed.tolist() == [max(n - ns, 0) // 64 for n in lengths]
+    assert b.num_open.tolist() == [max(n - ns, 0) % 64 for n in lengths]
+    assert b.k_codes.max() == 3 and b.k_sums.max() > 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reused_pages_leak_nothing(fmt):
+    """The longest sequence (slot 10) ends; its pages (and the null page) get NaN metadata and
+    all-ones codes and are
+    handed (shuffled) to a new sequence in slot 9, written by prefill then appends: its contents are
+    exactly those of the same sequence written into fresh pages, and the other sequences are intact."""
+    config = FORMATS[fmt]
+    layer, k, v, lengths, table = written(fmt, "prefill")
+    freed = table[10][table[10] > 0]
+
+    def poison(a):  # NaN metadata / values, all-ones codes, in the freed pages and the null page
+        floating = jnp.issubdtype(a.dtype, jnp.floating)
+        a = np.array(a)
+        a[np.append(freed, paging.NULL_PAGE)] = np.nan if floating else -1 if a.dtype == np.int8 else 0xFF
+        return jnp.asarray(a)
+
+    layer = dataclasses.replace(layer, **{
+        f.name: poison(getattr(layer, f.name)) for f in dataclasses.fields(layer)
+        if f.name != "config" and not f.name.startswith(("open", "sink"))})
+    new_table = table.copy()
+    new_table[10] = 0
+    new_table[9, :len(freed)] = np.random.default_rng(1).permutation(freed)
+    new_lengths = lengths.copy()
+    new_lengths[10], new_lengths[9] = 0, 600
+    k2, v2 = make_kv(seed=2, exact=True)  # exact: prefill/append splits store the same bytes
+    only_9 = np.where(np.arange(len(lengths)) == 9, new_lengths, 0).astype(np.int32)
+    cur = np.where(only_9 > 0, 520, 0).astype(np.int32)
+    layer = prefill_jit(layer, k2, v2, lengths=cur, page_indices=new_table)
+    while cur[9] < 600:  # crosses a block seal into a reused page
+        layer = append_jit(layer, k2[:, cur[9]], v2[:, cur[9]], kv_lens=cur, active=only_9 > cur,
+                           page_indices=new_table)
+        cur = cur + (only_9 > cur)
+    fresh = prefill_jit(empty_layer(config, layer.num_pages), k2, v2, lengths=only_9,
+                        page_indices=new_table)
+    got, want = (kv_cache.gather(x, 9, 600, new_table, return_step=True) for x in (layer, fresh))
+    for a, b in zip(got, want):
+        assert np.isfinite(a).all()
+        np.testing.assert_array_equal(a, b)
+    assert_contents(config, layer, k, v, new_lengths, new_table, seqs=range(9))
+
+
+def test_stochastic_rounding_is_deterministic_per_key():
+    """Same key, same bytes (prefill and appends); another key, other codes; no key, ValueError."""
+    config = QuantConfig(rounding="stochastic")
+    table, num_pages = shuffled_table(config)
+    lengths = np.minimum(LENGTHS, 140).astype(np.int32)
+    k, v = make_kv()
+    run = lambda key, how="both": write(empty_layer(config, num_pages), k, v, lengths, table, how,
+                                       key=jax.random.key(key))
+    a, b, c = run(0), run(0), run(1, "prefill")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(np.asarray(a.k_codes), np.asarray(c.k_codes))
+    assert not np.array_equal(np.asarray(a.v_codes), np.asarray(c.v_codes))
+    with pytest.raises(ValueError, match="key"):
+        kv_cache.write_prefill(empty_layer(config, num_pages), k, v, lengths=lengths,
+                               page_indices=table)
+
+
+def test_one_append_compile_for_a_decode_loop_with_churn():
+    """Sequences join (by appends alone), grow and leave between steps through the PageAllocator;
+    pages are freed and reused. One compiled append serves the whole loop (the jit cache of
+    append_jit does not grow), and every live sequence's contents stay right."""
+    config = FORMATS["kivi"]
+    _, num_pages = shuffled_table(config)
+    max_seqs = len(LENGTHS)
+    alloc = paging.PageAllocator(num_pages, max_seqs, 4, config.page_size, config.num_sink_tokens)
+    rng = np.random.default_rng(0)
+    layer = empty_layer(config, num_pages)
+    kv_lens, target = np.zeros(max_seqs, np.int32), np.zeros(max_seqs, np.int32)
+    history = [[] for _ in range(max_seqs)]
+    admitted, compiled = 0, None
+    need = lambda n: paging.pages_needed(n, page_size=256, num_sink_tokens=4)
+    for _ in range(300):
+        for s in range(max_seqs):
+            if alloc.is_admitted(s) and kv_lens[s] == target[s]:
+                alloc.release(s)
+                kv_lens[s], history[s] = 0, []
+            if not alloc.is_admitted(s) and rng.random() < 0.2:
+                want = int(rng.integers(1, 600))
+                # Admission control: the pages every admitted sequence will grow into must exist.
+                committed = sum(need(target[r]) for r in range(max_seqs) if alloc.is_admitted(r))
+                if committed + need(want) <= num_pages - 1:
+                    alloc.admit(s, 1)
+                    target[s], admitted = want, admitted + 1
+        active = np.array([alloc.is_admitted(s) for s in range(max_seqs)])
+        for s in np.nonzero(active)[0]:
+            alloc.reserve(int(s), int(kv_lens[s]) + 1)
+        k = rng.standard_normal((max_seqs, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+        v = rng.standard_normal((max_seqs, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+        layer = append_jit(layer, k, v, kv_lens=kv_lens, active=active, page_indices=alloc.page_indices)
+        compiled = compiled or append_jit._cache_size()
+        for s in np.nonzero(active)[0]:
+            history[s].append((k[s], v[s]))
+        kv_lens = kv_lens + active
+    assert append_jit._cache_size() == compiled
+    assert admitted > max_seqs + 5, "the loop must recycle slots and pages"
+    live = [s for s in range(max_seqs) if kv_lens[s] > 0]
+    ks = np.zeros((max_seqs, max(kv_lens), NUM_KV_HEADS, HEAD_DIM), np.float32)
+    vs = np.zeros_like(ks)
+    for s in live:
+        ks[s, :kv_lens[s]], vs[s, :kv_lens[s]] = (np.stack(x) for x in zip(*history[s]))
+    assert_contents(config, layer, ks, vs, kv_lens, alloc.page_indices, seqs=live)
+
+
+def test_prefill_compiles_once_per_length_bucket():
+    """T (the bucket) is the only static size: other lengths, tables and slots reuse the compile.
+    (bf16 format: the jit mechanics are the same for every format, and it compiles fast.)"""
+    config = QuantConfig(kv_format="bf16")
+    traces = []
+
+    def counted(layer, k, v, **kw):
+        traces.append(k.shape[1])
+        return kv_cache.write_prefill(layer, k, v, **kw)
+
+    prefill = jax.jit(counted)
+    table, num_pages = shuffled_table(config, (512, 512))
+    layer = empty_layer(config, num_pages, 2)
+    for bucket, lengths in ((128, (100, 128)), (128, (5, 77)), (512, (300, 512)), (128, (1, 0))):
+        k, v = make_kv(num_seqs=2, t_len=bucket)
+        prefill(layer, k, v, lengths=np.array(lengths, np.int32), page_indices=table[::-1].copy())
+    assert traces == [128, 512]
+
+
+def test_cache_pytree_and_init():
+    cache = kv_cache.init_cache(QuantConfig(), num_layers=3, num_kv_heads=2, head_dim=128,
+                                num_pages=5, max_seqs=2, pages_per_seq=2)
+    assert (cache.num_layers, cache.max_seqs, cache.pages_per_seq, cache.num_pages) == (3, 2, 2, 5)
+    assert cache.capacity == 4 + 2 * 256
+    layer = cache.layers[0]
+    assert layer.k_codes.shape == (5, 2, 64, 128) and layer.k_codes.dtype == jnp.uint8
+    assert layer.k_scale.shape == (5, 2, 4, 128) and layer.k_scale.dtype == jnp.float16
+    assert layer.k_sums.shape == (5, 2, 256, 2) and layer.k_sums.dtype == jnp.uint8
+    assert layer.v_scale.shape == (5, 2, 256, 2) and layer.v_sums.shape == (5, 2, 4, 128)
+    assert layer.open_k.shape == (2, 2, 64, 128) and layer.open_k.dtype == jnp.bfloat16
+    assert layer.sink_v.shape == (2, 2, 4, 128)
+    leaves, tree = jax.tree.flatten(cache)
+    assert len(leaves) == 3 * 12 + 2
+    assert jax.tree.unflatten(tree, leaves).config == QuantConfig()
+    seed = kv_cache.init_layer(QuantConfig(layout="seed", partition_size=128, page_size=512),
+                               num_kv_heads=1, head_dim=128, num_pages=2, max_seqs=1)
+    assert seed.k_scale.shape == (2, 1, 512, 1) and seed.v_scale.shape == (2, 1, 4, 128)
+    assert seed.v_sums.dtype == jnp.uint16 and seed.k_sums.dtype == jnp.uint16  # 3 * 128 > 255
+    assert not hasattr(seed, "open_k")
+    int8 = kv_cache.init_layer(QuantConfig(kv_format="int8"), num_kv_heads=2, head_dim=64,
+                               num_pages=3, max_seqs=1)
+    assert int8.k_codes.dtype == jnp.int8 and int8.k_scale.shape == (3, 2, 256)
+    assert kv_cache.sink_tokens(QuantConfig(kv_format="int8")) == 0
+
+
+def test_errors():
+    config = QuantConfig()
+    with pytest.raises(ValueError, match="kv_format"):
+        QuantConfig(kv_format="fp4")
+    with pytest.raises(ValueError, match="QuantConfig"):
+        kv_cache.init_layer("hack", num_kv_heads=1, head_dim=64, num_pages=2, max_seqs=1)
+    with pytest.raises(ValueError, match="num_pages"):
+        empty_layer(config, 1, 1)
+    with pytest.raises(ValueError, match="head_dim"):
+        kv_cache.init_layer(config, num_kv_heads=1, head_dim=96, num_pages=2, max_seqs=1)
+    layer = empty_layer(config, 4, 2)
+    k, v = make_kv(num_seqs=2, t_len=300)
+    ok_table = np.array([[1, 2], [3, 0]], np.int32)
+    with pytest.raises(ValueError, match=r"page id out of range.*page_indices\[1, 0\]=7"):
+        kv_cache.write_prefill(layer, k, v, lengths=np.array([300, 10]),
+                               page_indices=np.array([[1, 2], [7, 0]], np.int32))
+    with pytest.raises(ValueError, match="null page"):
+        kv_cache.write_prefill(layer, k, v, lengths=np.array([300, 10]),
+                               page_indices=np.array([[1, 0], [3, 0]], np.int32))
+    with pytest.raises(ValueError, match="page=3"):
+        kv_cache.write_prefill(layer, k, v, lengths=np.array([300, 10]),
+                               page_indices=np.array([[1, 3], [3, 0]], np.int32))
+    with pytest.raises(ValueError, match="capacity"):
+        kv_cache.append(layer, k[:, 0], v[:, 0], kv_lens=np.array([4 + 512, 0]),
+                        active=np.array([True, False]), page_indices=ok_table)
+    full = jax.tree.map(jnp.copy, layer)  # under jit nothing raises: a token beyond capacity is dropped
+    after = jax.jit(kv_cache.append)(full, k[:, 0], v[:, 0], kv_lens=np.array([4 + 512, 0]),
+                                     active=np.array([True, True]), page_indices=ok_table)
+    assert (np.asarray(after.sink_k[1, :, 0]) != 0).all()  # the other slot's token is written
+    for f in dataclasses.fields(layer):
+        if f.name != "config" and not f.name.startswith("sink"):
+            np.testing.assert_array_equal(getattr(after, f.name), getattr(layer, f.name))
+    with pytest.raises(ValueError, match="exceeds the prompt"):
+        kv_cache.write_prefill(layer, k, v, lengths=np.array([301, 0]), page_indices=ok_table)
+    with pytest.raises(ValueError, match="num_kv_heads, head_dim"):
+        kv_cache.write_prefill(layer, k[..., :64], v[..., :64], lengths=np.array([3, 0]),
+                               page_indices=ok_table)
+    with pytest.raises(ValueError, match="seq="):
+        kv_cache.gather(layer, 2, 1, ok_table)
+    with pytest.raises(ValueError, match=r"kv_lens\[0\]=600"):
+        kv_cache.gather(layer, 0, 600, ok_table)
+
+
+def test_bytes_per_token_hand_arithmetic():
+    """Per token, per kv head, per layer at P = 64 (fp16 scale/min, uint8 sums), HACK.md §6:
+      head_dim 128 (NP = 2 channel groups):
+        K codes 128/4 = 32 | K scale+min per (block, channel) 2*128*2/64 = 8 | K sums per
+        (token, group) 2*1 = 2 | V codes 32 | V scale+min per (token, group) 2*2*2 = 8 |
+        V sums per (block, channel) 128/64 = 2  -> 84 B (vs bf16 2*128*2 = 512 B: 16.4%)
+      head_dim 64 (NP = 1): 16 + 4 + 1 + 16 + 4 + 1 = 42 B (vs bf16 256 B).
+    SmolLM2-135M (30 layers, 3 kv heads, d 64): 42 * 3 * 30 = 3780 B/token; bf16 23040.
+    Llama-3.1-8B (32 layers, 8 kv heads, d 128): 84 * 8 * 32 = 21504 B/token; bf16 131072.
+    The seed layout moves the same sizes between K and V; int8 stores d + 2*2 B per token and head
+    for K and for V: (64 + 4) * 2 * 3 * 30 = 12240 and (128 + 4) * 2 * 8 * 32 = 67584.
+    """
+    smol = dict(num_kv_heads=3, head_dim=64, num_layers=30)
+    llama = dict(num_kv_heads=8, head_dim=128, num_layers=32)
+    for layout in ("kivi", "seed"):
+        assert kv_cache.bytes_per_token(QuantConfig(layout=layout), **smol) == 3780
+        assert kv_cache.bytes_per_token(QuantConfig(layout=layout), **llama) == 21504
+    assert kv_cache.bytes_per_token(QuantConfig(kv_format="bf16"), **smol) == 23040
+    assert kv_cache.bytes_per_token(QuantConfig(kv_format="bf16"), **llama) == 131072
+    assert kv_cache.bytes_per_token(QuantConfig(kv_format="float32"), **llama) == 262144
+    assert kv_cache.bytes_per_token(QuantConfig(kv_format="int8"), **smol) == 12240
+    assert kv_cache.bytes_per_token(QuantConfig(kv_format="int8"), **llama) == 67584
+
+
+def test_cache_bytes_report_hand_arithmetic():
+    """Llama-3.1-8B, one 32768-token sequence, kivi defaults (P 64, page 256, 4 sinks):
+      pages = ceil((32768 - 4) / 256) = 128, + the null page = 129; per page and layer:
+        codes    K 8*64*128 + V 8*64*128                        = 131072
+        metadata K 8*4*128*2*2 + V 8*256*2*2*2                   =  32768
+        sums     K 8*256*2 + V 8*4*128                           =   8192
+      x 129 pages x 32 layers: codes 541065216, metadata 135266304, sums 33816576;
+      open blocks (K, V) 2*8*64*128*2 * 32 = 8388608; sinks 2*8*4*128*2 * 32 = 524288;
+      total 719060992 B (~0.72 GB, HACK.md §6 "~0.7 GB") vs bf16 32*2*32768*8*128*2 = 4294967296.
+    SmolLM2-135M, one 8192-token sequence: pages ceil(8188/256) = 32 + 1 = 33; per page and layer
+      codes 2*3*64*64 = 24576, metadata 3*4*64*2*2 + 3*256*1*2*2 = 6144, sums 3*256 + 3*4*64 = 1536;
+      x 33 x 30: 24330240, 6082560, 1520640; open 2*3*64*64*2*30 = 1474560; sinks 2*3*4*64*2*30 =
+      92160; total 33500160 vs bf16 30*2*8192*3*64*2 = 188743680.
+    """
+    llama = kv_cache.cache_bytes_report(QuantConfig(), num_layers=32, num_kv_heads=8, head_dim=128,
+                                        seq_len=32768)
+    assert llama == dict(codes=541065216, metadata=135266304, sums=33816576, open_blocks=8388608,
+                         sinks=524288, total=719060992, num_pages=129, bf16=4294967296,
+                         ratio=719060992 / 4294967296)
+    smol = kv_cache.cache_bytes_report(QuantConfig(), num_layers=30, num_kv_heads=3, head_dim=64,
+                                       seq_len=8192)
+    assert smol == dict(codes=24330240, metadata=6082560, sums=1520640, open_blocks=1474560,
+                        sinks=92160, total=33500160, num_pages=33, bf16=188743680,
+                        ratio=33500160 / 188743680)
+    dense = kv_cache.cache_bytes_report(QuantConfig(kv_format="bf16"), num_layers=32, num_kv_heads=8,
+                                        head_dim=128, seq_len=32768, max_seqs=2)
+    # 2 * 128 pages + the null page, each 2 (K, V) * 8 * 256 * 128 * 2 B per layer, 32 layers.
+    assert dense["total"] == 257 * 2 * 8 * 256 * 128 * 2 * 32 and dense["open_blocks"] == 0
