@@ -1,0 +1,271 @@
+"""Shared pieces of the Pallas kernels: the ONE place with Triton-specific calls.
+
+- `compiler_params(num_warps, num_stages)`: `pltriton.CompilerParams`; passing it to `pl.pallas_call`
+  is what selects the Triton lowering on GPU (without it Pallas lowers through Mosaic GPU).
+- `pallas_call(kernel, ...)`: `pl.pallas_call` with the Triton compiler params, `interpret=` passed
+  through, and exactly the Pallas-Triton DeprecationWarning ("The Pallas Triton backend is deprecated",
+  jax >= 0.11, emitted while lowering) filtered. The warning is raised when the enclosing jit is lowered,
+  which can happen outside any call of ours, so the same single filter is also installed once at import.
+- `load(ref_at, mask, other)`: masked load (always with `other=`: interpret mode leaves masked lanes
+  untouched otherwise).
+- `quiet(fn)`: decorator for public entry points (same filter around eager calls).
+- In-kernel 2-bit plane unpacking for DESIGN.md's planar packing (plane j = bits 2j..2j+1):
+  `widen`, `plane` (int8 / bf16 / f16 operands), `plane_int8_asm` (inline PTX, Triton only),
+  `unbias`, `plane_weights`, `select_rows`; exact integer dots `int_dot`; float32-accurate dots on
+  bf16 tensor cores `f32_bf16_dot`.
+- The INT8 quantizer of the transient operands (`quantize_rows_int8`, `round_half_even`), repeating
+  hack_jax.quantization.quantize's float32 arithmetic.
+- Online softmax: `merge_state` (one part into the running state, NaN-safe for masked parts),
+  `merge_streams` (row blocks of one program), `lse_combine` (split-K partials, plain jnp).
+
+A port to another backend (Mosaic GPU, jax-triton) should only need to touch this file and the launch
+wrappers.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+TRITON_DEPRECATION_MESSAGE = "The Pallas Triton backend is deprecated"
+
+
+def _ignore_triton_deprecation() -> None:
+    warnings.filterwarnings("ignore", category=DeprecationWarning, message=TRITON_DEPRECATION_MESSAGE)
+
+
+_ignore_triton_deprecation()
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2) -> pltriton.CompilerParams:
+    """Triton launch parameters; passing them selects the Pallas-Triton lowering."""
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def pallas_call(kernel, *, out_shape, grid=(), in_specs=None, out_specs=None, num_warps: int = 4,
+                num_stages: int = 2, interpret: bool = False, name: str | None = None, **kwargs):
+    """`pl.pallas_call` on the Triton backend, with the deprecation warning filtered.
+
+    Returns a callable like `pl.pallas_call` does. `kwargs` go to `pl.pallas_call` unchanged.
+    """
+    call = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
+                          out_specs=out_specs, interpret=interpret, name=name,
+                          compiler_params=compiler_params(num_warps, num_stages), **kwargs)
+
+    @functools.wraps(kernel)
+    def run(*args):
+        with warnings.catch_warnings():
+            _ignore_triton_deprecation()
+            return call(*args)
+
+    return run
+
+
+def quiet(fn):
+    """Decorator for public entry points: runs `fn` (and the lowering it triggers) with the warning off."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with warnings.catch_warnings():
+            _ignore_triton_deprecation()
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def load(ref_at, *, mask=None, other=None):
+    """Load `ref.at[...]`; with a mask, masked lanes read `other` (interpret mode honours only `other`)."""
+    if mask is None:
+        return pltriton.load(ref_at)
+    return pltriton.load(ref_at, mask=mask, other=other)
+
+
+# ----------------------------------------------------------------------------- 2-bit unpacking
+# DESIGN.md packing (hack_jax.packing): byte i of a packing group holds 4 codes, plane j in bits
+# [2j, 2j+1] = position i of the group's block j.
+
+F16_OFFSET = 1024.0  # f16 0x6400: with the code bits OR-ed into the mantissa, the value is 1024 + x
+
+
+def widen(packed_u8: jax.Array, dot_dtype: str) -> jax.Array:
+    """Per-tile preparation shared by the 4 planes: "f16" zero-extends to u16 once."""
+    return packed_u8.astype(jnp.uint16) if dot_dtype == "f16" else packed_u8
+
+
+def plane(tile: jax.Array, j: int, dot_dtype: str) -> jax.Array:
+    """Plane j of a (widened) u8 code tile as a dot operand, without integer-to-float converts where
+    possible (I2F runs at a fraction of the ALU rate):
+
+    "bf16": `byte & (3 << 2j)` = code * 4**j (<= 192, exact) converted to bf16; the 4**-j is undone
+      exactly on the dot result (`plane_weights`), so no shift.
+    "int8": `(byte >> 2j) & 3` in u8, then a same-width (free) cast to int8: 192 would overflow int8,
+      and the Triton dot needs signed operands.
+    "f16": `(u16 & (3 << 2j)) | 0x6400` bitcast to f16 = 1024 + code * 4**j exactly (no convert);
+      the dot result carries 1024 * (row sum of the other operand), removed by `unbias`.
+    """
+    if dot_dtype == "bf16":
+        return (tile & jnp.uint8(3 << (2 * j))).astype(jnp.bfloat16)
+    if dot_dtype == "f16":
+        bits = (tile & jnp.uint16(3 << (2 * j))) | jnp.uint16(0x6400)
+        return jax.lax.bitcast_convert_type(bits, jnp.float16)
+    x = tile >> jnp.uint8(2 * j) if j else tile
+    return (x & jnp.uint8(3)).astype(jnp.int8)
+
+
+def plane_int8_asm(tile: jax.Array, j: int) -> jax.Array:
+    """"int8" plane j by inline PTX on 4 packed bytes per 32-bit register: `(word >> 2j) & 0x03030303`
+    is 2 instructions per 4 codes instead of ~2 per code (the shift moves other bytes' bits only
+    into bits 2..7, which the mask drops). GPU only: inline asm has no interpret-mode rule."""
+    shift = f"shr.b32 t, $1, {2 * j}; and.b32 $0, t, 0x03030303;" if j else "and.b32 $0, $1, 0x03030303;"
+    [out] = pltriton.elementwise_inline_asm(
+        "{ .reg .b32 t; " + shift + " }", args=[tile], constraints="=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.int8)])
+    return out
+
+
+def unbias(dot: jax.Array, codes: jax.Array, dot_dtype: str) -> jax.Array:
+    """Removes the f16 operands' 1024 offset: dot - 1024 * sum(codes, axis=1), exact (integers
+    < 2**24); identity for the other dot dtypes. codes: the [rows, k] left operand, as float32."""
+    if dot_dtype != "f16":
+        return dot
+    return dot - F16_OFFSET * jnp.sum(codes, axis=1)[:, None]
+
+
+def operand_dtype(dot_dtype: str):
+    return {"bf16": jnp.bfloat16, "int8": jnp.int8, "f16": jnp.float16}[dot_dtype]
+
+
+def int_dot(a: jax.Array, b: jax.Array, dot_dtype: str, *, trans_b: bool = False) -> jax.Array:
+    """Exact dot of integer-valued operands (2-D, same dtype), returned as float32.
+
+    "int8": int8 x int8 -> int32 (the method as written). "bf16" / "f16": float operands holding
+    the same integers (f16: plus 1024), float32 accumulation: exact while partial sums stay below
+    2**24 (bf16: 128 x 192 x 128 = 3.1e6; f16: 128 x 1216 x 64 = 1e7, hence inner dims <= 64).
+    """
+    acc = jnp.int32 if dot_dtype == "int8" else jnp.float32
+    return jnp.dot(a, b.T if trans_b else b, preferred_element_type=acc).astype(jnp.float32)
+
+
+def split_bf16(a: jax.Array):
+    """float32 a -> (hi, mid, lo) bf16 with hi + mid + lo == a exactly (8 + 8 + 8 significant bits;
+    barring underflow of the smallest part)."""
+    hi = a.astype(jnp.bfloat16)
+    r = a - hi.astype(jnp.float32)
+    mid = r.astype(jnp.bfloat16)
+    return hi, mid, (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def f32_bf16_dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
+    """float32 a times bf16 b at float32 accuracy on bf16 tensor cores: a is split into three bf16
+    parts (exact), each product with b is exact in float32, sums accumulate in float32 (smallest
+    part first). 3 MMAs instead of Triton's IEEE float32 dot, which runs on FMA units."""
+    b = b.T if trans_b else b
+    hi, mid, lo = split_bf16(a)
+    acc = jnp.dot(lo, b, preferred_element_type=jnp.float32)
+    acc = acc + jnp.dot(mid, b, preferred_element_type=jnp.float32)
+    return acc + jnp.dot(hi, b, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- INT8 transients
+
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: (x + M) - M rounds float32 x to nearest-even for |x| < 2**22
+
+
+def round_half_even(x: jax.Array, *, interpret: bool) -> jax.Array:
+    """jnp.round (ties to even) for |x| < 2**22, as the reference quantizer rounds.
+
+    Triton has no lowering for lax.round, so on GPU this is the two-add magic-number trick (no
+    fast-math there: the adds are not reassociated). XLA's algebraic simplifier folds that trick
+    away, so interpret mode uses lax.round itself. Both give the same result.
+    """
+    if interpret:
+        return jax.lax.round(x, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+    return (x + _ROUND_MAGIC) - _ROUND_MAGIC
+
+
+def quantize_rows_int8(x: jax.Array, *, interpret: bool):
+    """INT8 per row of f32[rows, n], nearest, float32 metadata, folded minimum.
+
+    Repeats hack_jax.quantization.quantize(x, bits=8, axis=1, partition_size=n,
+    meta_dtype=float32) operation for operation, so the codes agree with the reference code for
+    code (up to the GPU's float32 division): scale s = (hi/2 - lo/2) * (2/255) (0 for a constant
+    row, else >= tiny), minimum mf = lo + 128 s, codes c = round((x - mf) / s) in [-128, 127],
+    x ~ s * c + mf.
+
+    Returns (codes f32[rows, n] holding integers, s f32[rows], mf f32[rows]).
+    """
+    lo = jnp.min(x, axis=1)
+    hi = jnp.max(x, axis=1)
+    raw = (0.5 * hi - 0.5 * lo) * (2.0 / 255)
+    s = jnp.where(hi > lo, jnp.maximum(raw, jnp.finfo(jnp.float32).tiny), 0.0)
+    mf = lo + 128.0 * s
+    t = (x - mf[:, None]) / jnp.where(s > 0, s, 1.0)[:, None]
+    return jnp.clip(round_half_even(t, interpret=interpret), -128.0, 127.0), s, mf
+
+
+def select_rows(row_plane: jax.Array, parts) -> jax.Array:
+    """out[r] = parts[row_plane[r]][r]: picks, per row, the part of the row's own plane."""
+    out = parts[-1]
+    for j in range(len(parts) - 2, -1, -1):
+        out = jnp.where((row_plane == j)[:, None], parts[j], out)
+    return out
+
+
+def plane_weights(row_plane: jax.Array, dot_dtype: str) -> jax.Array:
+    """f32[rows]: 4**-row_plane for "bf16"/"f16" operands (masked, unshifted planes), 1 for "int8"."""
+    if dot_dtype == "int8":
+        return jnp.ones(row_plane.shape, jnp.float32)
+    w = jnp.full(row_plane.shape, 1.0, jnp.float32)
+    for j in range(1, 4):
+        w = jnp.where(row_plane == j, 4.0 ** (-j), w)
+    return w
+
+
+# ----------------------------------------------------------------------------- online softmax
+
+def merge_state(m, l, accs, m_b, l_b, o_bs, valid):
+    """Online-softmax merge of a part (m_b, l_b, o_bs) into (m, l, accs), per row; rows where
+    `valid` is False take nothing from the part (its values may be NaN: selected away, never
+    multiplied by 0). m, l, m_b, l_b, valid: [rows]; accs, o_bs: tuples of [rows, n].
+    """
+    m_b = jnp.where(valid, m_b, -jnp.inf)
+    m_new = jnp.maximum(m, m_b)
+    base = jnp.where(m_new > -jnp.inf, m_new, 0.0)  # keeps exp(-inf - -inf) out
+    alpha = jnp.exp(m - base)
+    beta = jnp.exp(m_b - base)
+    l_new = l * alpha + jnp.where(valid, l_b, 0.0) * beta
+    accs = tuple(a * alpha[:, None] + jnp.where(valid[:, None], o, 0.0) * beta[:, None]
+                 for a, o in zip(accs, o_bs))
+    return m_new, l_new, accs
+
+
+def merge_streams(m, l, accs, num_streams: int):
+    """In-kernel merge of `num_streams` row blocks: rows r = i * n + g (i < num_streams) hold
+    independent softmax states of row g. m, l [num_streams * n]; accs: tuple of [num_streams * n, w].
+    Returns (m, l, accs) with n rows."""
+    n = m.shape[0] // num_streams
+    m3, l3 = m.reshape(num_streams, n), l.reshape(num_streams, n)
+    m_all = jnp.max(m3, axis=0)
+    base = jnp.where(m_all > -jnp.inf, m_all, 0.0)
+    w = jnp.exp(m3 - base[None, :])  # [streams, n]; 0 for empty streams
+    accs = tuple(jnp.sum(a.reshape(num_streams, n, a.shape[-1]) * w[:, :, None], axis=0) for a in accs)
+    return m_all, jnp.sum(l3 * w, axis=0), accs
+
+
+def lse_combine(m, l, acc, axes):
+    """Combine partial softmax states along `axes` (outside kernels, plain jnp).
+
+    m, l: [..., rows]; acc: [..., rows, d], the combined axes among the leading ones. Returns
+    acc_total / l_total, 0 where nothing was attended (l_total == 0).
+    """
+    m_max = jnp.max(m, axis=axes, keepdims=True)
+    base = jnp.where(m_max > -jnp.inf, m_max, 0.0)
+    w = jnp.exp(m - base)
+    l_tot = jnp.sum(l * w, axis=axes)
+    acc_tot = jnp.sum(acc * w[..., None], axis=axes)
+    safe = jnp.where(l_tot > 0, l_tot, 1.0)
+    return jnp.where((l_tot > 0)[..., None], acc_tot / safe[..., None], 0.0)

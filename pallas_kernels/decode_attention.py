@@ -1,0 +1,492 @@
+"""HACK decode attention on the paged INT2 cache (kivi layout), one Pallas kernel lowered to Triton.
+
+What it computes: one query token per sequence attends over its paged cache exactly as
+docs/DESIGN.md "Homomorphic attention semantics" (layout="kivi") says, on the 2-bit codes:
+per sealed block b, Q*sigma_b quantized INT8 per (row, channel group), QK^T as an integer dot on
+the K codes plus the K code sums and q.mu_b terms; block-local softmax weights W; W*tau quantized
+INT8 per (row, channel group) over the block; PV as an integer dot on the V codes plus the V code
+sums and W.nu terms. Sinks and the 16-bit open block in float32. Nothing is dequantized.
+
+Shapes (DESIGN.md "Paged cache layout"; P = partition_size, Pc = min(P, head_dim),
+NP = head_dim // Pc, bpp = page_size // P, S = max_seqs = batch, ns = num_sink_tokens):
+  q          float[S, num_q_heads, head_dim]          -> out f32[S, num_q_heads, head_dim]
+  k_codes    u8[num_pages, num_kv_heads, page_size // 4, head_dim]   (planar per group of 4 blocks)
+  k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]
+  k_sums     u8|u16[num_pages, num_kv_heads, page_size, NP]
+  v_codes    u8[num_pages, num_kv_heads, page_size // 4, head_dim]
+  v_scale, v_min  f16[num_pages, num_kv_heads, page_size, NP]
+  v_sums     u8|u16[num_pages, num_kv_heads, bpp, head_dim]
+  open_k, open_v  bf16[S, num_kv_heads, P, head_dim];  sink_k, sink_v  bf16[S, num_kv_heads, ns, head_dim]
+  page_indices i32[S, pages_per_seq];  kv_lens i32[S] (sinks + sealed + open tokens)
+
+Kernel structure. Grid (batch, num_kv_heads, num_splits): one program serves all G query heads of a
+kv head over a contiguous range of packing groups (4 blocks = one [P, head_dim] u8 tile of K and of
+V codes). Its R = 4 * G_pad rows are (plane j, head g), G_pad = max(4, next_pow2(G)): row (j, g)
+handles block j of every packing group, so the 4 blocks of a tile are processed in one [R, ...]
+pass with every row doing useful work when G = 4 (Llama-3 8B), and R >= 16 satisfies the dot's M.
+Row (j, g) carries its own online softmax (stream j); the 4 streams are merged at the end of the
+program, the splits by log-sum-exp outside the kernel. Per packing group and channel group p, 4 dots
+(one per plane; each row keeps its own plane's result) give the QK^T and PV integer parts. The per-row metadata (sigma,
+mu, kappa, tau, nu, omega of the row's block) are gathered straight from the cache with index
+vectors. Sinks and the open block: float32 math in the first split (split 0), merged into stream 0
+rows (not a separate partial).
+
+Dot variants (`dot_dtype`, common.plane): "int8" (int8 x int8 -> int32, the method as written),
+"bf16" (bf16 operands holding the same integers, float32 accumulation, exact) and "f16" (f16
+operands 1024 + code built by bit operations, no int-to-float convert; exact for inner dims <= 64).
+GPU.md measured bf16 *matmuls* 2-3x faster than int8 in Pallas-Triton, but this kernel is bound by
+the unpacking ALU work, not the MMAs: on the H200 "int8" was 1.2-1.3x faster than "bf16" (I2F
+converts) and "f16", and unpacking 4 codes per instruction with inline PTX (KernelConfig.unpack_asm)
+another 1.33x, so the default is "int8" + unpack_asm (bench/NOTES_decode.md). H200, Llama-3.1-8B
+heads: 189-196 us at batch 8 / 32K (22% of the HBM roof on the 170 MiB read), 52 us at batch 1 / 32K,
+111 us at batch 1 / 128K.
+
+Tested: CPU interpret mode (jax 0.10.2), tests/test_decode_kernels.py; H200 (jax 0.11.2): see
+bench/NOTES_decode.md. Caveats: partition_size and head_dim powers of two >= 32 with page_size a
+multiple of 4 * partition_size; INT8 codes of the transient operands could differ from the
+reference at near-.5 ties (the GPU's float32 division; none seen on the H200), which the gpu tests'
+tolerance allows; unpack_asm is inline PTX (Triton only; interpret mode uses jnp, same bits);
+page ids outside [0, num_pages) read page 0 (the null page, hack_jax.paging); kv_lens beyond the
+capacity (ns + pages_per_seq * page_size) are clipped to it, as hack_jax.kv_cache.read_blocks does.
+
+Reference twin: hack_jax.reference.kivi_block_attention_step + float_attention_step, reached via
+hack_jax.attention.decode_attention(..., impl="reference"); the tests also carry an independent
+float64 NumPy twin (tests/test_decode_kernels.py::numpy_kivi_decode).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+
+NUM_PLANES = 4  # 2-bit codes per byte = blocks per packing group (DESIGN.md "2-bit packing")
+DOT_DTYPES = ("bf16", "int8", "f16")
+H200_NUM_SMS = 132
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref,
+                        k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
+                        open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
+                        num_sink_tokens, num_pages, max_blocks, groups_per_split, sm_scale, dot_dtype,
+                        unpack_asm, interpret):
+    # kv_lens_ref       i32[S]
+    # page_indices_ref  i32[S, pages_per_seq]
+    # q_ref             float[S, Hq, D]
+    # k_codes_ref       u8[N, H, page_size // 4, D]
+    # k_scale_ref, k_min_ref  f16[N, H, bpp, D]
+    # k_sums_ref        u8|u16[N, H, page_size, NP]
+    # v_codes_ref       u8[N, H, page_size // 4, D]
+    # v_scale_ref, v_min_ref  f16[N, H, page_size, NP]
+    # v_sums_ref        u8|u16[N, H, bpp, D]
+    # open_k_ref, open_v_ref  bf16[S, H, P, D]
+    # refs = (sink_k_ref, sink_v_ref  bf16[S, H, ns, D],)  if ns else ()
+    #        + (acc_ref f32[G_pad, D], m_ref f32[G_pad], l_ref f32[G_pad])   outputs of this program
+    ns, P, NP = num_sink_tokens, partition_size, num_groups
+    if ns:
+        sink_k_ref, sink_v_ref, acc_ref, m_ref, l_ref = refs
+    else:
+        acc_ref, m_ref, l_ref = refs
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    R = NUM_PLANES * group_pad
+    Pc = q_ref.shape[-1] // NP
+
+    kv_len = kv_lens_ref[b]
+    after_sinks = jnp.clip(kv_len - ns, 0, max_blocks * P)  # beyond the capacity: clipped (as kv_cache)
+    num_blocks = after_sinks // P  # sealed blocks
+    num_open = after_sinks % P
+    num_tile_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
+    g_lo = split * groups_per_split
+    g_hi = jnp.maximum(jnp.minimum(g_lo + groups_per_split, num_tile_groups), g_lo)
+
+    row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R] block j of the row
+    token = jax.lax.broadcasted_iota(jnp.int32, (P,), 0)  # [P]
+    q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
+    plane_w = common.plane_weights(row_plane, dot_dtype)  # [R]
+    op_dtype = common.operand_dtype(dot_dtype)
+    if unpack_asm and dot_dtype == "int8" and not interpret:
+        plane = lambda tile, j, _: common.plane_int8_asm(tile, j)  # noqa: E731
+    else:
+        plane = common.plane
+
+    init = jax.lax.cond(
+        split == 0,
+        lambda: sinks_and_open_block_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), b, h, kv_len,
+                                           num_open, row_plane),
+        lambda: empty_state(R, Pc, NP))
+
+    def body(tg, carry):
+        # One packing group tg: blocks 4 tg + j (j = 0..3), row (j, g) handles block 4 tg + j.
+        m, l, accs = carry
+        page, group_in_page = (tg, 0) if groups_per_page == 1 else (tg // groups_per_page, tg % groups_per_page)
+        pid = page_indices_ref[b, page]
+        pid = jnp.where((pid >= 0) & (pid < num_pages), pid, 0)
+        code_row0 = group_in_page * P
+        slot = group_in_page * NUM_PLANES + row_plane  # [R] block slot in the page
+        tok = slot[:, None] * P + token[None, :]  # [R, P] token row in the page
+        valid = NUM_PLANES * tg + row_plane < num_blocks  # [R]
+
+        # QK^T: logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu
+        logits = jnp.zeros((R, P), jnp.float32)
+        for p in range(NP):
+            channels = pl.ds(p * Pc, Pc)
+            k_tile = common.widen(k_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
+            sigma = k_scale_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
+            mu = k_min_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
+            kappa = k_sums_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
+            qc, qs, qm = common.quantize_rows_int8(q[p] * sigma, interpret=interpret)  # [R, Pc], [R], [R]
+            qc_op = qc.astype(op_dtype)
+            dots = [common.int_dot(qc_op, plane(k_tile, j, dot_dtype), dot_dtype, trans_b=True)
+                    for j in range(NUM_PLANES)]  # 4 x [R, P]
+            dot = common.unbias(common.select_rows(row_plane, dots), qc, dot_dtype)
+            logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
+                       + jnp.sum(q[p] * mu, axis=1)[:, None])
+
+        mb = jnp.max(logits, axis=1)  # [R] block-local max (sealed blocks are full: no mask)
+        w = jnp.exp(logits - mb[:, None])  # [R, P]
+        lb = jnp.sum(w, axis=1)
+
+        # PV: o_c = s'_p sum_j wc_jp v_jc + m'_p omega_c + sum_j W_j nu_jp, c in p
+        outs = []
+        for p in range(NP):
+            channels = pl.ds(p * Pc, Pc)
+            v_tile = common.widen(v_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
+            tau = v_scale_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
+            nu = v_min_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
+            omega = v_sums_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
+            wc, ws, wm = common.quantize_rows_int8(w * tau, interpret=interpret)  # [R, P], [R], [R]
+            wc_op = wc.astype(op_dtype)
+            pvs = [common.int_dot(wc_op, plane(v_tile, j, dot_dtype), dot_dtype)
+                   for j in range(NUM_PLANES)]  # 4 x [R, Pc]
+            pv = common.unbias(common.select_rows(row_plane, pvs), wc, dot_dtype)
+            outs.append((ws * plane_w)[:, None] * pv + wm[:, None] * omega
+                        + jnp.sum(w * nu, axis=1)[:, None])
+        return common.merge_state(m, l, accs, mb, lb, tuple(outs), valid)
+
+    m, l, accs = jax.lax.fori_loop(g_lo, g_hi, body, init)
+    m, l, accs = common.merge_streams(m, l, accs, NUM_PLANES)  # [G_pad], [G_pad], NP x [G_pad, Pc]
+    for p in range(NP):
+        acc_ref[:, pl.ds(p * Pc, Pc)] = accs[p]
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def load_q_rows(q_ref, b, h, *, group, group_pad, num_groups, sm_scale):
+    """NP x f32[R, Pc]: q * sm_scale in the (plane j, head g) row layout, gathered from q_ref
+    float[S, Hq, D] (row (j, g) = query head h * G + g; rows g >= G are 0)."""
+    R = NUM_PLANES * group_pad
+    Pc = q_ref.shape[-1] // num_groups
+    g = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) % group_pad
+    head = h * group + jnp.minimum(g, group - 1)  # [R]
+    return [jnp.where((g < group)[:, None], q_ref[b, head, pl.ds(p * Pc, Pc)].astype(jnp.float32) * sm_scale, 0.0)
+            for p in range(num_groups)]
+
+
+def empty_state(rows, width, num_groups):
+    """(m, l, accs) of no keys: -inf, 0, num_groups x zeros[rows, width]."""
+    return (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(num_groups)))
+
+
+def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_len, num_open, row_plane):
+    """Float32 attention over the sinks and the open block's num_open tokens (DESIGN.md: plain
+    float attention on their 16-bit K/V), as one softmax part on the stream-0 rows (row_plane == 0);
+    other rows get the empty state. Rows/tokens beyond the lengths are selected away (NaN-safe).
+
+    q: NP x f32[R, Pc] (q * sm_scale); open_k_ref, open_v_ref: [S, H, P, D]; sink_refs:
+    (sink_k_ref, sink_v_ref) [S, H, ns, D] or (). Returns (m [R], l [R], NP x acc [R, Pc]).
+    """
+    NP = len(q)
+    R, Pc = q[0].shape
+    P = open_k_ref.shape[2]
+    ns = sink_refs[0].shape[2] if sink_refs else 0
+    token = jax.lax.broadcasted_iota(jnp.int32, (P,), 0)
+    open_ok = token < num_open  # [P]
+    zero = jnp.zeros((), jnp.bfloat16)
+    k_open = [jnp.where(open_ok[:, None], open_k_ref[b, h, :, pl.ds(p * Pc, Pc)].astype(jnp.bfloat16), zero)
+              for p in range(NP)]  # NP x bf16[P, Pc]
+    logits = sum(common.f32_bf16_dot(q[p], k_open[p], trans_b=True) for p in range(NP))  # [R, P]
+    logits = jnp.where(open_ok[None, :], logits, -jnp.inf)
+    sink_logits, sink_v = [], []
+    for t in range(ns):
+        ok = t < kv_len
+        k_t = [jnp.where(ok, sink_refs[0][b, h, t, pl.ds(p * Pc, Pc)].astype(jnp.float32), 0.0)
+               for p in range(NP)]  # NP x [Pc]
+        sink_logits.append(jnp.where(ok, sum(jnp.sum(q[p] * k_t[p][None, :], axis=1) for p in range(NP)),
+                                     -jnp.inf))  # [R]
+        sink_v.append([jnp.where(ok, sink_refs[1][b, h, t, pl.ds(p * Pc, Pc)].astype(jnp.float32), 0.0)
+                       for p in range(NP)])  # NP x [Pc]
+    m = jnp.max(logits, axis=1)
+    for s_t in sink_logits:
+        m = jnp.maximum(m, s_t)
+    stream0 = row_plane == 0
+    m = jnp.where(stream0, m, -jnp.inf)
+    base = jnp.where(m > -jnp.inf, m, 0.0)
+    w = jnp.where(stream0[:, None] & open_ok[None, :], jnp.exp(logits - base[:, None]), 0.0)  # [R, P]
+    w_sinks = [jnp.where(stream0, jnp.exp(s_t - base), 0.0) for s_t in sink_logits]  # ns x [R]
+    l = jnp.sum(w, axis=1) + sum(w_sinks, jnp.zeros((R,), jnp.float32))
+    accs = []
+    for p in range(NP):
+        v_open = jnp.where(open_ok[:, None], open_v_ref[b, h, :, pl.ds(p * Pc, Pc)].astype(jnp.bfloat16), zero)
+        acc = common.f32_bf16_dot(w, v_open)  # [R, Pc]
+        for w_t, v_t in zip(w_sinks, sink_v):
+            acc = acc + w_t[:, None] * v_t[p][None, :]
+        accs.append(acc)
+    return m, l, tuple(accs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch choices. num_splits: programs per (sequence, kv head) along the sequence (split-K)."""
+
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    dot_dtype: Literal["int8", "bf16", "f16"] = "int8"
+    unpack_asm: bool = False  # "int8" on GPU: unpack 4 codes per instruction with inline PTX
+
+
+def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
+                   partition_size: int, dot_dtype: str = "int8", num_sms: int = H200_NUM_SMS) -> KernelConfig:
+    """Heuristic from the H200 runs (bench/NOTES_decode.md): about 8 programs per SM (latency hiding
+    for the paged loads and the long per-group dependency chain), at most one split per packing
+    group; 4 warps, 2 stages; "int8" planes unpacked by inline PTX (1.33x over jnp unpacking at
+    batch 8 / 32K, bit-identical results; interpret mode falls back to jnp)."""
+    groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
+    want = -(-8 * num_sms // max(1, batch * num_kv_heads))
+    return KernelConfig(num_splits=max(1, min(want, groups)), num_warps=4, num_stages=2, dot_dtype=dot_dtype,
+                        unpack_asm=dot_dtype == "int8")
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def group_pad(num_q_heads: int, num_kv_heads: int) -> int:
+    """Rows per plane stream: G rounded up to a power of two, at least 4 (so R = 4 G_pad >= 16)."""
+    return max(4, _next_pow2(num_q_heads // num_kv_heads))
+
+
+def combine_splits(acc, m, l, num_q_heads: int):
+    """Merge the split-K partials: acc f32[S, H, splits, G_pad, D], m, l f32[S, H, splits, G_pad]
+    -> f32[S, Hq, D] (0 for rows that attended to nothing)."""
+    batch, num_kv_heads, _, _, head_dim = acc.shape
+    out = common.lse_combine(m, l, acc, axes=2)  # [S, H, G_pad, D]
+    group = num_q_heads // num_kv_heads
+    return out[:, :, :group].reshape(batch, num_q_heads, head_dim)
+
+
+def _full_spec(x):
+    # The whole array is one block: on Triton a pointer base, so whole page pools cost nothing (in
+    # interpret mode every program copies them: keep CPU test pools tiny).
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+@functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "config", "interpret"))
+def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+                 sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens, config,
+                 interpret):
+    batch, num_q_heads, head_dim = q.shape
+    num_pages, num_kv_heads, _, _ = k_codes.shape
+    page_size = k_sums.shape[2]
+    num_groups = k_sums.shape[3]
+    pages_per_seq = page_indices.shape[1]
+    pad = group_pad(num_q_heads, num_kv_heads)
+    groups_per_page = page_size // (NUM_PLANES * partition_size)
+    max_groups = pages_per_seq * groups_per_page
+    splits = config.num_splits
+    groups_per_split = -(-max_groups // splits)
+
+    inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q, k_codes, k_scale, k_min,
+              k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
+    if num_sink_tokens:
+        inputs += [sink_k, sink_v]
+    kernel = functools.partial(
+        _hack_decode_kernel, partition_size=partition_size, num_groups=num_groups,
+        group=num_q_heads // num_kv_heads, group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
+        groups_per_page=groups_per_page, num_sink_tokens=num_sink_tokens, num_pages=num_pages,
+        max_blocks=pages_per_seq * (page_size // partition_size), groups_per_split=groups_per_split,
+        dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, interpret=interpret)
+    out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32)]
+    acc, m, l = common.pallas_call(
+        kernel, out_shape=out_shape, grid=(batch, num_kv_heads, splits),
+        in_specs=[_full_spec(x) for x in inputs],
+        out_specs=[pl.BlockSpec((None, None, None, pad, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+                   pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0)),
+                   pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0))],
+        num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
+        name="hack_decode_attention")(*inputs)
+    return combine_splits(acc, m, l, num_q_heads)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_pow2(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+                    sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens):
+    """Trace-time checks of shapes and dtypes against DESIGN.md's kivi layout; raises ValueError."""
+    P, ns = partition_size, num_sink_tokens
+    if q.ndim != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be float[batch, num_q_heads, head_dim], got {q.shape=}, {q.dtype=}")
+    batch, num_q_heads, head_dim = q.shape
+    if k_codes.ndim != 4:
+        raise ValueError(f"k_codes must be u8[num_pages, num_kv_heads, page_size // 4, head_dim], got {k_codes.shape=}")
+    num_pages, num_kv_heads, quarter, _ = k_codes.shape
+    page_size = 4 * quarter
+    if not _is_pow2(P) or P < 32:
+        raise ValueError(f"partition_size must be a power of two >= 32, got {partition_size=}")
+    if not _is_pow2(head_dim) or head_dim < 32:
+        raise ValueError(f"head_dim must be a power of two >= 32, got {head_dim=}")
+    if page_size % (NUM_PLANES * P):
+        raise ValueError(f"page_size must be a multiple of 4 * partition_size, got {page_size=}, {partition_size=}")
+    if not isinstance(ns, int) or ns < 0:
+        raise ValueError(f"num_sink_tokens must be an int >= 0, got {num_sink_tokens=}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads must be a multiple of num_kv_heads, got {num_q_heads=}, {num_kv_heads=}")
+    bpp, Pc = page_size // P, min(P, head_dim)
+    NP = head_dim // Pc
+    expect = {
+        "k_codes": ((num_pages, num_kv_heads, page_size // 4, head_dim), (jnp.uint8,)),
+        "v_codes": ((num_pages, num_kv_heads, page_size // 4, head_dim), (jnp.uint8,)),
+        "k_scale": ((num_pages, num_kv_heads, bpp, head_dim), None),
+        "k_min": ((num_pages, num_kv_heads, bpp, head_dim), None),
+        "k_sums": ((num_pages, num_kv_heads, page_size, NP), (jnp.uint8, jnp.uint16)),
+        "v_scale": ((num_pages, num_kv_heads, page_size, NP), None),
+        "v_min": ((num_pages, num_kv_heads, page_size, NP), None),
+        "v_sums": ((num_pages, num_kv_heads, bpp, head_dim), (jnp.uint8, jnp.uint16)),
+        "open_k": ((batch, num_kv_heads, P, head_dim), None),
+        "open_v": ((batch, num_kv_heads, P, head_dim), None),
+        "sink_k": ((batch, num_kv_heads, ns, head_dim), None),
+        "sink_v": ((batch, num_kv_heads, ns, head_dim), None),
+    }
+    arrays = dict(k_codes=k_codes, v_codes=v_codes, k_scale=k_scale, k_min=k_min, k_sums=k_sums,
+                  v_scale=v_scale, v_min=v_min, v_sums=v_sums, open_k=open_k, open_v=open_v,
+                  sink_k=sink_k, sink_v=sink_v)
+    for name, (shape, dtypes) in expect.items():
+        x = arrays[name]
+        if x is None and name.startswith("sink") and ns == 0:
+            continue
+        if x is None or tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (DESIGN.md kivi layout), got "
+                             f"{None if x is None else x.shape}")
+        ok = (x.dtype in dtypes) if dtypes else jnp.issubdtype(x.dtype, jnp.floating)
+        if not ok:
+            raise ValueError(f"{name} has dtype {x.dtype}, expected {dtypes or 'a float dtype'}")
+    if page_indices.ndim != 2 or page_indices.shape[0] != batch or page_indices.dtype != jnp.int32:
+        raise ValueError(f"page_indices must be i32[{batch}, pages_per_seq], got {page_indices.shape=}, "
+                         f"{page_indices.dtype=}")
+    if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
+        raise ValueError(f"kv_lens must be i32[{batch}], got {kv_lens.shape=}, {kv_lens.dtype=}")
+
+
+def _is_layer(x) -> bool:
+    return hasattr(x, "k_codes") and hasattr(x, "config")
+
+
+@common.quiet
+def hack_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=None, v_codes=None, v_scale=None,
+                          v_min=None, v_sums=None, open_k=None, open_v=None, sink_k=None, sink_v=None,
+                          page_indices=None, kv_lens=None, *, partition_size: int | None = None,
+                          num_sink_tokens: int | None = None, dot_dtype: str = "int8",
+                          num_splits: int | None = None, config: KernelConfig | None = None,
+                          interpret: bool = False):
+    """HACK decode attention over the paged INT2 kivi cache (module docstring; shapes there).
+
+    Two call forms:
+      hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums,
+                            open_k, open_v, sink_k, sink_v, page_indices, kv_lens,
+                            partition_size=P, num_sink_tokens=ns, ...)
+      hack_decode_attention(q, layer, page_indices, kv_lens, ...)   (how hack_jax.attention calls it)
+    where `layer` has the DESIGN.md kivi fields (hack_jax.kv_cache.KiviPages) and its
+    config.partition_size / config.num_sink_tokens.
+
+    Args:
+      q: float[batch, num_q_heads, head_dim], one query token per sequence (sm_scale = 1/sqrt(d)
+        is applied here). Cache arrays, page_indices, kv_lens: DESIGN.md kivi layout (module
+        docstring); sink_k/sink_v may be None when num_sink_tokens == 0.
+      partition_size: P (the quantization block). num_sink_tokens: ns.
+      dot_dtype: "int8" | "bf16" | "f16", the operand type of the integer dots (ignored if config is
+        given; "f16" needs partition_size <= 64).
+      num_splits: split-K programs per (sequence, kv head); overrides the config's.
+      config: KernelConfig; None picks default_config(...).
+      interpret: run the kernel in Pallas interpret mode (CPU tests).
+
+    Returns:
+      f32[batch, num_q_heads, head_dim]; rows with kv_lens = 0 are 0.
+
+    Raises:
+      ValueError: shapes/dtypes off the layout, unsupported sizes, bad dot_dtype or num_splits.
+    """
+    if _is_layer(k_codes):
+        layer, page_indices, kv_lens = k_codes, k_scale, k_min
+        if any(x is not None for x in (k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)):
+            raise ValueError("layer form takes (q, layer, page_indices, kv_lens) only")
+        return hack_decode_attention(
+            q, layer.k_codes, layer.k_scale, layer.k_min, layer.k_sums, layer.v_codes, layer.v_scale,
+            layer.v_min, layer.v_sums, layer.open_k, layer.open_v, layer.sink_k, layer.sink_v,
+            page_indices, kv_lens, partition_size=layer.config.partition_size,
+            num_sink_tokens=layer.config.num_sink_tokens, dot_dtype=dot_dtype, num_splits=num_splits,
+            config=config, interpret=interpret)
+    if partition_size is None or num_sink_tokens is None:
+        raise ValueError(f"partition_size and num_sink_tokens are required, got {partition_size=}, "
+                         f"{num_sink_tokens=}")
+    validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+                    sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
+                    num_sink_tokens=num_sink_tokens)
+    config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size,
+                            dot_dtype=dot_dtype, num_splits=num_splits, config=config)
+    if num_sink_tokens == 0:
+        sink_k = sink_v = None
+    return _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+                        sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
+                        num_sink_tokens=num_sink_tokens, config=config, interpret=interpret)
+
+
+def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtype, num_splits, config):
+    """The KernelConfig to launch (inputs already validated): `config` or default_config(...),
+    num_splits overriding; ValueError on a bad dot_dtype or num_splits."""
+    if config is None:
+        if dot_dtype not in DOT_DTYPES:
+            raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {dot_dtype=}")
+        config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1],
+                                pages_per_seq=page_indices.shape[1], page_size=k_sums.shape[2],
+                                partition_size=partition_size, dot_dtype=dot_dtype)
+    elif config.dot_dtype not in DOT_DTYPES:
+        raise ValueError(f"config.dot_dtype must be one of {DOT_DTYPES}, got {config.dot_dtype=}")
+    if num_splits is not None:
+        if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+            raise ValueError(f"num_splits must be a positive int, got {num_splits=}")
+        config = dataclasses.replace(config, num_splits=num_splits)
+    if config.dot_dtype == "f16" and max(partition_size, min(partition_size, q.shape[-1])) > 64:
+        raise ValueError(f"dot_dtype='f16' is exact only for inner dims <= 64 (1024-offset operands): "
+                         f"got {partition_size=}, head_dim={q.shape[-1]}")
+    return config

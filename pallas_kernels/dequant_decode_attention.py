@@ -1,0 +1,208 @@
+"""Baseline: decode attention on the paged INT2 kivi cache with the codes dequantized in registers.
+
+What it computes: the same cache, grid, rows and loads as pallas_kernels.decode_attention (read its
+docstring), but instead of HACK's integer dots each 2-bit plane is dequantized in registers
+(K_jc = sigma_bc k_jc + mu_bc, V_jc = tau_jp v_jc + nu_jp), rounded to bf16, and attention is
+ordinary float math: logits = bf16(q * sm_scale) . bf16(K) with float32 accumulation, block-local
+softmax weights W in float32, PV = bf16(W) . bf16(V) with float32 accumulation, l = sum W. Sinks and
+the open block exactly as in the HACK kernel (float32, first split). This is the "fused dequant"
+baseline HACK.md §7 compares against: same bytes read, no INT8 transients, more ALU per element.
+
+Shapes: as hack_decode_attention (same arguments, same two call forms).
+
+Tested: CPU interpret mode (jax 0.10.2), tests/test_decode_kernels.py; H200: bench/NOTES_decode.md.
+Caveats: bf16 rounding of q, K, V and W makes it less accurate than float32 attention over the
+dequantized cache (the tests bound its error by 2x that of the same math done naively in bf16).
+
+Reference twin: dense float attention over the dequantized codes,
+hack_jax.reference.dequantized_attention_reference / hack_jax.kv_cache.dequantize_cache; the tests
+carry an independent float64 NumPy twin (tests/test_decode_kernels.py::numpy_dequant_decode).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels.decode_attention import (NUM_PLANES, KernelConfig, _full_spec, _is_layer, combine_splits,
+                                             default_config, empty_state, group_pad, resolve_config,
+                                             load_q_rows, sinks_and_open_block_state, validate_inputs)
+
+__all__ = ["dequant_decode_attention", "KernelConfig", "default_config"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _dequant_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref,
+                           v_codes_ref, v_scale_ref, v_min_ref, open_k_ref, open_v_ref, *refs,
+                           partition_size, num_groups, group, group_pad, groups_per_page, num_sink_tokens,
+                           num_pages, max_blocks, groups_per_split, sm_scale):
+    # kv_lens_ref       i32[S]
+    # page_indices_ref  i32[S, pages_per_seq]
+    # q_ref             float[S, Hq, D]
+    # k_codes_ref       u8[N, H, page_size // 4, D]
+    # k_scale_ref, k_min_ref  f16[N, H, bpp, D]
+    # v_codes_ref       u8[N, H, page_size // 4, D]
+    # v_scale_ref, v_min_ref  f16[N, H, page_size, NP]
+    # open_k_ref, open_v_ref  bf16[S, H, P, D]
+    # refs = (sink_k_ref, sink_v_ref  bf16[S, H, ns, D],)  if ns else ()
+    #        + (acc_ref f32[G_pad, D], m_ref f32[G_pad], l_ref f32[G_pad])
+    ns, P, NP = num_sink_tokens, partition_size, num_groups
+    acc_ref, m_ref, l_ref = refs[-3:]
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    R = NUM_PLANES * group_pad
+    Pc = q_ref.shape[-1] // NP
+
+    kv_len = kv_lens_ref[b]
+    after_sinks = jnp.clip(kv_len - ns, 0, max_blocks * P)  # beyond the capacity: clipped (as kv_cache)
+    num_blocks = after_sinks // P  # sealed blocks
+    num_tile_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
+    g_lo = split * groups_per_split
+    g_hi = jnp.maximum(jnp.minimum(g_lo + groups_per_split, num_tile_groups), g_lo)
+
+    row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R]
+    q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
+    q_bf16 = [x.astype(jnp.bfloat16) for x in q]
+
+    init = jax.lax.cond(
+        split == 0,
+        lambda: sinks_and_open_block_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), b, h, kv_len,
+                                           after_sinks % P, row_plane),
+        lambda: empty_state(R, Pc, NP))
+
+    def body(tg, carry):
+        m, l, accs = carry
+        page, group_in_page = (tg, 0) if groups_per_page == 1 else (tg // groups_per_page, tg % groups_per_page)
+        pid = page_indices_ref[b, page]
+        pid = jnp.where((pid >= 0) & (pid < num_pages), pid, 0)
+        code_row0 = group_in_page * P
+        slot0 = group_in_page * NUM_PLANES
+        valid = NUM_PLANES * tg + row_plane < num_blocks  # [R]
+
+        logits = jnp.zeros((R, P), jnp.float32)
+        for p in range(NP):
+            channels = pl.ds(p * Pc, Pc)
+            k_tile = k_codes_ref[pid, h, pl.ds(code_row0, P), channels]  # u8[P, Pc]
+            dots = []
+            for j in range(NUM_PLANES):
+                sigma = k_scale_ref[pid, h, slot0 + j, channels].astype(jnp.float32)  # [Pc]
+                mu = k_min_ref[pid, h, slot0 + j, channels].astype(jnp.float32)  # [Pc]
+                codes = common.plane(k_tile, j, "int8").astype(jnp.float32)  # [P, Pc]
+                k_deq = (codes * sigma[None, :] + mu[None, :]).astype(jnp.bfloat16)
+                dots.append(jnp.dot(q_bf16[p], k_deq.T, preferred_element_type=jnp.float32))  # [R, P]
+            logits += common.select_rows(row_plane, dots)
+
+        mb = jnp.max(logits, axis=1)  # [R]
+        w = jnp.exp(logits - mb[:, None])  # [R, P]
+        lb = jnp.sum(w, axis=1)
+        w_bf16 = w.astype(jnp.bfloat16)
+
+        outs = []
+        for p in range(NP):
+            v_tile = v_codes_ref[pid, h, pl.ds(code_row0, P), pl.ds(p * Pc, Pc)]  # u8[P, Pc]
+            pvs = []
+            for j in range(NUM_PLANES):
+                tokens = pl.ds((slot0 + j) * P, P)
+                tau = v_scale_ref[pid, h, tokens, p].astype(jnp.float32)  # [P]
+                nu = v_min_ref[pid, h, tokens, p].astype(jnp.float32)  # [P]
+                codes = common.plane(v_tile, j, "int8").astype(jnp.float32)  # [P, Pc]
+                v_deq = (codes * tau[:, None] + nu[:, None]).astype(jnp.bfloat16)
+                pvs.append(jnp.dot(w_bf16, v_deq, preferred_element_type=jnp.float32))  # [R, Pc]
+            outs.append(common.select_rows(row_plane, pvs))
+        return common.merge_state(m, l, accs, mb, lb, tuple(outs), valid)
+
+    m, l, accs = jax.lax.fori_loop(g_lo, g_hi, body, init)
+    m, l, accs = common.merge_streams(m, l, accs, NUM_PLANES)  # [G_pad], [G_pad], NP x [G_pad, Pc]
+    for p in range(NP):
+        acc_ref[:, pl.ds(p * Pc, Pc)] = accs[p]
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "config", "interpret"))
+def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v, sink_k, sink_v,
+                    page_indices, kv_lens, *, partition_size, num_sink_tokens, config, interpret):
+    batch, num_q_heads, head_dim = q.shape
+    num_pages, num_kv_heads, _, _ = k_codes.shape
+    page_size = v_scale.shape[2]
+    pages_per_seq = page_indices.shape[1]
+    pad = group_pad(num_q_heads, num_kv_heads)
+    groups_per_page = page_size // (NUM_PLANES * partition_size)
+    splits = config.num_splits
+    inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q,
+              k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v]
+    if num_sink_tokens:
+        inputs += [sink_k, sink_v]
+    kernel = functools.partial(
+        _dequant_decode_kernel, partition_size=partition_size, num_groups=v_scale.shape[3],
+        group=num_q_heads // num_kv_heads, group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
+        groups_per_page=groups_per_page, num_sink_tokens=num_sink_tokens, num_pages=num_pages,
+        max_blocks=pages_per_seq * (page_size // partition_size),
+        groups_per_split=-(-pages_per_seq * groups_per_page // splits))
+    acc, m, l = common.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32)],
+        grid=(batch, num_kv_heads, splits),
+        in_specs=[_full_spec(x) for x in inputs],
+        out_specs=[pl.BlockSpec((None, None, None, pad, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+                   pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0)),
+                   pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0))],
+        num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
+        name="dequant_decode_attention")(*inputs)
+    return combine_splits(acc, m, l, num_q_heads)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+@common.quiet
+def dequant_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=None, v_codes=None, v_scale=None,
+                             v_min=None, v_sums=None, open_k=None, open_v=None, sink_k=None, sink_v=None,
+                             page_indices=None, kv_lens=None, *, partition_size: int | None = None,
+                             num_sink_tokens: int | None = None, num_splits: int | None = None,
+                             config: KernelConfig | None = None, interpret: bool = False):
+    """Fused-dequant decode attention over the paged INT2 kivi cache (module docstring).
+
+    Same arguments and call forms as pallas_kernels.decode_attention.hack_decode_attention (the code
+    sums k_sums / v_sums are validated but not read; config.dot_dtype is ignored: the math is bf16
+    operands with float32 accumulation). Returns f32[batch, num_q_heads, head_dim]; ValueError as there.
+    """
+    if _is_layer(k_codes):
+        layer, page_indices, kv_lens = k_codes, k_scale, k_min
+        if any(x is not None for x in (k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)):
+            raise ValueError("layer form takes (q, layer, page_indices, kv_lens) only")
+        return dequant_decode_attention(
+            q, layer.k_codes, layer.k_scale, layer.k_min, layer.k_sums, layer.v_codes, layer.v_scale,
+            layer.v_min, layer.v_sums, layer.open_k, layer.open_v, layer.sink_k, layer.sink_v,
+            page_indices, kv_lens, partition_size=layer.config.partition_size,
+            num_sink_tokens=layer.config.num_sink_tokens, num_splits=num_splits, config=config,
+            interpret=interpret)
+    if partition_size is None or num_sink_tokens is None:
+        raise ValueError(f"partition_size and num_sink_tokens are required, got {partition_size=}, "
+                         f"{num_sink_tokens=}")
+    validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+                    sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
+                    num_sink_tokens=num_sink_tokens)
+    config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size,
+                            dot_dtype="bf16", num_splits=num_splits, config=config)
+    if num_sink_tokens == 0:
+        sink_k = sink_v = None
+    return _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v, sink_k, sink_v,
+                           page_indices, kv_lens, partition_size=partition_size,
+                           num_sink_tokens=num_sink_tokens, config=config, interpret=interpret)

@@ -1,0 +1,521 @@
+"""Tier (a) tests of the paged INT2 decode kernels: pallas_kernels.decode_attention (HACK, on the
+codes) and pallas_kernels.dequant_decode_attention (fused-dequant baseline).
+
+Each kernel runs on a synthetic paged kivi cache built here in the DESIGN.md layout (independently
+of hack_jax: own packing, shuffled page ids, garbage ids in unused page-table entries, NaN in the
+metadata of every unsealed block slot and in the unused open-block / sink rows) and is compared with
+an independent NumPy twin of DESIGN.md's semantics over the same codes (`numpy_kivi_decode`,
+`numpy_dequant_decode`), plus once against hack_jax's paged reference through the dispatch.
+
+Modes: "interpret" (Pallas interpret mode on the CPU, CI) and "gpu" (compiled, `gpu` marker,
+auto-skipped without a GPU). Interpret mode recompiles per shape and config (~5-10 s each), so the
+cases below are chosen to cover head_dim 64/128, G = 1/3/4/8, P = 32/64/128 with pages of 4P and 8P,
+the three dot variants (int8, bf16, f16), num_splits 1-4 (more splits than groups too), lengths 0, 1, 63, 64, 65, 1000,
+exactly on block and page boundaries, and ns = 0, without the full product.
+
+Tolerance of the HACK kernel (tier (a), same codes). The NumPy twin repeats the INT8 quantizer of
+the transient operands in float32 (hack_jax.quantization.quantize's arithmetic) and does
+everything else in float64. The integer dots are exact in both, so what differs is float32
+rounding and summation order of the correction terms, the softmax and the merges: a few ulps of
+the output's scale. INT8 codes could in principle flip where (x - m) / s sits within an ulp of a
+.5 tie, but measured over these cases none did in interpret mode (max error 2e-7 .. 5e-6 at
+|V| <= 5.5), so the bound is 64 * eps32 * max|V| (2.3e-5 .. 4.2e-5 here), 8-100x above what is
+measured, far below one code flip (>= max|W tau| / 255 ~ 1e-3). On the GPU, float32 division is
+not correctly rounded and the logits' float order differs, so flips could happen (none did on the
+H200: same max errors as interpret mode); the gpu mode bound allows them: per element
+<= FLIP_BOUND * max|V|, and mean error <= 64 * eps32 * max|V| * 8.
+
+Tolerance of the dequant baseline: it rounds q, K, V and W to bf16 on purpose, so it is checked
+against float64 attention over the dequantized cache with the flash-attention rule: its error must be
+<= 2x the error of the same math done naively in bf16 (`numpy_dequant_decode(..., bf16=True)`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels.decode_attention import (KernelConfig, default_config, group_pad,
+                                             hack_decode_attention)
+from pallas_kernels.dequant_decode_attention import dequant_decode_attention
+
+pytestmark = pytest.mark.filterwarnings(f"ignore:{common.TRITON_DEPRECATION_MESSAGE}:DeprecationWarning")
+
+EPS32 = float(np.finfo(np.float32).eps)
+TIGHT = 64 * EPS32  # times max|V|: float32 order differences only (module docstring)
+FLIP_BOUND = 2e-2  # gpu mode: an INT8 code flip moves one block's output by <= 3 s' <= max|W tau| / 42
+BF16 = ml_dtypes.bfloat16
+FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k",
+          "open_v", "sink_k", "sink_v", "page_indices", "kv_lens")
+MODES = ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic paged cache (DESIGN.md layout, built without hack_jax)
+# ----------------------------------------------------------------------------------------------
+
+
+def pack_group(codes):
+    """u8[4P, d] codes of one packing group -> u8[P, d]: plane j (bits 2j..2j+1) = rows [jP, (j+1)P)."""
+    P = codes.shape[0] // 4
+    out = np.zeros((P, codes.shape[1]), np.uint8)
+    for j in range(4):
+        out |= (codes[j * P:(j + 1) * P] << (2 * j)).astype(np.uint8)
+    return out
+
+
+def make_cache(rng, *, batch, num_kv_heads, head_dim, P, page_size, pages_per_seq, ns, kv_lens):
+    """Random codes and metadata in the kivi page layout; code sums are the true sums of the codes.
+
+    Every block slot not sealed by some sequence has NaN metadata; open-block and sink rows beyond a
+    sequence's length are NaN; page-table entries beyond a sequence's pages hold garbage ids, some
+    out of range; used pages are a shuffled subset of 1..num_pages-1 (page 0 is the null page).
+    """
+    H, d = num_kv_heads, head_dim
+    Pc = min(P, d)
+    NP, bpp = d // Pc, page_size // P
+    sealed = [min(max(L - ns, 0) // P, pages_per_seq * bpp) for L in kv_lens]
+    pages_needed = [-(-s // bpp) for s in sealed]
+    num_pages = sum(pages_needed) + 2
+    perm = rng.permutation(np.arange(1, num_pages))
+    page_indices = rng.integers(-3, num_pages + 3, (batch, pages_per_seq)).astype(np.int32)
+    used = np.zeros((num_pages, bpp), bool)
+    k = 0
+    for b in range(batch):
+        for i in range(pages_needed[b]):
+            page_indices[b, i] = perm[k]
+            k += 1
+        for blk in range(sealed[b]):
+            used[page_indices[b, blk // bpp], blk % bpp] = True
+
+    kc = rng.integers(0, 4, (num_pages, H, page_size, d)).astype(np.uint8)
+    vc = rng.integers(0, 4, (num_pages, H, page_size, d)).astype(np.uint8)
+    c = dict(
+        k_scale=rng.uniform(0.05, 0.6, (num_pages, H, bpp, d)).astype(np.float16),
+        k_min=rng.normal(0, 1, (num_pages, H, bpp, d)).astype(np.float16),
+        v_scale=rng.uniform(0.05, 0.6, (num_pages, H, page_size, NP)).astype(np.float16),
+        v_min=rng.normal(0, 1, (num_pages, H, page_size, NP)).astype(np.float16),
+        k_sums=kc.reshape(num_pages, H, page_size, NP, Pc).sum(-1).astype(np.uint8 if 3 * Pc <= 255 else np.uint16),
+        v_sums=vc.reshape(num_pages, H, bpp, P, d).sum(3).astype(np.uint8 if 3 * P <= 255 else np.uint16),
+        open_k=rng.normal(0, 1, (batch, H, P, d)).astype(BF16),
+        open_v=rng.normal(0, 1, (batch, H, P, d)).astype(BF16),
+        sink_k=rng.normal(0, 1, (batch, H, ns, d)).astype(BF16),
+        sink_v=rng.normal(0, 1, (batch, H, ns, d)).astype(BF16),
+        page_indices=page_indices, kv_lens=np.asarray(kv_lens, np.int32))
+    for pg, sl in zip(*np.nonzero(~used)):
+        c["k_scale"][pg, :, sl] = c["k_min"][pg, :, sl] = np.nan
+        c["v_scale"][pg, :, sl * P:(sl + 1) * P] = c["v_min"][pg, :, sl * P:(sl + 1) * P] = np.nan
+    for b, L in enumerate(kv_lens):
+        n_open = min(max(L - ns, 0), pages_per_seq * page_size) % P
+        for name in ("open_k", "open_v"):
+            c[name][b, :, n_open:] = np.nan
+        for name in ("sink_k", "sink_v"):
+            c[name][b, :, min(L, ns):] = np.nan
+    groups = page_size // (4 * P)
+    for name, codes in (("k_codes", kc), ("v_codes", vc)):
+        c[name] = np.stack([np.concatenate([pack_group(codes[n, h, g * 4 * P:(g + 1) * 4 * P]) for g in range(groups)])
+                            for n in range(num_pages) for h in range(H)]).reshape(num_pages, H, page_size // 4, d)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------
+# NumPy twins (float64; the INT8 transients in float32 as the quantizer contract computes them)
+# ----------------------------------------------------------------------------------------------
+
+
+def q8_rows(x):
+    """INT8 per row, nearest, float32 metadata, folded minimum: hack_jax.quantization.quantize's
+    float32 arithmetic (DESIGN.md quantizer contract). Returns float64 (codes, scale, minimum)."""
+    x = np.asarray(x, np.float32)
+    lo, hi = x.min(1), x.max(1)
+    raw = (np.float32(0.5) * hi - np.float32(0.5) * lo) * np.float32(2.0 / 255)
+    s = np.where(hi > lo, np.maximum(raw, np.finfo(np.float32).tiny), np.float32(0)).astype(np.float32)
+    mf = (lo + np.float32(128) * s).astype(np.float32)
+    t = (x - mf[:, None]) / np.where(s > 0, s, np.float32(1))[:, None]
+    return np.clip(np.round(t), -128, 127).astype(np.float64), s.astype(np.float64), mf.astype(np.float64)
+
+
+def _f64(x):
+    return np.asarray(x, np.float64)
+
+
+def _sealed_blocks(c, b, h, P, ns):
+    """Yields (codes_k, codes_v, k_scale, k_min, k_sums, v_scale, v_min, v_sums) of every sealed block."""
+    page_size = c["k_sums"].shape[2]
+    bpp = page_size // P
+    L = int(c["kv_lens"][b])
+    nb = min(max(L - ns, 0), c["page_indices"].shape[1] * page_size) // P
+    for k in range(nb):
+        page, slot = int(c["page_indices"][b, k // bpp]), k % bpp
+        gi, j = divmod(slot, 4)
+        rows, toks = slice(gi * P, (gi + 1) * P), slice(slot * P, (slot + 1) * P)
+        yield ((c["k_codes"][page, h, rows] >> (2 * j)) & 3, (c["v_codes"][page, h, rows] >> (2 * j)) & 3,
+               c["k_scale"][page, h, slot], c["k_min"][page, h, slot], c["k_sums"][page, h, toks],
+               c["v_scale"][page, h, toks], c["v_min"][page, h, toks], c["v_sums"][page, h, slot])
+
+
+def _residual_tokens(c, b, h, P, ns):
+    """(k, v) float64 [n, d] of the valid sinks and open-block tokens (kv_lens clipped to the capacity)."""
+    L = int(c["kv_lens"][b])
+    n_open = min(max(L - ns, 0), c["page_indices"].shape[1] * c["k_sums"].shape[2]) % P
+    k = [c["sink_k"][b, h, :min(L, ns)], c["open_k"][b, h, :n_open]]
+    v = [c["sink_v"][b, h, :min(L, ns)], c["open_v"][b, h, :n_open]]
+    return _f64(np.concatenate(k)), _f64(np.concatenate(v))
+
+
+def _finish(parts, rows, d):
+    if not parts:
+        return np.zeros((rows, d))
+    M = np.max([m for m, _, _ in parts], axis=0)
+    l = sum(l_ * np.exp(m - M) for m, l_, _ in parts)
+    return sum(a * np.exp(m - M)[:, None] for m, _, a in parts) / l[:, None]
+
+
+def numpy_kivi_decode(q, c, *, P, ns):
+    """DESIGN.md "Homomorphic attention semantics", layout="kivi", decode: f64[S, Hq, d]."""
+    q = np.asarray(q, np.float32)
+    S, Hq, d = q.shape
+    H = c["k_codes"].shape[1]
+    G, NP = Hq // H, c["k_sums"].shape[3]
+    Pc = d // NP
+    out = np.zeros((S, Hq, d))
+    for b in range(S):
+        for h in range(H):
+            qs32 = q[b, h * G:(h + 1) * G] * np.float32(1.0 / math.sqrt(d))
+            qs = _f64(qs32)
+            parts = []
+            kr, vr = _residual_tokens(c, b, h, P, ns)
+            if len(kr):
+                lg = qs @ kr.T
+                m = lg.max(1)
+                w = np.exp(lg - m[:, None])
+                parts.append((m, w.sum(1), w @ vr))
+            for kc, vc, sigma, mu, kappa, tau, nu, omega in _sealed_blocks(c, b, h, P, ns):
+                kc, vc, kappa, nu, omega = _f64(kc), _f64(vc), _f64(kappa), _f64(nu), _f64(omega)
+                qt = qs32 * np.asarray(sigma, np.float32)[None]
+                lg = np.repeat((qs @ _f64(mu))[:, None], P, 1)
+                for p in range(NP):
+                    ch = slice(p * Pc, (p + 1) * Pc)
+                    qc, s, mf = q8_rows(qt[:, ch])
+                    lg = lg + s[:, None] * (qc @ kc[:, ch].T) + mf[:, None] * kappa[None, :, p]
+                m = lg.max(1)
+                w = np.exp(lg - m[:, None])
+                o = np.zeros((G, d))
+                for p in range(NP):
+                    ch = slice(p * Pc, (p + 1) * Pc)
+                    wc, s2, mf2 = q8_rows(w.astype(np.float32) * np.asarray(tau, np.float32)[None, :, p])
+                    o[:, ch] = s2[:, None] * (wc @ vc[:, ch]) + mf2[:, None] * omega[None, ch] + (w @ nu[:, p])[:, None]
+                parts.append((m, w.sum(1), o))
+            out[b, h * G:(h + 1) * G] = _finish(parts, G, d)
+    return out
+
+
+def numpy_dequant_decode(q, c, *, P, ns, bf16=False):
+    """Dense float64 attention over the dequantized cache; bf16=True rounds q_s, the dequantized
+    sealed K/V and the sealed softmax weights (relative to each block's max) to bf16 first: the
+    naive bf16 version the dequant kernel's error is bounded against."""
+    rnd = (lambda x: _f64(np.asarray(x, np.float32).astype(BF16))) if bf16 else _f64
+    q = np.asarray(q, np.float32)
+    S, Hq, d = q.shape
+    H = c["k_codes"].shape[1]
+    G, NP = Hq // H, c["k_sums"].shape[3]
+    out = np.zeros((S, Hq, d))
+    for b in range(S):
+        for h in range(H):
+            qs = _f64(q[b, h * G:(h + 1) * G] * np.float32(1.0 / math.sqrt(d)))
+            parts = []
+            kr, vr = _residual_tokens(c, b, h, P, ns)
+            if len(kr):
+                lg = qs @ kr.T
+                m = lg.max(1)
+                w = np.exp(lg - m[:, None])
+                parts.append((m, w.sum(1), w @ vr))
+            for kc, vc, sigma, mu, _, tau, nu, _ in _sealed_blocks(c, b, h, P, ns):
+                k = rnd(np.float32(sigma)[None] * np.float32(kc) + np.float32(mu)[None])
+                v = rnd((np.float32(tau)[:, :, None] * np.float32(vc).reshape(P, NP, -1)
+                         + np.float32(nu)[:, :, None]).reshape(P, d))
+                lg = rnd(qs) @ k.T
+                m = lg.max(1)
+                w = np.exp(lg - m[:, None])
+                parts.append((m, w.sum(1), rnd(w) @ v))
+            out[b, h * G:(h + 1) * G] = _finish(parts, G, d)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    head_dim: int
+    P: int
+    page_size: int
+    num_kv_heads: int
+    group: int
+    pages_per_seq: int
+    kv_lens: tuple
+    ns: int = 4
+    dot_dtype: str = "bf16"
+    num_splits: int = 1
+
+
+CASES = [
+    # d 64, P 32, page 4P; lengths 0/1/63/64/65, a page boundary (4 + 128), beyond the capacity of
+    # 4 + 3 * 128 (clipped to it): mixed in one batch.
+    Case("d64_P32_g4_bf16_s1", 64, 32, 128, 2, 4, 3, (0, 1, 63, 64, 65, 132, 300, 410)),
+    Case("d64_P32_g4_int8_s3", 64, 32, 128, 2, 4, 3, (0, 1, 63, 64, 65, 132, 300, 410), dot_dtype="int8",
+         num_splits=3),
+    # Llama-3 heads (G 4, d 128, P 64, page 4P): length 1000, block-exact 4 + 64 k.
+    Case("d128_P64_g4_bf16_s2", 128, 64, 256, 2, 4, 4, (1000, 65, 68, 4 + 256)),
+    Case("d128_P64_g4_int8_s1", 128, 64, 256, 1, 4, 4, (1000, 65, 68, 4 + 256), dot_dtype="int8"),
+    Case("d128_P64_g4_f16_s3", 128, 64, 256, 2, 4, 4, (1000, 0, 129, 4 + 512), dot_dtype="f16", num_splits=3),
+    # page 8P (2 packing groups per page), G 3, one channel group (Pc = P = d).
+    Case("d64_P64_g3_page8P_bf16_s4", 64, 64, 512, 1, 3, 2, (1000, 4 + 64 * 5, 63)),
+    # P 128 = d (NP 1), G 8 -> 32 rows; more splits than a short sequence has groups.
+    Case("d128_P128_g8_int8_s2", 128, 128, 512, 1, 8, 2, (1000, 129), dot_dtype="int8", num_splits=2),
+    # P > d (Pc = d), G 1, no sinks, page 8P.
+    Case("d64_P128_g1_ns0_bf16_s2", 64, 128, 1024, 2, 1, 1, (0, 63, 1000), ns=0, num_splits=2),
+]
+
+
+CASE = {c.name: c for c in CASES}
+
+
+def build(case: Case, seed=0):
+    rng = np.random.default_rng(seed)
+    c = make_cache(rng, batch=len(case.kv_lens), num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                   P=case.P, page_size=case.page_size, pages_per_seq=case.pages_per_seq, ns=case.ns,
+                   kv_lens=list(case.kv_lens))
+    q = rng.normal(0, 1, (len(case.kv_lens), case.num_kv_heads * case.group, case.head_dim)).astype(np.float32)
+    return q, c
+
+
+def run_kernel(fn, q, c, case: Case, mode: str, **kw):
+    args = [jnp.asarray(c[f]) for f in FIELDS]
+    out = fn(jnp.asarray(q), *args, partition_size=case.P, num_sink_tokens=case.ns,
+             num_splits=case.num_splits, interpret=(mode == "interpret"), **kw)
+    return np.asarray(out)
+
+
+def v_scale_of(c):
+    """max |V| over the cache's valid contents (the output's scale)."""
+    vals = [np.nanmax(np.abs(_f64(c[n]))) for n in ("open_v", "sink_v") if c[n].size]
+    tau, nu = _f64(c["v_scale"]), _f64(c["v_min"])
+    return max(vals + [np.nanmax(np.abs(3 * tau + nu)), np.nanmax(np.abs(nu))])
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests: HACK kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_hack_kernel_matches_numpy_twin(case, mode):
+    q, c = build(case)
+    out = run_kernel(hack_decode_attention, q, c, case, mode, dot_dtype=case.dot_dtype)
+    ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
+    assert np.isfinite(out).all()
+    empty = np.asarray(case.kv_lens) == 0
+    assert (out[empty] == 0).all()
+    err, scale = np.abs(out - ref), v_scale_of(c)
+    if mode == "interpret":
+        assert err.max() <= TIGHT * scale, (err.max(), TIGHT * scale)
+    else:
+        assert err.max() <= FLIP_BOUND * scale, (err.max(), FLIP_BOUND * scale)
+        assert err.mean() <= 8 * TIGHT * scale, (err.mean(), 8 * TIGHT * scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [CASE["d128_P64_g4_int8_s1"], CASE["d128_P128_g8_int8_s2"]],
+                         ids=lambda c: c.name)
+def test_hack_kernel_unpack_asm_gpu(case):
+    """KernelConfig.unpack_asm (inline PTX unpacking, GPU only) gives the same result as the jnp
+    unpacking: same codes, same dots."""
+    q, c = build(case)
+    config = KernelConfig(num_splits=case.num_splits, dot_dtype="int8", unpack_asm=True)
+    out = np.asarray(hack_decode_attention(jnp.asarray(q), *[jnp.asarray(c[f]) for f in FIELDS],
+                                           partition_size=case.P, num_sink_tokens=case.ns, config=config))
+    plain = run_kernel(hack_decode_attention, q, c, case, "gpu", dot_dtype="int8")
+    np.testing.assert_array_equal(out, plain)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hack_kernel_deterministic_and_split_invariant(mode):
+    """Same call twice: identical bits. Another num_splits: equal up to float32 merge order (the
+    block-local max makes the INT8 codes independent of the split, DESIGN.md step 2)."""
+    case = CASES[0]
+    q, c = build(case, seed=1)
+    a = run_kernel(hack_decode_attention, q, c, case, mode)
+    b = run_kernel(hack_decode_attention, q, c, case, mode)
+    assert np.array_equal(a, b)
+    other = run_kernel(hack_decode_attention, q, c, dataclasses.replace(case, num_splits=3), mode)
+    assert np.abs(other - a).max() <= TIGHT * v_scale_of(c)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hack_kernel_constant_v_returns_the_constant(mode):
+    """tau = 0 (constant V per token group) -> every sealed token's V is nu; with nu the same
+    constant everywhere, attention must return it exactly up to float32 rounding (the nu term uses
+    float W, DESIGN.md step 3)."""
+    case = CASE["d128_P64_g4_bf16_s2"]
+    q, c = build(case, seed=2)
+    for name in ("v_scale", "v_min"):
+        c[name] = np.where(np.isnan(c[name]), c[name], np.float16(0.0 if name == "v_scale" else 0.75))
+    for name in ("open_v", "sink_v"):
+        c[name] = np.where(np.isnan(_f64(c[name])), c[name], BF16(0.75)).astype(BF16)
+    out = run_kernel(hack_decode_attention, q, c, case, mode)
+    np.testing.assert_allclose(out, 0.75, rtol=0, atol=16 * EPS32)
+
+
+def test_hack_kernel_via_dispatch_on_a_real_cache():
+    """A cache written by hack_jax.kv_cache: kernel (impl="pallas") vs hack_jax's paged reference
+    (impl="reference") and vs the NumPy twin reading the same arrays."""
+    attention = pytest.importorskip("hack_jax.attention")
+    from hack_jax import kv_cache, paging
+    from hack_jax.config import QuantConfig
+
+    config = QuantConfig(partition_size=32, page_size=128, num_sink_tokens=4)
+    H, G, d, S, pps = 2, 2, 64, 3, 3
+    lens = np.array([0, 70, 300], np.int32)
+    alloc = paging.PageAllocator(num_pages=12, max_seqs=S, pages_per_seq=pps, page_size=config.page_size,
+                                 num_sink_tokens=config.num_sink_tokens)
+    for s, n in enumerate(lens):
+        alloc.admit(s, int(n))
+    page_indices = jnp.asarray(alloc.page_indices)
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.normal(0, 1, (S, 300, H, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(0, 1, (S, 300, H, d)), jnp.float32)
+    layer = kv_cache.init_layer(config, num_kv_heads=H, head_dim=d, num_pages=12, max_seqs=S)
+    layer = kv_cache.write_prefill(layer, k, v, lengths=jnp.asarray(lens), page_indices=page_indices)
+    q = jnp.asarray(rng.normal(0, 1, (S, H * G, d)), jnp.float32)
+    kw = dict(page_indices=page_indices, kv_lens=jnp.asarray(lens))
+    ref = np.asarray(attention.decode_attention(q, layer, impl="reference", **kw))
+    out = np.asarray(attention.decode_attention(q, layer, impl="pallas", interpret=True, **kw))
+    c = {f: np.asarray(getattr(layer, f)) for f in FIELDS[:12]}
+    c.update(page_indices=np.asarray(page_indices), kv_lens=lens)
+    twin = numpy_kivi_decode(np.asarray(q), c, P=32, ns=4)
+    scale = float(jnp.max(jnp.abs(v)))
+    assert np.abs(out - twin).max() <= TIGHT * scale
+    assert np.abs(out - ref).max() <= TIGHT * scale
+    assert (out[0] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests: dequant baseline
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", [dataclasses.replace(CASES[0], num_splits=2), CASE["d128_P64_g4_int8_s1"]],
+                         ids=lambda c: c.name)
+def test_dequant_kernel_within_2x_naive_bf16(case, mode):
+    q, c = build(case)
+    out = run_kernel(dequant_decode_attention, q, c, case, mode)
+    exact = numpy_dequant_decode(q, c, P=case.P, ns=case.ns)
+    naive = numpy_dequant_decode(q, c, P=case.P, ns=case.ns, bf16=True)
+    assert np.isfinite(out).all()
+    assert (out[np.asarray(case.kv_lens) == 0] == 0).all()
+    naive_err = np.abs(naive - exact).max()
+    assert naive_err > 0
+    assert np.abs(out - exact).max() <= 2 * naive_err + TIGHT * v_scale_of(c)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests: helpers, config, validation (no kernel compile)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_in_kernel_quantizer_matches_hack_jax_quantize():
+    quantization = pytest.importorskip("hack_jax.quantization")
+    rng = np.random.default_rng(4)
+    x = rng.normal(0, 1, (16, 64)).astype(np.float32)
+    x[3] = 0.25  # constant row: scale 0, codes 0
+    x[5, :8] = np.round(x[5, :8] * 4) / 4  # some exact binary fractions
+    for interpret in (True, False):  # eager: the magic-number rounding is not folded away
+        codes, s, mf = common.quantize_rows_int8(jnp.asarray(x), interpret=interpret)
+        ref = quantization.quantize(jnp.asarray(x), bits=8, axis=1, partition_size=64, meta_dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(codes), np.asarray(ref.codes, np.float32))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(ref.scale)[:, 0])
+        np.testing.assert_array_equal(np.asarray(mf), np.asarray(ref.minimum)[:, 0])
+
+
+def test_round_half_even_both_paths():
+    x = jnp.asarray([0.5, 1.5, 2.5, -0.5, -1.5, 126.5, 127.49, -127.5, 3.0], jnp.float32)
+    want = np.round(np.asarray(x))
+    for interpret in (True, False):
+        np.testing.assert_array_equal(np.asarray(common.round_half_even(x, interpret=interpret)), want)
+
+
+def test_test_packing_matches_hack_jax_packing():
+    packing = pytest.importorskip("hack_jax.packing")
+    codes = np.random.default_rng(5).integers(0, 4, (128, 16)).astype(np.uint8)
+    np.testing.assert_array_equal(pack_group(codes), np.asarray(packing.pack_2bit(jnp.asarray(codes), axis=0)))
+
+
+def test_merge_and_combine_empty_parts_stay_finite():
+    m = jnp.full((4,), -jnp.inf)
+    l = jnp.zeros((4,))
+    acc = (jnp.zeros((4, 8)),)
+    nan = jnp.full((4, 8), jnp.nan)
+    valid = jnp.array([False, False, True, True])
+    m2, l2, (a2,) = common.merge_state(m, l, acc, jnp.array([jnp.nan, 1.0, 0.5, 2.0]),
+                                       jnp.array([jnp.nan, 1.0, 2.0, 3.0]),
+                                       (jnp.where(valid[:, None], 1.0, nan),), valid)
+    assert np.isfinite(np.asarray(a2)).all() and np.isfinite(np.asarray(l2)).all()
+    np.testing.assert_array_equal(np.asarray(m2), [-np.inf, -np.inf, 0.5, 2.0])
+    out = common.lse_combine(jnp.stack([m, m2]), jnp.stack([l, l2]), jnp.stack([acc[0], a2]), axes=0)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(out[:2]), 0.0)
+
+
+def test_default_config_and_rows():
+    cfg = default_config(batch=8, num_kv_heads=8, pages_per_seq=128, page_size=256, partition_size=64)
+    assert isinstance(cfg, KernelConfig) and cfg.num_splits == 17 and cfg.dot_dtype == "int8" and cfg.unpack_asm
+    assert default_config(batch=1, num_kv_heads=8, pages_per_seq=128, page_size=256, partition_size=64).num_splits == 128
+    assert default_config(batch=1, num_kv_heads=1, pages_per_seq=1, page_size=256, partition_size=64).num_splits == 1
+    assert [group_pad(h * g, h) for h, g in ((8, 1), (8, 3), (8, 4), (8, 8))] == [4, 4, 4, 8]
+
+
+def test_validation_errors():
+    case = CASES[0]
+    q, c = build(case)
+    args = {f: jnp.asarray(c[f]) for f in FIELDS}
+    kw = dict(partition_size=case.P, num_sink_tokens=case.ns, interpret=True)
+
+    def call(q=jnp.asarray(q), **over):
+        a = dict(args, **{k: v for k, v in over.items() if k in FIELDS})
+        opts = dict(kw, **{k: v for k, v in over.items() if k not in FIELDS})
+        return hack_decode_attention(q, *[a[f] for f in FIELDS], **opts)
+
+    with pytest.raises(ValueError, match="partition_size"):
+        call(partition_size=16)
+    with pytest.raises(ValueError, match="k_scale"):
+        call(k_scale=args["k_scale"][:, :, :2])
+    with pytest.raises(ValueError, match="k_codes"):
+        call(k_codes=args["k_codes"].astype(jnp.int8))
+    with pytest.raises(ValueError, match="kv_lens"):
+        call(kv_lens=args["kv_lens"].astype(jnp.float32))
+    with pytest.raises(ValueError, match="num_q_heads"):
+        call(q=jnp.asarray(q[:, :3]))
+    with pytest.raises(ValueError, match="dot_dtype"):
+        call(dot_dtype="fp8")
+    with pytest.raises(ValueError, match="num_splits"):
+        call(num_splits=0)
+    q5, c5 = build(CASE["d128_P128_g8_int8_s2"])  # P 128: f16 operands (1024 + code) would not stay exact
+    with pytest.raises(ValueError, match="f16"):
+        hack_decode_attention(jnp.asarray(q5), *[jnp.asarray(c5[f]) for f in FIELDS], partition_size=128,
+                              num_sink_tokens=4, dot_dtype="f16", interpret=True)
+    with pytest.raises(ValueError, match="page_indices"):
+        call(page_indices=args["page_indices"][:2])
