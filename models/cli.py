@@ -1,0 +1,127 @@
+"""The `hack-jax` console script: generate text or measure perplexity with a chosen KV format.
+
+  hack-jax generate --prompt TEXT [--prompt TEXT ...] [--model PATH] [--kv-format FMT]
+                    [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+                    [--no-chat] [--max-cache-len N] [--dtype D] [--impl I]
+  hack-jax perplexity --text FILE [--tokens N] [--kv-format FMT] [--model PATH] [--dtype D]
+
+Errors (empty prompt, prompt beyond the cache, bad option values) print `hack-jax: error: ...` on
+stderr and exit with status 2 (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence, get_args
+
+from hack_jax import kv_cache
+from hack_jax.config import KVFormat, QuantConfig
+
+KV_FORMATS = get_args(KVFormat)
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="hack-jax", description=__doc__.split("\n")[0])
+  sub = p.add_subparsers(dest="command", required=True)
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
+  common.add_argument("--kv-format", default="hack", choices=KV_FORMATS)
+  common.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+                      help="compute dtype of weights and activations")
+  common.add_argument("--impl", default="reference", choices=("reference", "pallas"),
+                      help="attention implementation behind hack_jax.attention")
+  g = sub.add_parser("generate", parents=[common], help="generate text for one or more prompts")
+  g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+  g.add_argument("--max-new-tokens", type=int, default=64)
+  g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  g.add_argument("--top-k", type=int, default=0, help="0 = off")
+  g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+  g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+  g.add_argument("--max-cache-len", type=int, default=None,
+                 help="tokens per sequence the cache holds (default: prompt + new tokens)")
+  pp = sub.add_parser("perplexity", parents=[common], help="perplexity of a text file")
+  pp.add_argument("--text", required=True, help="UTF-8 text file")
+  pp.add_argument("--tokens", type=int, default=None,
+                  help="score the first N tokens (default: all, up to the context length)")
+  return p
+
+
+def _load(args):
+  import jax.numpy as jnp
+
+  from models.gguf_loader import load_checkpoint
+  from models.llama import Llama
+  ckpt = load_checkpoint(args.model, dtype=jnp.dtype(DTYPES[args.dtype]), impl=args.impl)
+  return ckpt, Llama.from_weights(ckpt.config, ckpt.weights)
+
+
+def _generate(args, parser) -> int:
+  from models.generate import Generator, Sampling, encode_prompt
+  quant = QuantConfig(kv_format=args.kv_format)
+  sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+  if args.max_new_tokens < 1:
+    parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  ckpt, model = _load(args)
+  chat = False if args.no_chat else None
+  prompt_ids = [encode_prompt(ckpt.tokenizer, p, chat=chat) for p in args.prompt]
+  need = max(len(p) for p in prompt_ids) + args.max_new_tokens
+  max_len = args.max_cache_len or min(need, ckpt.config.max_seq_len)
+  gen = Generator(model, ckpt.tokenizer, quant, max_seqs=len(prompt_ids), max_len=max_len)
+  result = gen.generate_ids(prompt_ids, args.max_new_tokens, sampling, seed=args.seed,
+                            progress=True)
+  for prompt, text in zip(args.prompt, result.texts):
+    print(f"### {prompt}\n{text}\n")
+  st, c = result.stats, ckpt.config
+  print(f"prefill: {st['prompt_tokens']} tokens, {st['prefill_tok_s']:.1f} tok/s | decode: "
+        f"{st['decode_tokens']} tokens, {st['decode_tok_s']:.1f} tok/s | "
+        f"compile {st['compile_s']:.1f} s (not counted)")
+  rep = st["cache_bytes"]
+  per_tok = kv_cache.bytes_per_token(quant, c.num_kv_heads, c.head_dim, c.num_layers)
+  bf16_tok = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2
+  print(f"KV cache ({args.kv_format}): {rep['total']:,} B for {len(prompt_ids)} x {st['max_len']} "
+        f"tokens = {rep['ratio']:.3f} x bf16 ({rep['bf16']:,} B; whole pages, sinks and open "
+        f"blocks included); in full pages {per_tok:,.0f} B/token = {per_tok / bf16_tok:.3f} x "
+        f"bf16 ({bf16_tok:,} B/token)")
+  return 0
+
+
+def _perplexity(args, parser) -> int:
+  from models.generate import Generator
+  quant = QuantConfig(kv_format=args.kv_format)
+  with open(args.text, encoding="utf-8") as f:
+    text = f.read()
+  ckpt, model = _load(args)
+  ids = ckpt.tokenizer.encode(text)
+  limit = ckpt.config.max_seq_len
+  if args.tokens is not None:
+    if args.tokens < 2:
+      parser.error(f"--tokens must be >= 2, got {args.tokens}")
+    ids = ids[:args.tokens]
+  elif len(ids) > limit:
+    print(f"note: {len(ids)} tokens, keeping the first {limit} (context length)", file=sys.stderr)
+    ids = ids[:limit]
+  if len(ids) > limit:
+    parser.error(f"{len(ids)} tokens exceed the model's context length {limit}")
+  gen = Generator(model, ckpt.tokenizer, quant, max_seqs=1, max_len=len(ids))
+  ppl, n = gen.perplexity(ids)
+  print(f"kv_format: {args.kv_format}, tokens: {len(ids)}, predictions: {n}")
+  print(f"perplexity: {ppl:.4f}")
+  return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point; returns the exit status (argparse errors exit with 2)."""
+  parser = _parser()
+  args = parser.parse_args(argv)
+  run = _generate if args.command == "generate" else _perplexity
+  try:
+    return run(args, parser)
+  except (ValueError, FileNotFoundError) as e:
+    parser.error(str(e))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,111 @@
+"""ModelConfig: the decoder's static shape and numerics, read from GGUF metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Static description of a Llama-family decoder.
+
+  Attributes:
+    architecture: "llama" or "qwen2" (GGUF `general.architecture`).
+    vocab_size, num_layers, embed_dim (d_model), hidden_dim (SwiGLU width), num_q_heads,
+      num_kv_heads, head_dim: sizes. num_q_heads % num_kv_heads == 0 (GQA).
+    rms_norm_eps: RMSNorm epsilon.
+    rope_theta: RoPE base frequency (rotate-half convention, see models/llama.py).
+    max_seq_len: the checkpoint's trained context length.
+    tied_embeddings: True when the output projection reuses the token embedding.
+    qkv_bias: True for qwen2 (q/k/v projections carry biases).
+    dtype: compute dtype of weights and activations (float32 default; bfloat16 allowed).
+      Logits, norms and softmax are always float32.
+    impl: attention implementation passed to hack_jax.attention ("reference" | "pallas").
+  """
+
+  architecture: Literal["llama", "qwen2"]
+  vocab_size: int
+  num_layers: int
+  embed_dim: int
+  hidden_dim: int
+  num_q_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rms_norm_eps: float
+  rope_theta: float
+  max_seq_len: int
+  tied_embeddings: bool
+  qkv_bias: bool
+  dtype: Any = jnp.float32
+  impl: str = "reference"
+
+  def __post_init__(self):
+    if self.architecture not in SUPPORTED_ARCHITECTURES:
+      raise ValueError(f"unsupported architecture {self.architecture=}; "
+                       f"supported: {SUPPORTED_ARCHITECTURES}")
+    if self.num_q_heads % self.num_kv_heads:
+      raise ValueError(f"{self.num_q_heads=} must be a multiple of {self.num_kv_heads=}")
+    if jnp.dtype(self.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+      raise ValueError(f"{self.dtype=} must be float32 or bfloat16")
+
+  @classmethod
+  def from_gguf_fields(cls, fields: dict[str, Any], *, tied_embeddings: bool, **overrides
+                       ) -> "ModelConfig":
+    """Builds the config from decoded GGUF metadata (key -> Python value).
+
+    Raises:
+      ValueError: unsupported `general.architecture`, or metadata inconsistent with the weights.
+    """
+    arch = fields.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+      raise ValueError(f"unsupported GGUF architecture {arch!r}; this runtime loads "
+                       f"{SUPPORTED_ARCHITECTURES} checkpoints")
+    get = lambda key: fields[f"{arch}.{key}"]
+    embed_dim = int(get("embedding_length"))
+    num_q_heads = int(get("attention.head_count"))
+    head_dim = int(fields.get(f"{arch}.attention.key_length", embed_dim // num_q_heads))
+    vocab = fields.get(f"{arch}.vocab_size", len(fields["tokenizer.ggml.tokens"]))
+    kwargs = dict(
+        architecture=arch,
+        vocab_size=int(vocab),
+        num_layers=int(get("block_count")),
+        embed_dim=embed_dim,
+        hidden_dim=int(get("feed_forward_length")),
+        num_q_heads=num_q_heads,
+        num_kv_heads=int(fields.get(f"{arch}.attention.head_count_kv", num_q_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_seq_len=int(get("context_length")),
+        tied_embeddings=tied_embeddings,
+        qkv_bias=arch == "qwen2",
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+# Real model shapes for benchmarks with random weights (Llama(config, rngs=...)): the KV path's
+# speed does not depend on weight values (shared/MODELS.md, "The GPU machine").
+PRESETS = {
+    "llama-3.1-8b": dict(architecture="llama", vocab_size=128256, num_layers=32, embed_dim=4096,
+                         hidden_dim=14336, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072,
+                         tied_embeddings=False, qkv_bias=False),
+    "qwen2.5-7b": dict(architecture="qwen2", vocab_size=152064, num_layers=28, embed_dim=3584,
+                       hidden_dim=18944, num_q_heads=28, num_kv_heads=4, head_dim=128,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=131072,
+                       tied_embeddings=False, qkv_bias=True),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+  """ModelConfig of a named real model shape (PRESETS), e.g. preset("llama-3.1-8b",
+  dtype=jnp.bfloat16). Raises ValueError for an unknown name."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+  return ModelConfig(**{**PRESETS[name], **overrides})

