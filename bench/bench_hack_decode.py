@@ -5,14 +5,18 @@ variant (dot dtype, num_splits, num_warps, num_stages): us per call, bytes read,
 4.3 TB/s; plus an accuracy pass (kernel vs the NumPy twin of tests/test_decode_kernels.py and vs
 hack_jax's paged reference) and, best effort, ptxas' resource report of the compiled kernel.
 
-Timing: one jitted lax.fori_loop of n calls, each call's query = q + 1e-3 * previous output (no
-hoisting), wall clock / n, median of --reps loops. Caches smaller than 256 MiB are held in several
+Timing: one jitted lax.fori_loop of n trips x --calls-per-iter calls (default 8, as the bf16 benchmark;
+run 3 used 1, which adds the loop trip's ~25-30 us to every call: NOTES_decode.md), each call's query =
+q + 1e-3 * previous output (no hoisting), wall clock / calls, median of --reps loops. Caches smaller than 256 MiB are held in several
 copies in one page pool and the calls rotate through them (page-table offset), so consecutive
 calls do not hit the 60 MB L2.
 bytes = codes + metadata + code sums of the kv_len tokens (84 B per token per kv head at d 128,
 P 64) + open block + sinks + page table.
 
 Usage: PYTHONPATH=. python3 bench/bench_hack_decode.py --out DIR [--shapes b8_32k b1_32k ...]
+CPU-only static report (registers, loop SASS counts; pip triton importable, e.g. installed with
+`pip install --target /tmp/tri triton==3.6.0` and /tmp/tri in PYTHONPATH):
+  python3 bench/bench_hack_decode.py --out DIR --stages sass --variants v3=default v2=int8asm:v2:4:2
 """
 from __future__ import annotations
 
@@ -41,27 +45,44 @@ from pallas_kernels.dequant_decode_attention import dequant_decode_attention  # 
 HQ, HKV, D, P, PAGE, NS = 32, 8, 128, 64, 256, 4
 ROOF = 4.3e12
 SHAPES = {"b8_32k": (8, 32768), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "b8_8k": (8, 8192),
-          "tiny": (1, 1024)}  # tiny: CPU smoke test of this script (--interpret)
+          "b8_1k": (8, 1024), "tiny": (1, 1024)}  # tiny: CPU smoke test of this script (--interpret)
 FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k",
           "open_v", "sink_k", "sink_v")
 
 
-DEFAULT_VARIANTS = ["hack_int8=int8:d:4:2", "hack_f16=f16:d:4:2", "hack_bf16=bf16:d:4:2", "dequant=dequant:d:4:2"]
+DEFAULT_VARIANTS = ["hack=default", "hack_v2=int8asm:v2:4:2", "hack_f16=f16:d:4:2:d", "dequant=dequant:d:4:2",
+                    "bf16paged=bf16paged"]
+
+
+def v2_splits(batch, pps):
+    """The v2 default's num_splits (about 8 programs per SM), for comparisons with the earlier runs."""
+    return max(1, min(-(-8 * 132 // (batch * HKV)), pps * PAGE // (4 * P)))
 
 
 def variants(batch, kv_len, specs):
-    """specs: NAME=DOT:SPLITS:WARPS:STAGES (DOT int8|int8asm|bf16|f16|dequant; SPLITS d = default_config's)."""
+    """specs: NAME=default (default_config), NAME=bf16paged (the bf16 paged kernel on a bf16 cache of
+    the same length), or NAME=DOT:SPLITS:WARPS:STAGES[:FLAGS] with DOT int8|int8asm|bf16|f16|dequant,
+    SPLITS a number, d (default_config's) or v2 (the v2 heuristic), FLAGS letters d (dedup metadata),
+    q (fast_quant), a (unpack_asm; int8asm implies it)."""
     pps = kv_len // PAGE
     base = default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=pps, page_size=PAGE, partition_size=P)
     out = []
     for spec in specs:
         name, rest = spec.split("=")
-        dot, splits, warps, stages = rest.split(":")
-        splits = base.num_splits if splits == "d" else min(int(splits), pps)
+        if rest == "default":
+            out.append((name, hack_decode_attention, base))
+            continue
+        if rest == "bf16paged":
+            out.append((name, "bf16paged", None))
+            continue
+        dot, splits, warps, stages, *flags = rest.split(":")
+        flags = flags[0] if flags else ""
+        splits = {"d": base.num_splits, "v2": v2_splits(batch, pps)}.get(splits) or min(int(splits), pps * PAGE // (4 * P))
         fn = dequant_decode_attention if dot == "dequant" else hack_decode_attention
-        asm = dot == "int8asm"
+        asm = dot == "int8asm" or "a" in flags
         dot = {"dequant": "bf16", "int8asm": "int8"}.get(dot, dot)
-        out.append((name, fn, KernelConfig(splits, int(warps), int(stages), dot, asm)))
+        out.append((name, fn, KernelConfig(splits, int(warps), int(stages), dot, asm, dedup="d" in flags,
+                                           fast_quant="q" in flags)))
     return out
 
 
@@ -95,17 +116,38 @@ def make_inputs(batch, kv_len, n_copies, seed=0):
     return c, table, lens, pages_per_copy
 
 
-def time_variant(fn, config, c, table, lens, pages_per_copy, n_copies, batch, reps, target_ms, interpret=False):
+def bf16_inputs(batch, kv_len, n_copies, seed=0):
+    """A bf16 paged cache (DESIGN.md kv_format="bf16") of the same lengths for the bf16 kernel:
+    (k, v, table, lens, pages_per_copy); no sinks, no open block."""
+    pps = kv_len // PAGE
+    pages_per_copy = batch * pps
+    num_pages = 1 + n_copies * pages_per_copy
+    kk, kv = jax.random.split(jax.random.PRNGKey(seed + 5))
+    k = jax.random.normal(kk, (num_pages, HKV, PAGE, D), jnp.bfloat16)
+    v = jax.random.normal(kv, (num_pages, HKV, PAGE, D), jnp.bfloat16)
+    perm = np.random.default_rng(seed).permutation(pages_per_copy).astype(np.int32) + 1
+    return k, v, jnp.asarray(perm.reshape(batch, pps)), jnp.full((batch,), kv_len, jnp.int32), pages_per_copy
+
+
+def time_variant(fn, config, c, table, lens, pages_per_copy, n_copies, batch, reps, target_ms, interpret=False,
+                 calls_per_iter=1):
     q0 = jax.random.normal(jax.random.PRNGKey(1), (batch, HQ, D), jnp.float32)
-    arrays = [c[f] for f in FIELDS]
+    if fn == "bf16paged":
+        from pallas_kernels.bf16_decode_attention import bf16_decode_attention
+        arrays = [c["k"], c["v"]]
+        call = lambda q, arrays, t, lens: bf16_decode_attention(q, *arrays, t, lens, interpret=interpret)  # noqa: E731
+    else:
+        arrays = [c[f] for f in FIELDS]
+        call = lambda q, arrays, t, lens: fn(q, *arrays, t, lens, partition_size=P, num_sink_tokens=NS,  # noqa: E731
+                                             config=config, interpret=interpret)
 
     @jax.jit
     def loop(q, n_iter, table, lens, *arrays):
         def body(i, q):
-            t = table + (i % n_copies) * pages_per_copy
-            out = fn(q, *arrays, t, lens, partition_size=P, num_sink_tokens=NS, config=config,
-                     interpret=interpret)
-            return q + 1e-3 * out
+            for k in range(calls_per_iter):  # several calls per loop trip: the trip's own cost is shared
+                t = table + ((i * calls_per_iter + k) % n_copies) * pages_per_copy
+                q = q + 1e-3 * call(q, arrays, t, lens)
+            return q
         return jax.lax.fori_loop(0, n_iter, body, q)
 
     t0 = time.perf_counter()
@@ -119,8 +161,8 @@ def time_variant(fn, config, c, table, lens, pages_per_copy, n_copies, batch, re
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(loop(q0, n, table, lens, *arrays))
-        times.append((time.perf_counter() - t0) / n)
-    return float(np.median(times)) * 1e6, compile_s, n
+        times.append((time.perf_counter() - t0) / (n * calls_per_iter))
+    return float(np.median(times)) * 1e6, compile_s, n * calls_per_iter
 
 
 def bench(args, log):
@@ -131,12 +173,23 @@ def bench(args, log):
         c, table, lens, ppc = make_inputs(batch, kv_len, n_copies)
         for name, fn, config in variants(batch, kv_len, args.variants):
             row = dict(shape=shape, batch=batch, kv_len=kv_len, variant=name, config=str(config), bytes=nbytes,
-                       copies=n_copies)
+                       copies=n_copies, calls_per_iter=args.calls_per_iter)
             try:
-                us, comp, n = time_variant(fn, config, c, table, lens, ppc, n_copies, batch, args.reps,
-                                           args.target_ms, args.interpret)
-                row.update(us=round(us, 2), gbps=round(nbytes / us / 1e3, 1), roof_pct=round(100 * nbytes / us / 1e-6 / ROOF, 1),
-                           compile_s=round(comp, 1), calls=n)
+                if fn == "bf16paged":  # its own cache: 512 B per token per kv head
+                    nb = batch * HKV * kv_len * 2 * D * 2
+                    nc = max(1, min(8, math.ceil((256 << 20) / nb)))
+                    k, v, bt, bl, bppc = bf16_inputs(batch, kv_len, nc)
+                    row.update(bytes=nb, copies=nc, config="bf16_decode_attention default_config")
+                    us, comp, n = time_variant(fn, None, dict(k=k, v=v), bt, bl, bppc, nc, batch, args.reps,
+                                               args.target_ms, args.interpret, args.calls_per_iter)
+                    del k, v
+                    nbytes_row = nb
+                else:
+                    us, comp, n = time_variant(fn, config, c, table, lens, ppc, n_copies, batch, args.reps,
+                                               args.target_ms, args.interpret, args.calls_per_iter)
+                    nbytes_row = nbytes
+                row.update(us=round(us, 2), gbps=round(nbytes_row / us / 1e3, 1),
+                           roof_pct=round(100 * nbytes_row / us / 1e-6 / ROOF, 1), compile_s=round(comp, 1), calls=n)
             except Exception as e:  # keep going: a failing variant is a result too
                 row.update(error=f"{type(e).__name__}: {str(e)[:400]}")
                 traceback.print_exc()
@@ -160,51 +213,143 @@ def accuracy(log, mode="gpu"):
                                                 kv_lens=jnp.asarray(c["kv_lens"]), impl="reference"))
     scale = t.v_scale_of(c)
     log(dict(accuracy="hack_jax_reference_vs_twin", max_err=float(np.abs(ref - twin).max()), scale=scale))
-    for dot in ("int8", "f16", "bf16"):
-        for splits in (1, 5):
-            out = t.run_kernel(hack_decode_attention, q, c, t.Case("x", 128, 64, 256, 8, 4, 8, case.kv_lens,
-                                                                  num_splits=splits), mode, dot_dtype=dot)
-            for name, r in (("twin", twin), ("hack_jax_ref", ref)):
-                err = np.abs(out - r)
-                log(dict(accuracy=f"hack_{dot}_splits{splits}_vs_{name}", max_err=float(err.max()),
-                         mean_err=float(err.mean()), frac_over_tight=float((err > t.TIGHT * scale).mean()),
-                         tight=t.TIGHT * scale, scale=scale))
+    runs = [("default", 1, None), ("default", 5, None), ("plain_int8", 5, t.PLAIN_INT8), ("f16", 5, "f16"),
+            ("bf16", 5, "bf16")]
+    outs = {}
+    for name, splits, cfg in runs:
+        kcase = t.Case("x", 128, 64, 256, 8, 4, 8, case.kv_lens, num_splits=splits)
+        if isinstance(cfg, KernelConfig):
+            import dataclasses
+            out = t.run_config(q, c, kcase, dataclasses.replace(cfg, num_splits=splits), mode)
+        else:
+            out = t.run_kernel(hack_decode_attention, q, c, kcase, mode, dot_dtype=cfg or "int8")
+        outs[(name, splits)] = out
+        for rname, r in (("twin", twin), ("hack_jax_ref", ref)):
+            err = np.abs(out - r)
+            log(dict(accuracy=f"hack_{name}_splits{splits}_vs_{rname}", max_err=float(err.max()),
+                     mean_err=float(err.mean()), frac_over_tight=float((err > t.TIGHT * scale).mean()),
+                     tight=t.TIGHT * scale, scale=scale))
+    diff = np.abs(outs[("default", 5)] - outs[("plain_int8", 5)])
+    log(dict(accuracy="default_vs_plain_int8_splits5", max_err=float(diff.max()), bit_equal=bool((diff == 0).all())))
 
 
 def resources(out_dir, log):
-    """Compile one small call with XLA dumping, then run ptxas -v on the PTX that holds the kernels."""
-    dump = "/tmp/xla_dump_hack"
-    code = ("import os,sys; sys.path.insert(0,'.'); sys.path.insert(0,'bench');"
-            "import bench_hack_decode as b, jax;"
-            "c,t,l,ppc=b.make_inputs(1,4096,1);"
-            "q=jax.numpy.ones((1,32,128));"
-            "[jax.block_until_ready(f(q,*[c[x] for x in b.FIELDS],t,l,partition_size=64,num_sink_tokens=4,config=cfg))"
-            " for f,cfg in ((b.hack_decode_attention,b.KernelConfig(4,4,2,'int8')),(b.hack_decode_attention,b.KernelConfig(4,4,2,'f16')))]")
-    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}")
-    subprocess.run([sys.executable, "-c", code], env=env, timeout=180, check=False)
-    ptx_files = glob.glob(f"{dump}/**/*.ptx", recursive=True)
-    import triton
-    ptxas = [p for p in glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas"))]
-    ptxas = ptxas[0] if ptxas else "ptxas"
-    lines = [f"ptx files: {len(ptx_files)}; ptxas: {ptxas}"]
-    for f in ptx_files:
-        text = open(f).read()
-        if "hack_decode" not in text and "dequant_decode" not in text:
-            continue
-        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f, "-o", "/dev/null"], capture_output=True,
-                           text=True, timeout=120)
-        lines.append(f"== {os.path.basename(f)}\n{r.stderr[-6000:]}")
+    """ptxas' resource report (registers, spills, shared memory) of the kernel as this jax compiles it:
+    jax._src.lib.triton.compile (called by the Pallas-Triton lowering of jax >= 0.11) is wrapped to keep
+    the PTX of one lowering of the default and the v2 config at Llama-heads b8_32k, then ptxas -v
+    (Triton's copy) compiles it for sm_90a. Best effort, not yet run on the device in this form (run 3's
+    version looked for a handler dict jax 0.11.2 does not have); the CPU route is in NOTES_decode.md v3."""
+    from jax._src.lib import triton as jl_triton
+    ptx = []
+    compile_fn = getattr(jl_triton, "compile", None)  # run 3: jax 0.11.2 has no _compilation_handlers dict
+    if compile_fn is None:
+        log(dict(resources="jax._src.lib.triton has no compile(): no PTX to report"))
+        return
+
+    def keep(platform, module, arch, **kw):
+        r = compile_fn(platform, module, arch, **kw)
+        ptx.append((kw.get("num_warps"), r.asm, r.smem_bytes))
+        return r
+    jl_triton.compile = keep
+    lines = []
+    try:
+        batch, kv_len = SHAPES["b8_32k"]
+        c, table, lens, _ = make_inputs(batch, 4096, 1)
+        q = jnp.ones((batch, HQ, D), jnp.float32)
+        for name, cfg in (("default", default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=kv_len // PAGE,
+                                                     page_size=PAGE, partition_size=P)),
+                          ("v2", KernelConfig(17, 4, 2, "int8", True))):
+            ptx.clear()
+            jax.jit(lambda q, *a: hack_decode_attention(q, *a, partition_size=P, num_sink_tokens=NS, config=cfg)
+                    ).lower(q, *[c[f] for f in FIELDS], table, lens).compile()
+            if not ptx:
+                lines.append(f"== {name}: no PTX captured")
+                continue
+            path = os.path.join("/tmp", f"hack_{name}.ptx")
+            open(path, "w").write(ptx[-1][1])
+            import triton
+            ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+            r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", "/dev/null"], capture_output=True,
+                               text=True, timeout=120)
+            lines.append(f"== {name} {cfg} smem={ptx[-1][2]}\n{r.stderr[-3000:]}")
+    finally:
+        jl_triton.compile = compile_fn
     with open(os.path.join(out_dir, "resources.txt"), "w") as fh:
         fh.write("\n".join(lines))
-    log(dict(resources=lines[0], files=[os.path.basename(f) for f in ptx_files][:20]))
+    log(dict(resources=[ln.replace("\n", " | ")[-400:] for ln in lines]))
+
+
+def sass(out_dir, log, specs):
+    """CPU-only static report (bench/NOTES_decode.md v3): lower each variant at Llama-heads b8_32k for
+    cuda (TTIR from the Pallas-Triton lowering), compile it with pip `triton` (e.g. 3.6.0 in
+    PYTHONPATH; XLA's bundled Triton may differ a little) for sm_90, and report ptxas' registers /
+    stack and the main loop's SASS: instructions per warp and packing group, BAR.SYNC, shared-memory
+    and global loads, shuffles, IMMA. No GPU needed."""
+    import collections
+    import re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from jax._src.pallas.triton import lowering as tl
+    captured = []
+    orig = tl.lower_jaxpr_to_triton_module
+
+    def keep(*a, **k):
+        r = orig(*a, **k)
+        captured.append(r.module.operation.get_asm(enable_debug_info=False))
+        return r
+    tl.lower_jaxpr_to_triton_module = keep
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+    batch, kv_len = SHAPES["b8_32k"]
+    pps = kv_len // PAGE + 1
+    N, NP, bpp = batch * pps + 1, D // min(P, D), PAGE // P
+    S = jax.ShapeDtypeStruct
+    args = [S((batch, HQ, D), jnp.float32), S((N, HKV, PAGE // 4, D), jnp.uint8), S((N, HKV, bpp, D), jnp.float16),
+            S((N, HKV, bpp, D), jnp.float16), S((N, HKV, PAGE, NP), jnp.uint8), S((N, HKV, PAGE // 4, D), jnp.uint8),
+            S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, bpp, D), jnp.uint8),
+            S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, NS, D), jnp.bfloat16),
+            S((batch, HKV, NS, D), jnp.bfloat16), S((batch, pps), jnp.int32), S((batch,), jnp.int32)]
+    try:
+        for name, fn, cfg in variants(batch, kv_len, specs):
+            if fn == "bf16paged":
+                continue
+            captured.clear()
+            jax.jit(lambda *xs: fn(*xs, partition_size=P, num_sink_tokens=NS, config=cfg)).trace(*args).lower(
+                lowering_platforms=("cuda",))
+            path = os.path.join(out_dir, f"{name}.ttir")
+            with open(path, "w") as fh:
+                fh.write(captured[-1])
+            k = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            cubin = os.path.join(out_dir, f"{name}.cubin")
+            with open(cubin, "wb") as fh:
+                fh.write(k.asm["cubin"])
+            res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", cubin], capture_output=True,
+                                 text=True).stdout
+            text = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True,
+                                  text=True).stdout
+            ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)]
+            back = [(int(m.group(1), 16), a) for a, t in ins
+                    if (m := re.search(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", t)) and int(m.group(1), 16) < a]
+            lo, hi = max(back, key=lambda x: x[1] - x[0]) if back else (0, -1)
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                      for a, t in ins if lo <= a <= hi)
+            regs = re.search(r"REG:(\d+) STACK:(\d+)", res)
+            log(dict(sass=name, config=str(cfg), regs=int(regs.group(1)) if regs else None,
+                     stack=int(regs.group(2)) if regs else None, loop_instr=sum(ops.values()),
+                     **{k_: ops[k_] for k_ in ("BAR", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "SHFL", "IMMA", "MUFU")}))
+    finally:
+        tl.lower_jaxpr_to_triton_module = orig
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--shapes", nargs="+", default=["b8_32k", "b1_32k", "b1_128k"], choices=sorted(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["b8_32k", "b1_32k", "b1_128k", "b8_1k"], choices=sorted(SHAPES))
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="NAME=DOT:SPLITS:WARPS:STAGES")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--calls-per-iter", type=int, default=8,
+                    help="kernel calls per fori_loop trip (run 3 used 1: each call then also paid the loop trip, "
+                         "~25-30 us, see NOTES_decode.md; the bf16 benchmark uses 8)")
     ap.add_argument("--target-ms", type=float, default=40.0)
     ap.add_argument("--stages", nargs="+", default=["bench", "accuracy", "resources"])
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of the script (numbers mean nothing)")
@@ -221,7 +366,8 @@ def main(argv=None):
     for stage in args.stages:
         try:
             {"bench": lambda: bench(args, log), "accuracy": lambda: accuracy(log, "interpret" if args.interpret else "gpu"),
-             "resources": lambda: resources(args.out, log)}[stage]()
+             "resources": lambda: resources(args.out, log),
+             "sass": lambda: sass(args.out, log, args.variants)}[stage]()
         except Exception as e:
             log(dict(stage=stage, error=f"{type(e).__name__}: {str(e)[:600]}"))
             traceback.print_exc()

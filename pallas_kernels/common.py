@@ -14,8 +14,10 @@
   `unbias`, `plane_weights`, `select_rows`; exact integer dots `int_dot`; float32-accurate dots on
   bf16 tensor cores `f32_bf16_dot`.
 - The INT8 quantizer of the transient operands (`quantize_rows_int8`, `round_half_even`), repeating
-  hack_jax.quantization.quantize's float32 arithmetic.
-- Online softmax: `merge_state` (one part into the running state, NaN-safe for masked parts),
+  hack_jax.quantization.quantize's float32 arithmetic; `quantize_rows_int8_codes` gives int8 dot
+  operands, on the GPU optionally rounded + clamped by one PTX cvt (`round_saturate_int8_asm`).
+- Online softmax: `merge_state` (one part into the running state, NaN-safe for masked parts) or its
+  two halves `merge_weights` + `merge_acc`,
   `merge_streams` (row blocks of one program), `lse_combine` (split-K partials, plain jnp).
 
 A port to another backend (Mosaic GPU, jax-triton) should only need to touch this file and the launch
@@ -187,6 +189,26 @@ def round_half_even(x: jax.Array, *, interpret: bool) -> jax.Array:
     return (x + _ROUND_MAGIC) - _ROUND_MAGIC
 
 
+def round_saturate_int8_asm(t: jax.Array) -> jax.Array:
+    """int32 codes clip(round_half_even(t), -128, 127) of float32 t in one PTX instruction,
+    `cvt.rni.s8.f32` (round to nearest even; float-to-integer cvt clamps to the destination range;
+    the 8-bit result sits in a 32-bit register, PTX's wide-register rule). GPU only; NaN -> 0."""
+    [out] = pltriton.elementwise_inline_asm(
+        "cvt.rni.s8.f32 $0, $1;", args=[t], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(t.shape, jnp.int32)])
+    return out
+
+
+def _int8_row_transform(x: jax.Array):
+    """The float32 part of `quantize_rows_int8`: (t = (x - mf) / s unrounded, s, mf)."""
+    lo = jnp.min(x, axis=1)
+    hi = jnp.max(x, axis=1)
+    raw = (0.5 * hi - 0.5 * lo) * (2.0 / 255)
+    s = jnp.where(hi > lo, jnp.maximum(raw, jnp.finfo(jnp.float32).tiny), 0.0)
+    mf = lo + 128.0 * s
+    return (x - mf[:, None]) / jnp.where(s > 0, s, 1.0)[:, None], s, mf
+
+
 def quantize_rows_int8(x: jax.Array, *, interpret: bool):
     """INT8 per row of f32[rows, n], nearest, float32 metadata, folded minimum.
 
@@ -198,13 +220,21 @@ def quantize_rows_int8(x: jax.Array, *, interpret: bool):
 
     Returns (codes f32[rows, n] holding integers, s f32[rows], mf f32[rows]).
     """
-    lo = jnp.min(x, axis=1)
-    hi = jnp.max(x, axis=1)
-    raw = (0.5 * hi - 0.5 * lo) * (2.0 / 255)
-    s = jnp.where(hi > lo, jnp.maximum(raw, jnp.finfo(jnp.float32).tiny), 0.0)
-    mf = lo + 128.0 * s
-    t = (x - mf[:, None]) / jnp.where(s > 0, s, 1.0)[:, None]
+    t, s, mf = _int8_row_transform(x)
     return jnp.clip(round_half_even(t, interpret=interpret), -128.0, 127.0), s, mf
+
+
+def quantize_rows_int8_codes(x: jax.Array, *, interpret: bool, fast: bool):
+    """`quantize_rows_int8` with the codes as int8 dot operands: (codes i8[rows, n], s, mf).
+
+    fast (GPU only; ignored in interpret mode): round + clip + convert by one `cvt.rni.s8.f32` per
+    element (`round_saturate_int8_asm`) instead of two adds, two min/max and two converts; the
+    same codes (both round half to even, then clamp to [-128, 127])."""
+    if not fast or interpret:
+        codes, s, mf = quantize_rows_int8(x, interpret=interpret)
+        return codes.astype(jnp.int8), s, mf
+    t, s, mf = _int8_row_transform(x)
+    return round_saturate_int8_asm(t).astype(jnp.int8), s, mf
 
 
 def select_rows(row_plane: jax.Array, parts) -> jax.Array:
@@ -241,6 +271,24 @@ def merge_state(m, l, accs, m_b, l_b, o_bs, valid):
     accs = tuple(a * alpha[:, None] + jnp.where(valid[:, None], o, 0.0) * beta[:, None]
                  for a, o in zip(accs, o_bs))
     return m_new, l_new, accs
+
+
+def merge_weights(m, l, m_b, l_b, valid):
+    """`merge_state` in two steps, so each accumulator can be updated as soon as its part is ready:
+    returns (m_new, l_new, alpha, beta) with acc_new = acc * alpha[:, None] + o_b * beta[:, None]
+    (`merge_acc`); the same arithmetic as merge_state."""
+    m_b = jnp.where(valid, m_b, -jnp.inf)
+    m_new = jnp.maximum(m, m_b)
+    base = jnp.where(m_new > -jnp.inf, m_new, 0.0)
+    alpha = jnp.exp(m - base)
+    beta = jnp.exp(m_b - base)
+    return m_new, l * alpha + jnp.where(valid, l_b, 0.0) * beta, alpha, beta
+
+
+def merge_acc(acc, o_b, alpha, beta, valid):
+    """One accumulator of `merge_weights`: acc * alpha + o_b * beta, rows not `valid` take nothing
+    (o_b may be NaN there)."""
+    return acc * alpha[:, None] + jnp.where(valid[:, None], o_b, 0.0) * beta[:, None]
 
 
 def merge_streams(m, l, accs, num_streams: int):

@@ -26,26 +26,33 @@ handles block j of every packing group, so the 4 blocks of a tile are processed 
 pass with every row doing useful work when G = 4 (Llama-3 8B), and R >= 16 satisfies the dot's M.
 Row (j, g) carries its own online softmax (stream j); the 4 streams are merged at the end of the
 program, the splits by log-sum-exp outside the kernel. Per packing group and channel group p, 4 dots
-(one per plane; each row keeps its own plane's result) give the QK^T and PV integer parts. The per-row metadata (sigma,
-mu, kappa, tau, nu, omega of the row's block) are gathered straight from the cache with index
-vectors. Sinks and the open block: float32 math in the first split (split 0), merged into stream 0
-rows (not a separate partial).
+(one per plane; each row keeps its own plane's result, selected in int32) give the QK^T and PV integer
+parts. The block metadata (sigma, mu, omega: one [4, Pc] tile; kappa, tau, nu: one strided [4P]
+vector per group and channel group) are read once and broadcast to the (plane, head) rows in
+registers (KernelConfig.dedup; the v2 path gathered them per row with index vectors: 4x the loads,
+240 instead of 168 registers). Sinks and the open block: float32 math in the first split (split 0),
+merged into stream 0 rows (not a separate partial).
 
 Dot variants (`dot_dtype`, common.plane): "int8" (int8 x int8 -> int32, the method as written),
 "bf16" (bf16 operands holding the same integers, float32 accumulation, exact) and "f16" (f16
 operands 1024 + code built by bit operations, no int-to-float convert; exact for inner dims <= 64).
 GPU.md measured bf16 *matmuls* 2-3x faster than int8 in Pallas-Triton, but this kernel is bound by
-the unpacking ALU work, not the MMAs: on the H200 "int8" was 1.2-1.3x faster than "bf16" (I2F
-converts) and "f16", and unpacking 4 codes per instruction with inline PTX (KernelConfig.unpack_asm)
-another 1.33x, so the default is "int8" + unpack_asm (bench/NOTES_decode.md). H200, Llama-3.1-8B
-heads: 189-196 us at batch 8 / 32K (22% of the HBM roof on the 170 MiB read), 52 us at batch 1 / 32K,
-111 us at batch 1 / 128K.
+the work around the MMAs, not the MMAs: on the H200 "int8" was 1.2-1.3x faster than "bf16" (I2F
+converts) and "f16", unpacking 4 codes per instruction with inline PTX (KernelConfig.unpack_asm)
+another 1.33x, and the INT8 rounding of the transients by one PTX cvt (KernelConfig.fast_quant)
+1.05x; the default is "int8" + unpack_asm + dedup + fast_quant, one wave of programs
+(bench/NOTES_decode.md v3). H200, Llama-3.1-8B heads (run 3, one call per timing-loop trip):
+173 us at batch 8 / 32K (24% of the HBM roof on the 170 MiB read; the bf16 paged kernel: 268 us),
+48 us at batch 1 / 32K, 103 us at batch 1 / 128K. What limits it: ~1.8k SASS instructions, 60 CTA
+barriers and ~190 shared-memory instructions per warp and packing group (Triton's layout
+conversions and cross-warp row reductions of [16, 64] tiles), not HBM, not the MMAs.
 
 Tested: CPU interpret mode (jax 0.10.2), tests/test_decode_kernels.py; H200 (jax 0.11.2): see
 bench/NOTES_decode.md. Caveats: partition_size and head_dim powers of two >= 32 with page_size a
 multiple of 4 * partition_size; INT8 codes of the transient operands could differ from the
 reference at near-.5 ties (the GPU's float32 division; none seen on the H200), which the gpu tests'
-tolerance allows; unpack_asm is inline PTX (Triton only; interpret mode uses jnp, same bits);
+tolerance allows; unpack_asm and fast_quant are inline PTX (Triton only; interpret mode uses jnp,
+same bits, checked on the H200);
 page ids outside [0, num_pages) read page 0 (the null page, hack_jax.paging); kv_lens beyond the
 capacity (ns + pages_per_seq * page_size) are clipped to it, as hack_jax.kv_cache.read_blocks does.
 
@@ -69,6 +76,9 @@ from pallas_kernels import common
 NUM_PLANES = 4  # 2-bit codes per byte = blocks per packing group (DESIGN.md "2-bit packing")
 DOT_DTYPES = ("bf16", "int8", "f16")
 H200_NUM_SMS = 132
+# Programs of the default config resident per SM at once: 4 warps x 168 registers (ptxas, sm_90,
+# Triton 3.6; bench/NOTES_decode.md v3) -> 3 programs in the 64K registers of an SM.
+RESIDENT_PROGRAMS_PER_SM = 3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,7 +90,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
                         num_sink_tokens, num_pages, max_blocks, groups_per_split, sm_scale, dot_dtype,
-                        unpack_asm, interpret):
+                        unpack_asm, dedup, fast_quant, interpret):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[S, Hq, D]
@@ -113,12 +123,27 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R] block j of the row
     token = jax.lax.broadcasted_iota(jnp.int32, (P,), 0)  # [P]
     q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
+    int8 = dot_dtype == "int8"
     plane_w = common.plane_weights(row_plane, dot_dtype)  # [R]
     op_dtype = common.operand_dtype(dot_dtype)
-    if unpack_asm and dot_dtype == "int8" and not interpret:
+    if unpack_asm and int8 and not interpret:
         plane = lambda tile, j, _: common.plane_int8_asm(tile, j)  # noqa: E731
     else:
         plane = common.plane
+
+    def int_part(x, tile, trans_b):
+        """x f32[R, n] quantized INT8 per row -> (per-row-plane dot of the codes with the row's
+        plane of tile, f32[R, m]; scale [R]; minimum [R]). int8: the 4 plane dots are selected
+        per row in int32 and converted once."""
+        if int8:
+            xc, xs, xm = common.quantize_rows_int8_codes(x, interpret=interpret, fast=fast_quant)
+            dots = [jnp.dot(xc, plane(tile, j, dot_dtype).T if trans_b else plane(tile, j, dot_dtype),
+                            preferred_element_type=jnp.int32) for j in range(NUM_PLANES)]
+            return common.select_rows(row_plane, dots).astype(jnp.float32), xs, xm
+        xc, xs, xm = common.quantize_rows_int8(x, interpret=interpret)
+        dots = [common.int_dot(xc.astype(op_dtype), plane(tile, j, dot_dtype), dot_dtype, trans_b=trans_b)
+                for j in range(NUM_PLANES)]
+        return common.unbias(common.select_rows(row_plane, dots), xc, dot_dtype), xs, xm
 
     init = jax.lax.cond(
         split == 0,
@@ -136,20 +161,26 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
         slot = group_in_page * NUM_PLANES + row_plane  # [R] block slot in the page
         tok = slot[:, None] * P + token[None, :]  # [R, P] token row in the page
         valid = NUM_PLANES * tg + row_plane < num_blocks  # [R]
+        slot0, tok0 = group_in_page * NUM_PLANES, group_in_page * NUM_PLANES * P
+
+        def rows(x4):  # [4, X] per block of the group -> f32[R, X], row (j, g) = x4[j]
+            x4 = x4.astype(jnp.float32)
+            return jnp.broadcast_to(x4[:, None, :], (NUM_PLANES, group_pad, x4.shape[1])).reshape(R, x4.shape[1])
 
         # QK^T: logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu
         logits = jnp.zeros((R, P), jnp.float32)
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
             k_tile = common.widen(k_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
-            sigma = k_scale_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
-            mu = k_min_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
-            kappa = k_sums_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
-            qc, qs, qm = common.quantize_rows_int8(q[p] * sigma, interpret=interpret)  # [R, Pc], [R], [R]
-            qc_op = qc.astype(op_dtype)
-            dots = [common.int_dot(qc_op, plane(k_tile, j, dot_dtype), dot_dtype, trans_b=True)
-                    for j in range(NUM_PLANES)]  # 4 x [R, P]
-            dot = common.unbias(common.select_rows(row_plane, dots), qc, dot_dtype)
+            if dedup:
+                sigma = rows(k_scale_ref[pid, h, pl.ds(slot0, NUM_PLANES), channels])  # [R, Pc]
+                mu = rows(k_min_ref[pid, h, pl.ds(slot0, NUM_PLANES), channels])  # [R, Pc]
+                kappa = rows(k_sums_ref[pid, h, pl.ds(tok0, NUM_PLANES * P), p].reshape(NUM_PLANES, P))  # [R, P]
+            else:
+                sigma = k_scale_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
+                mu = k_min_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
+                kappa = k_sums_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
+            dot, qs, qm = int_part(q[p] * sigma, k_tile, True)  # [R, P], [R], [R]
             logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
                        + jnp.sum(q[p] * mu, axis=1)[:, None])
 
@@ -157,22 +188,26 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
         w = jnp.exp(logits - mb[:, None])  # [R, P]
         lb = jnp.sum(w, axis=1)
 
-        # PV: o_c = s'_p sum_j wc_jp v_jc + m'_p omega_c + sum_j W_j nu_jp, c in p
-        outs = []
+        # PV: o_c = s'_p sum_j wc_jp v_jc + m'_p omega_c + sum_j W_j nu_jp, c in p; each channel
+        # group's accumulator is merged as soon as its block output is ready (same SASS as merging
+        # all at the end, measured)
+        m_new, l_new, alpha, beta = common.merge_weights(m, l, mb, lb, valid)
+        new_accs = []
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
             v_tile = common.widen(v_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
-            tau = v_scale_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
-            nu = v_min_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
-            omega = v_sums_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
-            wc, ws, wm = common.quantize_rows_int8(w * tau, interpret=interpret)  # [R, P], [R], [R]
-            wc_op = wc.astype(op_dtype)
-            pvs = [common.int_dot(wc_op, plane(v_tile, j, dot_dtype), dot_dtype)
-                   for j in range(NUM_PLANES)]  # 4 x [R, Pc]
-            pv = common.unbias(common.select_rows(row_plane, pvs), wc, dot_dtype)
-            outs.append((ws * plane_w)[:, None] * pv + wm[:, None] * omega
-                        + jnp.sum(w * nu, axis=1)[:, None])
-        return common.merge_state(m, l, accs, mb, lb, tuple(outs), valid)
+            if dedup:
+                tau = rows(v_scale_ref[pid, h, pl.ds(tok0, NUM_PLANES * P), p].reshape(NUM_PLANES, P))  # [R, P]
+                nu = rows(v_min_ref[pid, h, pl.ds(tok0, NUM_PLANES * P), p].reshape(NUM_PLANES, P))  # [R, P]
+                omega = rows(v_sums_ref[pid, h, pl.ds(slot0, NUM_PLANES), channels])  # [R, Pc]
+            else:
+                tau = v_scale_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
+                nu = v_min_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
+                omega = v_sums_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
+            pv, ws, wm = int_part(w * tau, v_tile, False)  # [R, Pc], [R], [R]
+            out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
+            new_accs.append(common.merge_acc(accs[p], out, alpha, beta, valid))
+        return m_new, l_new, tuple(new_accs)
 
     m, l, accs = jax.lax.fori_loop(g_lo, g_hi, body, init)
     m, l, accs = common.merge_streams(m, l, accs, NUM_PLANES)  # [G_pad], [G_pad], NP x [G_pad, Pc]
@@ -260,18 +295,23 @@ class KernelConfig:
     num_stages: int = 2
     dot_dtype: Literal["int8", "bf16", "f16"] = "int8"
     unpack_asm: bool = False  # "int8" on GPU: unpack 4 codes per instruction with inline PTX
+    dedup: bool = False  # metadata read once per block ([4, X] tiles), broadcast to the rows in registers
+    fast_quant: bool = False  # "int8" on GPU: INT8 round + clip + convert by one PTX cvt.rni.s8.f32
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
                    partition_size: int, dot_dtype: str = "int8", num_sms: int = H200_NUM_SMS) -> KernelConfig:
-    """Heuristic from the H200 runs (bench/NOTES_decode.md): about 8 programs per SM (latency hiding
-    for the paged loads and the long per-group dependency chain), at most one split per packing
-    group; 4 warps, 2 stages; "int8" planes unpacked by inline PTX (1.33x over jnp unpacking at
-    batch 8 / 32K, bit-identical results; interpret mode falls back to jnp)."""
+    """Heuristic from the H200 runs (bench/NOTES_decode.md). Splits: one wave of programs, as many
+    as fit on the GPU at once (RESIDENT_PROGRAMS_PER_SM per SM, set by the register count), at
+    most one split per packing group: the kernel is latency-bound, a program's time is ~linear in
+    its packing groups, so a partial second wave costs a whole wave. 4 warps, 2 stages; "int8"
+    planes unpacked by inline PTX, metadata deduplicated, INT8 rounding by one cvt (GPU only;
+    interpret mode falls back to jnp with the same results)."""
     groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
-    want = -(-8 * num_sms // max(1, batch * num_kv_heads))
-    return KernelConfig(num_splits=max(1, min(want, groups)), num_warps=4, num_stages=2, dot_dtype=dot_dtype,
-                        unpack_asm=dot_dtype == "int8")
+    fit = RESIDENT_PROGRAMS_PER_SM * num_sms // max(1, batch * num_kv_heads)
+    int8 = dot_dtype == "int8"
+    return KernelConfig(num_splits=max(1, min(fit, groups)), num_warps=4, num_stages=2, dot_dtype=dot_dtype,
+                        unpack_asm=int8, dedup=True, fast_quant=int8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,7 +367,8 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         group=num_q_heads // num_kv_heads, group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
         groups_per_page=groups_per_page, num_sink_tokens=num_sink_tokens, num_pages=num_pages,
         max_blocks=pages_per_seq * (page_size // partition_size), groups_per_split=groups_per_split,
-        dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, interpret=interpret)
+        dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, dedup=config.dedup,
+        fast_quant=config.fast_quant, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32)]

@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
-from pallas_kernels.decode_attention import (KernelConfig, default_config, group_pad,
-                                             hack_decode_attention)
+from pallas_kernels.decode_attention import (RESIDENT_PROGRAMS_PER_SM, KernelConfig, default_config,
+                                             group_pad, hack_decode_attention)
 from pallas_kernels.dequant_decode_attention import dequant_decode_attention
 
 pytestmark = pytest.mark.filterwarnings(f"ignore:{common.TRITON_DEPRECATION_MESSAGE}:DeprecationWarning")
@@ -337,18 +337,48 @@ def test_hack_kernel_matches_numpy_twin(case, mode):
         assert err.mean() <= 8 * TIGHT * scale, (err.mean(), 8 * TIGHT * scale)
 
 
+def run_config(q, c, case: Case, config: KernelConfig, mode: str):
+    return np.asarray(hack_decode_attention(jnp.asarray(q), *[jnp.asarray(c[f]) for f in FIELDS],
+                                            partition_size=case.P, num_sink_tokens=case.ns, config=config,
+                                            interpret=(mode == "interpret")))
+
+
+PLAIN_INT8 = KernelConfig(dot_dtype="int8", unpack_asm=False, dedup=False, fast_quant=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [CASE["d128_P64_g4_int8_s1"], CASE["d128_P128_g8_int8_s2"]],
                          ids=lambda c: c.name)
-def test_hack_kernel_unpack_asm_gpu(case):
-    """KernelConfig.unpack_asm (inline PTX unpacking, GPU only) gives the same result as the jnp
-    unpacking: same codes, same dots."""
+@pytest.mark.parametrize("flags", [dict(unpack_asm=True), dict(fast_quant=True),
+                                   dict(unpack_asm=True, dedup=True, fast_quant=True)],
+                         ids=lambda f: "+".join(f))
+def test_hack_kernel_fast_paths_gpu(case, flags):
+    """The GPU-only paths give the same result as the plain jnp kernel: KernelConfig.unpack_asm
+    (inline PTX unpacking) and fast_quant (one cvt.rni.s8.f32 for round + clip + convert) produce
+    the same codes and the same dots, bit for bit; dedup (metadata read once per block) reads the
+    same values (bit for bit too, unless the compiler contracts the float math differently: then
+    within float32 order differences)."""
     q, c = build(case)
-    config = KernelConfig(num_splits=case.num_splits, dot_dtype="int8", unpack_asm=True)
-    out = np.asarray(hack_decode_attention(jnp.asarray(q), *[jnp.asarray(c[f]) for f in FIELDS],
-                                           partition_size=case.P, num_sink_tokens=case.ns, config=config))
-    plain = run_kernel(hack_decode_attention, q, c, case, "gpu", dot_dtype="int8")
-    np.testing.assert_array_equal(out, plain)
+    plain = run_config(q, c, case, dataclasses.replace(PLAIN_INT8, num_splits=case.num_splits), "gpu")
+    out = run_config(q, c, case, dataclasses.replace(PLAIN_INT8, num_splits=case.num_splits, **flags), "gpu")
+    if flags.get("dedup"):
+        assert np.abs(out - plain).max() <= TIGHT * v_scale_of(c)
+    else:
+        np.testing.assert_array_equal(out, plain)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hack_kernel_gathered_metadata_path(mode):
+    """KernelConfig(dedup=False): metadata gathered per row (the v2 path) still matches the twin, and
+    the default (dedup=True) path gives the same output."""
+    case = CASE["d64_P32_g4_int8_s3"]
+    q, c = build(case, seed=5)
+    out = run_config(q, c, case, dataclasses.replace(PLAIN_INT8, num_splits=3), mode)
+    ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
+    tol = (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
+    assert np.abs(out - ref).max() <= tol
+    dedup = run_config(q, c, case, dataclasses.replace(PLAIN_INT8, num_splits=3, dedup=True), mode)
+    assert np.abs(dedup - out).max() <= TIGHT * v_scale_of(c)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -482,9 +512,20 @@ def test_merge_and_combine_empty_parts_stay_finite():
 
 def test_default_config_and_rows():
     cfg = default_config(batch=8, num_kv_heads=8, pages_per_seq=128, page_size=256, partition_size=64)
-    assert isinstance(cfg, KernelConfig) and cfg.num_splits == 17 and cfg.dot_dtype == "int8" and cfg.unpack_asm
-    assert default_config(batch=1, num_kv_heads=8, pages_per_seq=128, page_size=256, partition_size=64).num_splits == 128
+    assert isinstance(cfg, KernelConfig) and cfg.dot_dtype == "int8"
+    assert cfg.unpack_asm and cfg.dedup and cfg.fast_quant
+    fit = RESIDENT_PROGRAMS_PER_SM * 132  # one wave of programs on the H200
+    assert cfg.num_splits == fit // 64
+    assert default_config(batch=1, num_kv_heads=8, pages_per_seq=128, page_size=256,
+                          partition_size=64).num_splits == fit // 8
+    assert default_config(batch=1, num_kv_heads=8, pages_per_seq=4, page_size=256,
+                          partition_size=64).num_splits == 4  # at most one split per packing group
     assert default_config(batch=1, num_kv_heads=1, pages_per_seq=1, page_size=256, partition_size=64).num_splits == 1
+    assert default_config(batch=64, num_kv_heads=8, pages_per_seq=128, page_size=256,
+                          partition_size=64).num_splits == 1
+    bf16 = default_config(batch=8, num_kv_heads=8, pages_per_seq=128, page_size=256, partition_size=64,
+                          dot_dtype="bf16")
+    assert not bf16.unpack_asm and not bf16.fast_quant
     assert [group_pad(h * g, h) for h, g in ((8, 1), (8, 3), (8, 4), (8, 8))] == [4, 4, 4, 8]
 
 
