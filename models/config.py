@@ -90,7 +90,7 @@ class ModelConfig:
 
 
 # Real model shapes for benchmarks with random weights (Llama(config, rngs=...)): the KV path's
-# speed does not depend on weight values (shared/MODELS.md, "The GPU machine").
+# speed does not depend on weight values (docs/MODELS.md, "The GPU machine").
 PRESETS = {
     "llama-3.1-8b": dict(architecture="llama", vocab_size=128256, num_layers=32, embed_dim=4096,
                          hidden_dim=14336, num_q_heads=32, num_kv_heads=8, head_dim=128,

@@ -46,8 +46,12 @@ class Sampling:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-      raise ValueError(f"bad sampling parameters: {self}")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0 (0 = greedy): {self.temperature=}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 = off): {self.top_k=}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1] (1 = off): {self.top_p=}")
 
 
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
@@ -312,11 +316,32 @@ class Generator:
 
   # ---------------------------------------------------------------------------------- perplexity
 
+  def decode_perplexity(self, token_ids: Sequence[int], *, prefix: int = 1,
+                        progress: bool = False) -> tuple[float, int]:
+    """exp(mean NLL of tokens prefix+1..N), teacher-forced one decode step at a time.
+
+    The first `prefix` tokens are prefilled; every later token is fed through the real decode step,
+    so each prediction sees the cache exactly as generation does (for "hack": sealed 2-bit blocks,
+    the 16-bit open block and sinks). Returns (perplexity, number of predictions = N - prefix).
+    Raises ValueError unless 1 <= prefix < N <= cache capacity.
+    """
+    n = len(token_ids)
+    if not 1 <= prefix < n <= self.capacity:
+      raise ValueError(f"decode perplexity needs 1 <= prefix < tokens <= capacity "
+                       f"{self.capacity}: got {prefix=}, tokens={n}")
+    forced = np.asarray(token_ids[prefix:], np.int32)[None]
+    result = self.generate_ids([list(token_ids[:prefix])], n - prefix, forced=forced,
+                               progress=progress)
+    logp = np.asarray(result.forced_logprobs[0], np.float64)
+    return float(np.exp(-logp.mean())), n - prefix
+
   def perplexity(self, token_ids: Sequence[int], *, seed: int = 0) -> tuple[float, int]:
     """exp(mean NLL of tokens 2..N given their prefixes), prefilled through this cache format.
 
-    The prefill logits attend over the cache contents (quantized for "hack"/"int8"), so this
-    measures the cache format's effect. Returns (perplexity, number of predictions = N - 1).
+    The prefill logits attend over the cache contents (quantized for "hack"/"int8"). For "hack"
+    each query also sees its own, still-filling block as 2-bit codes, which decoding never does
+    (there those tokens sit in the 16-bit open block): use decode_perplexity to measure what
+    generation sees. Returns (perplexity, number of predictions = N - 1).
     Raises ValueError for fewer than 2 tokens or more than the cache capacity.
     """
     n = len(token_ids)
