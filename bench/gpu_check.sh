@@ -16,6 +16,7 @@
 #                                                  (BLOCK_K:SPLITS|d:WARPS:STAGES) -> OUT_DIR/sweep/, on
 #   SWEEP_ARGS="--heads llama3.1-8b --batches 8 --kv-lens 32768"   these shapes
 #   SKIP_TESTS=1, SKIP_BENCH=1                     leave a stage out
+#   PREFILL_BENCH=1 PREFILL_ARGS="--quick"         also run bench_prefill_attention.py (PREFILL_BENCH_TIMEOUT=150)
 #   TEST_TIMEOUT=180, BENCH_TIMEOUT=150 (bf16, jax_gqa, xla), HACK_BENCH_TIMEOUT=150 (hack, dequant),
 #   SWEEP_TIMEOUT=90                               seconds per stage
 # Needs no network and no install: PYTHONPATH=. (jax, triton, pytest preinstalled there).
@@ -50,6 +51,13 @@ if [[ -z "${SKIP_BENCH:-}" ]]; then
   timeout "${HACK_BENCH_TIMEOUT:-150}" python3 bench/bench_decode_attention.py --out "$OUT" ${BENCH_ARGS:---quick --reps 3} \
     --impls hack dequant --append 2>&1 | tee -a "$OUT/bench.log"
   echo "bench (hack, dequant) exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+fi
+
+if [[ -n "${PREFILL_BENCH:-}" ]]; then
+  # shellcheck disable=SC2086
+  timeout "${PREFILL_BENCH_TIMEOUT:-150}" python3 bench/bench_prefill_attention.py --out "$OUT" \
+    ${PREFILL_ARGS:---quick} 2>&1 | tee "$OUT/bench_prefill.log"
+  echo "prefill bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench_prefill.log"
 fi
 
 if [[ -n "${BF16_SWEEP:-}" ]]; then

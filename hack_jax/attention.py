@@ -17,8 +17,10 @@ Models call only `decode_attention` / `prefill_attention` (STYLE.md rule 11); `i
 
 Query positions. decode: one query per sequence at position kv_lens[s] - 1 (kv_lens include the
 token just appended). prefill: q is left-aligned like write_prefill's k/v: row t of sequence s is
-the query at position t and sees keys at positions <= t; rows t >= kv_lens[s] see nothing and
-return 0 (right padding of a ragged batch). Sequences with kv_lens 0 return 0.
+the query at position q_start[s] + t (q_start default 0: a whole prompt; > 0: the next chunk of a
+chunked prefill, whose earlier tokens are already cached) and sees keys at positions <= its own;
+rows with q_start[s] + t >= kv_lens[s] see nothing and return 0 (right padding of a ragged batch).
+Sequences with kv_lens 0 return 0.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ IMPLS = ("reference", "pallas", "pallas_dequant")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 # (module, function) of the Pallas kernel per (impl, kind, kv_format); called as fn(q, <cache>,
-# page_indices, kv_lens, **kernel_options) where <cache> is the layer, or (k, v) pages for bf16.
+# page_indices, kv_lens, **kernel_options) where <cache> is the layer, or (k, v) pages for bf16;
+# prefill kernels also get q_start=i32[max_seqs] (keyword).
 _PALLAS = {
     ("pallas", "decode", "hack"): ("pallas_kernels.decode_attention", "hack_decode_attention"),
     ("pallas", "decode", "bf16"): ("pallas_kernels.bf16_decode_attention", "bf16_decode_attention"),
     ("pallas", "prefill", "hack"): ("pallas_kernels.prefill_attention", "hack_prefill_attention"),
+    ("pallas", "prefill", "bf16"): ("pallas_kernels.bf16_prefill_attention", "bf16_prefill_attention"),
     ("pallas_dequant", "decode", "hack"): ("pallas_kernels.dequant_decode_attention",
                                            "dequant_decode_attention"),
 }
@@ -68,29 +72,35 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
     if impl != "reference":
         return _pallas(impl, "decode", layer)(q, *_kernel_cache(layer), page_indices, kv_lens,
                                               **kernel_options)
-    return _reference(q[:, None], layer, page_indices, kv_lens, decode=True)[:, 0]
+    return _reference(q[:, None], layer, page_indices, kv_lens, None, decode=True)[:, 0]
 
 
-def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, impl="reference",
-                      **kernel_options):
-    """Causal attention of whole prompts over the cache contents (written by write_prefill).
+def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q_start=None,
+                      impl="reference", **kernel_options):
+    """Causal attention of prompts (or prompt chunks) over the cache contents (write_prefill).
 
     Args:
-      q: float[max_seqs, T, num_q_heads, head_dim], left-aligned: row t is the query at position t
-        (module docstring).
+      q: float[max_seqs, T, num_q_heads, head_dim], left-aligned: row t is the query at position
+        q_start[s] + t (module docstring).
       layer, page_indices, impl, kernel_options: as in decode_attention.
-      kv_lens: i32[max_seqs] tokens held per sequence (the prompt lengths for a fresh prefill).
-    Returns f32[max_seqs, T, num_q_heads, head_dim]; rows t >= kv_lens[s] are 0.
-    Raises as decode_attention.
+      kv_lens: i32[max_seqs] tokens held per sequence, this chunk included (the prompt lengths for
+        a fresh prefill; q_start + chunk lengths for a chunk).
+      q_start: i32[max_seqs] position of query row 0 (the tokens cached before this chunk, the
+        `start` given to write_prefill), or None = 0.
+    Returns f32[max_seqs, T, num_q_heads, head_dim]; rows with q_start[s] + t >= kv_lens[s] are 0.
+    Raises as decode_attention (and ValueError for a q_start that is not [max_seqs]).
     """
     q = jnp.asarray(q)
     if q.ndim != 4:
         raise ValueError(f"prefill q must be [max_seqs, T, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens = _check(q, layer, page_indices, kv_lens, impl, kernel_options)
+    q_start = jnp.zeros_like(kv_lens) if q_start is None else jnp.asarray(q_start, jnp.int32)
+    if q_start.shape != kv_lens.shape:
+        raise ValueError(f"q_start must be i32[{kv_lens.shape[0]}], got {q_start.shape=}")
     if impl != "reference":
         return _pallas(impl, "prefill", layer)(q, *_kernel_cache(layer), page_indices, kv_lens,
-                                               **kernel_options)
-    return _reference(q, layer, page_indices, kv_lens, decode=False)
+                                               q_start=q_start, **kernel_options)
+    return _reference(q, layer, page_indices, kv_lens, q_start, decode=False)
 
 
 def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
@@ -135,13 +145,13 @@ def _pallas(impl, kind, layer):
 
 
 @functools.partial(jax.jit, static_argnames="decode")
-def _reference(q, layer, page_indices, kv_lens, *, decode):
+def _reference(q, layer, page_indices, kv_lens, q_start, *, decode):
     """q f32[S, T, Hq, D] -> f32[S, T, Hq, D]; positions as in the module docstring."""
     t = q.shape[1]
     if decode:
         q_pos = kv_lens[:, None] - 1  # [S, 1]
     else:
-        steps = jnp.arange(t)[None, :]
+        steps = q_start[:, None] + jnp.arange(t)[None, :]
         q_pos = jnp.where(steps < kv_lens[:, None], steps, -1)  # [S, T]; -1 sees nothing
     if isinstance(layer, (kv_cache.KiviPages, kv_cache.SeedPages)):
         return _homomorphic(q, layer, page_indices, kv_lens, q_pos)

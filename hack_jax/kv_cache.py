@@ -348,22 +348,30 @@ def _check_kv(layer, k, v, ndim, what):
 # ----------------------------------------------------------------------------- prefill
 
 
-def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, key=None) -> LayerCache:
-    """Writes whole prompts into empty sequence slots (ragged batch).
+def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
+                  key=None) -> LayerCache:
+    """Writes prompts, or the next chunk of prompts, into sequence slots (ragged batch).
 
     Args:
       layer: the LayerCache.
-      k, v: float[S, T, num_kv_heads, head_dim], S = max_seqs; row s holds the first lengths[s]
-        tokens of slot s (left-aligned; rows beyond are ignored). T is static (a length bucket).
-      lengths: i32[S] tokens to write per slot; 0 leaves the slot untouched. The slot must be empty
-        before (kv_len 0) and its pages assigned for lengths[s] tokens.
-      page_indices: i32[S, pages_per_seq].
+      k, v: float[S, T, num_kv_heads, head_dim], S = max_seqs; row t of slot s is token
+        start[s] + t, rows t < lengths[s] are written (left-aligned; rows beyond are ignored).
+        T is static (a length bucket).
+      lengths: i32[S] tokens to write per slot; 0 leaves the slot untouched.
+      page_indices: i32[S, pages_per_seq]; pages must be assigned for start + lengths tokens.
+      start: i32[S] tokens the slot already holds (chunked prefill), or None = all 0 (the slot
+        must then be empty). The new tokens continue the sequence: they fill the remaining sinks,
+        then the open block (sealing it, with its earlier 16-bit tokens, once it holds P), then
+        whole blocks, then a new open block; the packing-group planes of blocks sealed before are
+        kept. With bf16-exact K/V (what the open block stores anyway) and nearest rounding, any
+        split into chunks stores the same bytes as one write_prefill (and as appends).
       key: PRNG key, required for rounding="stochastic" (ValueError otherwise), ignored for nearest.
     Returns the new LayerCache. hack: complete blocks quantized (all at once, scattered into their
     page slots with code sums), the remainder into the open block, sinks in 16 bits; baselines:
     every token into its page row.
-    Raises ValueError on shape mismatch, a length beyond T, or (concrete inputs only) bad page ids /
-    over capacity; under jit, tokens beyond capacity or bound for unassigned pages are dropped.
+    Raises ValueError on shape mismatch, a length beyond T, a negative start, or (concrete inputs
+    only) bad page ids / over capacity; under jit, tokens beyond capacity or bound for unassigned
+    pages are dropped.
     """
     k, v = jnp.asarray(k), jnp.asarray(v)
     _check_kv(layer, k, v, 4, "write_prefill")
@@ -375,26 +383,34 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, key=None) -
     if not isinstance(lengths, jax.core.Tracer) and lengths.size and int(lengths.max()) > k.shape[1]:
         raise ValueError(f"write_prefill: a length exceeds the prompt axis T={k.shape[1]}: "
                          f"lengths={np.asarray(lengths).tolist()}")
-    _maybe_validate(layer, page_indices, lengths)
+    if start is not None:
+        start = jnp.asarray(start, jnp.int32)
+        if start.shape != lengths.shape:
+            raise ValueError(f"write_prefill: {start.shape=} must be {lengths.shape}")
+        if not isinstance(start, jax.core.Tracer) and start.size and int(start.min()) < 0:
+            raise ValueError(f"write_prefill: start must be >= 0: start={np.asarray(start).tolist()}")
+    _maybe_validate(layer, page_indices, lengths if start is None else start + lengths)
     if isinstance(layer, DensePages):
-        return _prefill_dense(layer, k, v, lengths, page_indices)
+        return _prefill_dense(layer, k, v, lengths, page_indices, start)
     if isinstance(layer, Int8Pages):
-        return _prefill_int8(layer, k, v, lengths, page_indices)
-    return _prefill_hack(layer, k, v, lengths, page_indices, key)
+        return _prefill_int8(layer, k, v, lengths, page_indices, start)
+    return _prefill_hack(layer, k, v, lengths, page_indices, start, key)
 
 
-def _token_targets(layer, lengths, page_indices, t_len):
-    """(pages i32[S, T], rows i32[T]) for tokens 0..T-1 of the baseline formats."""
+def _token_targets(layer, lengths, page_indices, t_len, start):
+    """(pages i32[S, T], rows i32[S, T]) for rows 0..T-1 (tokens start + t) of the baseline formats."""
     ps = layer.config.page_size
-    t = jnp.arange(t_len)
-    ok = t[None, :] < lengths[:, None]
-    pages = _page_ids(page_indices, jnp.broadcast_to(t // ps, ok.shape), ok, layer.num_pages)
+    t = jnp.broadcast_to(jnp.arange(t_len), (lengths.shape[0], t_len))
+    ok = t < lengths[:, None]
+    if start is not None:
+        t = t + start[:, None]
+    pages = _page_ids(page_indices, t // ps, ok, layer.num_pages)
     return pages, t % ps
 
 
-def _prefill_dense(layer, k, v, lengths, page_indices):
-    pages, rows = _token_targets(layer, lengths, page_indices, k.shape[1])
-    put = lambda a, x: _put(a, (pages, _ALL, rows[None, :]), x)
+def _prefill_dense(layer, k, v, lengths, page_indices, start):
+    pages, rows = _token_targets(layer, lengths, page_indices, k.shape[1], start)
+    put = lambda a, x: _put(a, (pages, _ALL, rows), x)
     return dataclasses.replace(layer, k=put(layer.k, k), v=put(layer.v, v))
 
 
@@ -404,9 +420,9 @@ def _int8(x):
     return q.codes, q.scale[..., 0], q.minimum[..., 0]
 
 
-def _prefill_int8(layer, k, v, lengths, page_indices):
-    pages, rows = _token_targets(layer, lengths, page_indices, k.shape[1])
-    put = lambda a, x: _put(a, (pages, _ALL, rows[None, :]), x)
+def _prefill_int8(layer, k, v, lengths, page_indices, start):
+    pages, rows = _token_targets(layer, lengths, page_indices, k.shape[1], start)
+    put = lambda a, x: _put(a, (pages, _ALL, rows), x)
     kc, ks, km = _int8(k)  # [S, T, H, D], [S, T, H]
     vc, vs, vm = _int8(v)
     return dataclasses.replace(
@@ -431,48 +447,87 @@ def _quant_tokens_over_channels(x, config, pc, key):
     return q.codes, q.scale, q.minimum, q.code_sums
 
 
-def _prefill_hack(layer, k, v, lengths, page_indices, key):
+def _prefill_hack(layer, k, v, lengths, page_indices, start, key):
+    """Rows [0, lengths) of k/v as tokens [start, start + lengths) (start None: 0, empty slots).
+
+    Works on a stream of block positions u = ustart + i (u = token - ns): ustart is the packing
+    group of the old open block b0, the stream holds the earlier 16-bit open tokens (u in
+    [b0 P, u_old)) followed by the new tokens. Its complete blocks in [b0, sealed_new) are quantized
+    and written; packed bytes keep the planes of tokens stored before (u < u_keep).
+    """
     cfg = layer.config
     p, pc, np_, bpp = _groups(cfg, layer.head_dim)
     ps, ns, n = cfg.page_size, cfg.num_sink_tokens, layer.num_pages
     s, t_len, h, d = k.shape
     seed = isinstance(layer, SeedPages)
     key_k, key_v = _split_key(key)
+    chunked = start is not None
+    st = start if chunked else jnp.zeros_like(lengths)
 
     kt = jnp.swapaxes(k, 1, 2).astype(jnp.float32)  # [S, H, T, D]
     vt = jnp.swapaxes(v, 1, 2).astype(jnp.float32)
-    ng = max(1, -(-(t_len - ns) // (4 * p)))  # packing groups covering the prompt (>= 1: shapes)
-    nb, nu = 4 * ng, 4 * ng * p
-    pad = lambda x: jnp.pad(x[:, :, ns:], ((0, 0), (0, 0), (0, nu - max(t_len - ns, 0)), (0, 0)))
-    ku, vu = pad(kt), pad(vt)  # [S, H, NU, D], block positions u
-
     written = lengths > 0
-    n_u = jnp.clip(lengths - ns, 0, page_indices.shape[1] * ps)  # past the sinks, within capacity
-    n_sealed = n_u // p
-    u = jnp.arange(nu)
-    b = jnp.arange(nb)
-    tok_sealed = written[:, None] & (u[None, :] < (n_sealed * p)[:, None])  # [S, NU]
-    tok_any = written[:, None] & (u[None, :] < n_u[:, None])
-    blk_sealed = written[:, None] & (b[None, :] < n_sealed[:, None])  # [S, NB]
+    cap = page_indices.shape[1] * ps
+    u_old = jnp.clip(st - ns, 0, cap)  # block positions held before this write (sealed + open)
+    u_new = jnp.clip(st + lengths - ns, 0, cap)  # ... and after it
+    b0 = u_old // p  # the old open block: the first block this write can seal
+    sealed_new = u_new // p
+    if chunked:  # (b0 % 4) P + (u_old - b0 P) + T <= T + 4P - 1 stream positions
+        ng = -(-(t_len + 4 * p - 1) // (4 * p))
+        ustart = (b0 // 4) * (4 * p)
+    else:
+        ng = max(1, -(-(t_len - ns) // (4 * p)))  # packing groups covering the prompt (>= 1: shapes)
+        ustart = jnp.zeros_like(lengths)
+    nb, nu = 4 * ng, 4 * ng * p
+    u = ustart[:, None] + jnp.arange(nu)[None, :]  # [S, NU] block positions of the stream
 
-    # Block slots: page column b // bpp, slot b % bpp; token rows u % page_size.
-    blk_pages = lambda ok: _page_ids(page_indices, jnp.broadcast_to(b // bpp, ok.shape), ok, n)
-    tok_pages = lambda ok: _page_ids(page_indices, jnp.broadcast_to(u // ps, ok.shape), ok, n)
-    put_blocks = lambda a, x, ok: _put(a, (blk_pages(ok), _ALL, (b % bpp)[None, :]),
+    def stream(x, old_open):  # x f32[S, H, T, D] (+ the old open block) -> f32[S, H, NU, D]
+        if not chunked:
+            return jnp.pad(x[:, :, ns:], ((0, 0), (0, 0), (0, nu - max(t_len - ns, 0)), (0, 0)))
+        row = jnp.clip(u + ns - st[:, None], 0, t_len - 1)  # k/v row of the new token at u
+        new = jnp.take_along_axis(x, row[:, None, :, None], axis=2)
+        old_row = jnp.clip(u - (b0 * p)[:, None], 0, p - 1)
+        old = 0.0 if old_open is None else jnp.take_along_axis(
+            old_open.astype(jnp.float32), old_row[:, None, :, None], axis=2)
+        return jnp.where((u < u_old[:, None])[:, None, :, None], old, new)
+
+    ku = stream(kt, None if seed else layer.open_k)  # seed: K of earlier tokens is in the pages
+    vu = stream(vt, layer.open_v)
+
+    gb = (ustart // p)[:, None] + jnp.arange(nb)[None, :]  # [S, NB] block index in the sequence
+    in_new_blocks = (u >= (b0 * p)[:, None]) & (u < (sealed_new * p)[:, None])
+    tok_sealed = written[:, None] & in_new_blocks  # [S, NU] tokens of the blocks sealed now
+    tok_new = written[:, None] & (u >= u_old[:, None]) & (u < u_new[:, None])  # tokens written now
+    blk_sealed = written[:, None] & (gb >= b0[:, None]) & (gb < sealed_new[:, None])  # [S, NB]
+
+    # Block slots: page column gb // bpp, slot gb % bpp; token rows u % page_size.
+    blk_pages = lambda ok: _page_ids(page_indices, gb // bpp, ok, n)
+    tok_pages = lambda ok: _page_ids(page_indices, u // ps, ok, n)
+    put_blocks = lambda a, x, ok: _put(a, (blk_pages(ok), _ALL, gb % bpp),
                                        jnp.swapaxes(x, 1, 2))  # x [S, H, NB, X]
-    put_tokens = lambda a, x, ok: _put(a, (tok_pages(ok), _ALL, (u % ps)[None, :]),
+    put_tokens = lambda a, x, ok: _put(a, (tok_pages(ok), _ALL, u % ps),
                                        jnp.swapaxes(x, 1, 2))  # x [S, H, NU, X]
 
-    def put_codes(a, codes, ok):
+    def put_codes(a, codes, ok, u_keep):
         """Packs codes u8[S, H, NU, D] per group (zero where not ok) and writes every group
-        holding an ok token whole: the slot was empty, so no old plane needs keeping."""
+        holding an ok token; planes of tokens u < u_keep (stored before) are kept (None: the
+        slot was empty, no old plane needs keeping)."""
         codes = jnp.where(ok[:, None, :, None], codes, 0).reshape(s, h, ng, 4 * p, d)
-        packed = packing.pack_2bit(codes, axis=3)  # [S, H, NG, P, D]
-        g = jnp.arange(ng)
+        packed = jnp.moveaxis(packing.pack_2bit(codes, axis=3), 1, 3)  # [S, NG, P, H, D]
+        gg = (ustart // (4 * p))[:, None] + jnp.arange(ng)[None, :]  # [S, NG] group in the sequence
         g_ok = ok.reshape(s, ng, 4 * p).any(-1)
-        pages = _page_ids(page_indices, jnp.broadcast_to(g // (bpp // 4), g_ok.shape), g_ok, n)
-        rows = (g % (bpp // 4))[:, None] * p + jnp.arange(p)[None, :]  # [NG, P]
-        return _put(a, (pages[:, :, None], _ALL, rows[None]), jnp.moveaxis(packed, 1, 3))  # [S, NG, P, H, D]
+        pages = _page_ids(page_indices, gg // (bpp // 4), g_ok, n)
+        rows = (gg % (bpp // 4))[:, :, None] * p + jnp.arange(p)  # [S, NG, P]
+        if u_keep is not None:
+            j = jnp.arange(4)[:, None]  # [4, 1] plane = block of the group
+            uu = (gg * 4 * p)[:, :, None, None] + j * p + jnp.arange(p)  # [S, NG, 4, P]
+            keep = uu < u_keep[:, None, None, None]
+            mask = jnp.sum(jnp.where(keep, packing.plane_mask(j), 0), axis=2).astype(jnp.uint8)
+            old = a[jnp.minimum(pages, n - 1)[:, :, None], :, rows]  # [S, NG, P, H, D]
+            packed = (old & mask[..., None, None]) | packed
+        return _put(a, (pages[:, :, None], _ALL, rows), packed)
+
+    keep = lambda x: x if chunked else None
 
     def channel_sums(codes):  # u8[..., D] -> i32[..., NP]
         return codes.reshape(codes.shape[:-1] + (np_, pc)).astype(jnp.int32).sum(-1)
@@ -481,11 +536,11 @@ def _prefill_hack(layer, k, v, lengths, page_indices, key):
         kc, ksc, kmn, ksum = _quant_tokens_over_channels(ku, cfg, pc, key_k)
         vc, vsc, vmn, vsum = _quant_blocks_over_tokens(vu.reshape(s, h, nb, p, d), cfg, key_v)
         new = dict(
-            k_codes=put_codes(layer.k_codes, kc, tok_any),
-            k_scale=put_tokens(layer.k_scale, ksc, tok_any),
-            k_min=put_tokens(layer.k_min, kmn, tok_any),
-            k_sums=put_tokens(layer.k_sums, ksum, tok_any),
-            v_codes=put_codes(layer.v_codes, vc.reshape(s, h, nu, d), tok_sealed),
+            k_codes=put_codes(layer.k_codes, kc, tok_new, keep(u_old)),
+            k_scale=put_tokens(layer.k_scale, ksc, tok_new),
+            k_min=put_tokens(layer.k_min, kmn, tok_new),
+            k_sums=put_tokens(layer.k_sums, ksum, tok_new),
+            v_codes=put_codes(layer.v_codes, vc.reshape(s, h, nu, d), tok_sealed, keep(b0 * p)),
             v_scale=put_blocks(layer.v_scale, vsc, blk_sealed),
             v_min=put_blocks(layer.v_min, vmn, blk_sealed),
             v_sums=put_blocks(layer.v_sums, vsum, blk_sealed))
@@ -494,29 +549,35 @@ def _prefill_hack(layer, k, v, lengths, page_indices, key):
         kc = kc.reshape(s, h, nu, d)
         vc, vsc, vmn, _ = _quant_tokens_over_channels(vu, cfg, pc, key_v)
         new = dict(
-            k_codes=put_codes(layer.k_codes, kc, tok_sealed),
+            k_codes=put_codes(layer.k_codes, kc, tok_sealed, keep(b0 * p)),
             k_scale=put_blocks(layer.k_scale, ksc, blk_sealed),
             k_min=put_blocks(layer.k_min, kmn, blk_sealed),
             k_sums=put_tokens(layer.k_sums, channel_sums(kc), tok_sealed),
-            v_codes=put_codes(layer.v_codes, vc, tok_sealed),
+            v_codes=put_codes(layer.v_codes, vc, tok_sealed, keep(b0 * p)),
             v_scale=put_tokens(layer.v_scale, vsc, tok_sealed),
             v_min=put_tokens(layer.v_min, vmn, tok_sealed),
             v_sums=put_blocks(layer.v_sums, vc.reshape(s, h, nb, p, d).astype(jnp.int32).sum(3),
                               blk_sealed))
 
-    # Open block: positions n_sealed * P + i, i < n_u % P; zero beyond.
+    # Open block: positions sealed_new * P + i, i < u_new % P; zero beyond.
     i = jnp.arange(p)
-    src = jnp.clip(n_sealed[:, None] * p + i[None, :], 0, nu - 1)  # [S, P]
-    open_ok = (i[None, :] < (n_u - n_sealed * p)[:, None])[:, None, :, None]
+    src = jnp.clip((sealed_new * p - ustart)[:, None] + i[None, :], 0, nu - 1)  # [S, P]
+    open_ok = (i[None, :] < (u_new - sealed_new * p)[:, None])[:, None, :, None]
 
     def open_block(x, old):
         blk = jnp.take_along_axis(x, src[:, None, :, None], axis=2)  # [S, H, P, D]
         return jnp.where(written[:, None, None, None], jnp.where(open_ok, blk, 0), old).astype(old.dtype)
 
-    def sinks(x, old):
-        sk = jnp.pad(x[:, :, :ns], ((0, 0), (0, 0), (0, max(0, ns - t_len)), (0, 0)))
-        ok = jnp.arange(ns)[None, None, :, None] < lengths[:, None, None, None]
-        return jnp.where(written[:, None, None, None], jnp.where(ok, sk, 0), old).astype(old.dtype)
+    def sinks(x, old):  # rows t < start kept, [start, start + lengths) new, zero beyond
+        if ns == 0:
+            return old
+        t = jnp.arange(ns)[None, :]
+        row = jnp.clip(t - st[:, None], 0, t_len - 1)  # [S, ns]
+        new_rows = jnp.take_along_axis(x, row[:, None, :, None], axis=2)  # [S, H, ns, D]
+        is_new = ((t >= st[:, None]) & (t < (st + lengths)[:, None]))[:, None, :, None]
+        kept = (t < st[:, None])[:, None, :, None]
+        rows = jnp.where(is_new, new_rows, jnp.where(kept, old.astype(jnp.float32), 0.0))
+        return jnp.where(written[:, None, None, None], rows, old).astype(old.dtype)
 
     new.update(open_v=open_block(vu, layer.open_v),
                sink_k=sinks(kt, layer.sink_k), sink_v=sinks(vt, layer.sink_v))

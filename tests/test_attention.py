@@ -112,6 +112,32 @@ def test_prefill_attention_is_causal_over_the_cache(fmt):
                                        rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["kivi", "float32"])
+def test_prefill_attention_q_start_shifts_the_queries(fmt):
+    """q_start (chunked prefill): row t of a chunk is the query at position q_start + t; it equals
+    row q_start + t of the left-aligned prefill over the same cache, and rows at or past kv_lens
+    are 0. q_start 0 is the default."""
+    layer, _, _, lengths, table = written(fmt, "prefill", exact=True, cap=300)
+    t_len = 320
+    q = make_q(t_len)
+    starts = np.minimum([0, 2, 4, 5, 68, 67, 100, 132, 200, 256, 299], lengths).astype(np.int32)
+    shifted = np.zeros_like(q)
+    for s, a in enumerate(starts):
+        shifted[s, :t_len - a] = q[s, a:]
+    full = np.asarray(prefill_jit_attn(q, layer, page_indices=table, kv_lens=lengths))
+    chunk = np.asarray(prefill_jit_attn(shifted, layer, page_indices=table, kv_lens=lengths,
+                                        q_start=starts))
+    zero = np.asarray(prefill_jit_attn(q, layer, page_indices=table, kv_lens=lengths,
+                                       q_start=0 * starts))
+    np.testing.assert_array_equal(zero, full)
+    for s, (a, n) in enumerate(zip(starts, lengths)):
+        np.testing.assert_allclose(chunk[s, :n - a], full[s, a:n], rtol=0,
+                                   atol=1e-6 * np.abs(full).max())
+        assert (chunk[s, n - a:] == 0).all()
+    with pytest.raises(ValueError, match="q_start"):
+        attention.prefill_attention(q, layer, page_indices=table, kv_lens=lengths, q_start=starts[:2])
+
+
 @pytest.mark.parametrize("fmt", HACK)
 def test_quantization_error_tiers(fmt):
     """Tier (b): hack on the codes vs float64 attention over the same dequantized cache differs

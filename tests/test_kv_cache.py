@@ -154,6 +154,79 @@ def test_prefill_and_appends_store_identical_bytes(fmt):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+# Chunk boundaries per sequence of LENGTHS (a second chunk ends at SPLITS_2, a third at the length):
+# 0 (a chunked write into an empty slot), inside the sinks (2), at the sinks' end (4), right after
+# (5), at a block boundary (68 = 4 + 64), inside blocks of the first, second and third packing group,
+# at a page boundary (260 = 4 + 256), and a three-chunk sequence crossing pages mid-block (517, 700).
+SPLITS_1 = (0, 2, 4, 5, 68, 67, 100, 132, 200, 256, 517)
+SPLITS_2 = (1, 63, 40, 65, 100, 128, 129, 255, 256, 257, 700)
+
+
+def chunk_rows(x, start, lengths):
+    """Rows [start, start + lengths) of each sequence of x [S, T, ...] moved to rows [0, lengths)."""
+    out = np.zeros_like(x)
+    for s, (a, n) in enumerate(zip(start, lengths)):
+        out[s, :n] = x[s, a:a + n]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def chunked(fmt):
+    """(layer, k, v, lengths, table): the exact K/V of LENGTHS (capped at 700 for the third
+    chunk) written as up to three write_prefill chunks with `start`, into the same table as
+    written(fmt, "prefill", exact=True)."""
+    config = FORMATS[fmt]
+    table, num_pages = shuffled_table(config)
+    k, v = make_kv(exact=True)
+    lengths = np.minimum(LENGTHS, 700).astype(np.int32)
+    layer = empty_layer(config, num_pages)
+    done = np.zeros_like(lengths)
+    for stop in (SPLITS_1, SPLITS_2, lengths):
+        stop = np.minimum(np.maximum(stop, done), lengths).astype(np.int32)
+        n = stop - done
+        layer = prefill_chunk_jit(layer, chunk_rows(k, done, n), chunk_rows(v, done, n), lengths=n,
+                                  page_indices=table, start=done)
+        done = stop
+    return layer, k, v, lengths, table
+
+
+prefill_chunk_jit = jax.jit(kv_cache.write_prefill)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_chunked_prefill_stores_the_bytes_of_one_prefill(fmt):
+    """Prompts written in two or three chunks (write_prefill with start: boundaries in the sinks,
+    on and off block, packing-group and page boundaries) store exactly the bytes of one
+    write_prefill of the whole prompts (bf16-exact K/V, as in the append equivalence)."""
+    layer, k, v, lengths, table = chunked(fmt)
+    one = prefill_jit(empty_layer(FORMATS[fmt], layer.num_pages), k, v, lengths=lengths,
+                      page_indices=table)
+    for f in dataclasses.fields(layer):
+        if f.name != "config":
+            np.testing.assert_array_equal(np.asarray(getattr(layer, f.name)),
+                                          np.asarray(getattr(one, f.name)), err_msg=f.name)
+    assert_contents(FORMATS[fmt], layer, k, v, lengths, table)
+
+
+def test_chunked_prefill_start_zero_and_errors():
+    """start = 0 equals start=None (the chunked path is the same write); bad starts raise."""
+    config = FORMATS["kivi"]
+    table, num_pages = shuffled_table(config)
+    k, v = make_kv(exact=True)
+    lengths = np.asarray(LENGTHS, np.int32)
+    layer = empty_layer(config, num_pages)
+    a = prefill_chunk_jit(layer, k, v, lengths=lengths, page_indices=table, start=0 * lengths)
+    b = prefill_jit(layer, k, v, lengths=lengths, page_indices=table)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="start must be >= 0"):
+        kv_cache.write_prefill(layer, k, v, lengths=lengths, page_indices=table, start=-1 + 0 * lengths)
+    with pytest.raises(ValueError, match="start.shape"):
+        kv_cache.write_prefill(layer, k, v, lengths=lengths, page_indices=table, start=lengths[:3])
+    with pytest.raises(ValueError, match="capacity"):  # start + lengths beyond the table's capacity
+        kv_cache.write_prefill(layer, k, v, lengths=lengths, page_indices=table, start=lengths + 300)
+
+
 @pytest.mark.parametrize("fmt", ["kivi", "seed"])
 def test_stored_sums_match_codes(fmt):
     """Code sums (HACK.md §3 summation elimination) agree with the stored codes; both layouts keep
