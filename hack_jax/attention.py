@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hack_jax import kv_cache, reference
 
@@ -121,6 +122,12 @@ def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
     if page_indices.ndim != 2 or page_indices.shape[0] != s or kv_lens.shape != (s,):
         raise ValueError(f"batch mismatch: {q.shape=} {page_indices.shape=} {kv_lens.shape=}")
+    if not isinstance(kv_lens, jax.core.Tracer):  # concrete lengths: check them here, eagerly
+        capacity = kv_cache.sink_tokens(layer.config) + page_indices.shape[1] * layer.config.page_size
+        bad = np.flatnonzero((np.asarray(kv_lens) < 0) | (np.asarray(kv_lens) > capacity))
+        if bad.size:
+            raise ValueError(f"kv_lens outside [0, capacity={capacity}] at slots {bad.tolist()}: "
+                             f"kv_lens={np.asarray(kv_lens).tolist()}")
     return page_indices, kv_lens
 
 

@@ -50,6 +50,10 @@ def homomorphic_matmul(a, b, *, use_cached_sums=True):
         raise ValueError(f"inner lengths differ: {a.shape=}, {b.shape=}")
     if a.partition_size != b.partition_size:
         raise ValueError(f"partitions differ: {a.partition_size=}, {b.partition_size=}")
+    try:
+        jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+        raise ValueError(f"batch axes do not broadcast: {a.shape=}, {b.shape=}") from None
     return _homomorphic_matmul(a, b, use_cached_sums=use_cached_sums)
 
 

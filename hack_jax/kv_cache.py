@@ -229,6 +229,12 @@ def _sums_dtype(group: int):
     return jnp.uint8 if 3 * group <= 255 else jnp.uint16
 
 
+def _check_ints(**sizes) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+
+
 def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pages: int,
                max_seqs: int) -> LayerCache:
     """An all-zero LayerCache of the format config.kv_format / config.layout (shapes: class docs).
@@ -240,6 +246,8 @@ def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pag
         raise ValueError(f"config must be a QuantConfig, got {type(config).__name__}")
     if config.kv_format not in ("hack", "bf16", "float32", "int8"):
         raise ValueError(f"unknown kv_format: {config.kv_format=}")
+    _check_ints(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages,
+                max_seqs=max_seqs)
     if num_pages < 2:
         raise ValueError(f"need the null page plus at least one page: {num_pages=}")
     if min(num_kv_heads, head_dim, max_seqs) < 1:
@@ -286,6 +294,7 @@ def init_cache(config: QuantConfig, *, num_layers: int, num_kv_heads: int, head_
     num_pages counts the reserved null page. Raises ValueError as init_layer, and for
     num_layers < 1 or pages_per_seq < 1.
     """
+    _check_ints(num_layers=num_layers, pages_per_seq=pages_per_seq)
     if num_layers < 1 or pages_per_seq < 1:
         raise ValueError(f"sizes must be positive: {num_layers=} {pages_per_seq=}")
     layer = init_layer(config, num_kv_heads=num_kv_heads, head_dim=head_dim,

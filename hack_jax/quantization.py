@@ -104,6 +104,9 @@ def _validate(x, bits, axis, partition_size, rounding, key, meta_dtype):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding=}")
     if rounding == "stochastic" and key is None:
         raise ValueError("rounding='stochastic' needs a PRNG key, got key=None")
+    if key is not None and not (isinstance(key, jax.Array) and (
+            jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.dtype == jnp.uint32)):
+        raise TypeError(f"key must be a jax PRNG key (jax.random.key), got {key!r}")
     if not jnp.issubdtype(meta_dtype, jnp.floating):
         raise ValueError(f"meta_dtype must be a floating dtype, got {meta_dtype=}")
 
@@ -185,9 +188,18 @@ def _quantize(x, key, *, bits, axis, partition_size, rounding, meta_dtype):
                            bits=bits, axis=axis, partition_size=partition_size)
 
 
-@jax.jit
 def dequantize(qt):
-    """x_hat = scale * codes + minimum per partition (HACK.md §2): float32, shape qt.codes.shape."""
+    """x_hat = scale * codes + minimum per partition (HACK.md §2): float32, shape qt.codes.shape.
+
+    Raises TypeError when qt is not a QuantizedTensor.
+    """
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"dequantize expects a QuantizedTensor, got {type(qt).__name__}")
+    return _dequantize(qt)
+
+
+@jax.jit
+def _dequantize(qt):
     ax = qt.axis
     codes = split_partitions(qt.codes.astype(jnp.float32), ax, qt.partition_size)
     scale = jnp.expand_dims(qt.scale.astype(jnp.float32), ax + 1)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from hack_jax import attention, kv_cache, paging, reference
+from hack_jax.config import QuantConfig
 from test_kv_cache import (FORMATS, HOWS, LENGTHS, append_jit, empty_layer, make_kv,
                            prefill_jit, shuffled_table, written)
 
@@ -265,3 +266,13 @@ def test_dispatch_errors():
     with pytest.raises(NotImplementedError, match="float32"):
         attention.prefill_attention(q[:, None], f32_layer, page_indices=f32_table, kv_lens=lengths,
                                     impl="pallas")
+
+
+def test_concrete_kv_lens_beyond_capacity_raise():
+    config = QuantConfig(kv_format="bf16")
+    layer = kv_cache.init_layer(config, num_kv_heads=1, head_dim=64, num_pages=3, max_seqs=2)
+    q = jnp.zeros((2, 2, 64), jnp.float32)
+    page_indices = np.array([[1], [2]], np.int32)  # capacity = 1 page of 256 tokens
+    for kv_lens in ([257, 1], [-1, 1]):
+        with pytest.raises(ValueError, match="capacity=256"):
+            attention.decode_attention(q, layer, page_indices=page_indices, kv_lens=np.array(kv_lens))

@@ -135,3 +135,11 @@ def test_rejects_mismatched_operands(rng):
 def test_identity_property(bits, offset, log_spread, seed):
     a, b = operands(np.random.default_rng(seed), offset=offset, spread=10.0**log_spread)
     check_identity(*quantize_pair(a, b, *bits, partition_size=32))
+
+
+def test_batch_axes_must_broadcast():
+    rng = np.random.default_rng(0)
+    a = quantize(jnp.asarray(rng.normal(size=(2, 3, 64)), jnp.float32), bits=8, axis=2, partition_size=32)
+    b = quantize(jnp.asarray(rng.normal(size=(3, 64, 5)), jnp.float32), bits=2, axis=1, partition_size=32)
+    with pytest.raises(ValueError, match="batch axes"):
+        homomorphic_matmul(a, b)

@@ -489,3 +489,10 @@ def test_cache_bytes_report_hand_arithmetic():
                                         head_dim=128, seq_len=32768, max_seqs=2)
     # 2 * 128 pages + the null page, each 2 (K, V) * 8 * 256 * 128 * 2 B per layer, 32 layers.
     assert dense["total"] == 257 * 2 * 8 * 256 * 128 * 2 * 32 and dense["open_blocks"] == 0
+
+
+def test_init_cache_rejects_non_int_sizes():
+    for bad in ("4", 4.5, True):
+        with pytest.raises(TypeError, match="num_pages"):
+            kv_cache.init_cache(QuantConfig(), num_layers=1, num_kv_heads=1, head_dim=64,
+                                num_pages=bad, max_seqs=1, pages_per_seq=1)

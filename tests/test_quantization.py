@@ -245,3 +245,11 @@ def test_error_bound_property(bits, log_spread, offset, seed):
     qt = edge_quantize(x, bits)
     err = np.abs(f64(x) - np_dequantize(qt))
     assert np.all(err <= error_bound(f64(x), qt, "nearest"))
+
+
+def test_type_errors_name_the_value(rng):
+    x = jnp.asarray(rng.normal(size=(4, 64)), jnp.float32)
+    with pytest.raises(TypeError, match="QuantizedTensor"):
+        dequantize(x)
+    with pytest.raises(TypeError, match="PRNG key"):
+        quantize(x, bits=2, axis=1, partition_size=64, rounding="stochastic", key=3)
