@@ -180,10 +180,6 @@ def _launch(q, k, v, page_indices, kv_lens, *, config: KernelConfig, sm_scale: f
     )(page_indices, kv_lens, q, k, v)
 
 
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 @common.quiet
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def bf16_decode_attention(q, k, v, page_indices, kv_lens, *, config: KernelConfig | None = None,
@@ -208,27 +204,15 @@ def bf16_decode_attention(q, k, v, page_indices, kv_lens, *, config: KernelConfi
     if q.ndim != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be float[batch, num_q_heads, head_dim], got {q.shape=} {q.dtype=}")
     batch, num_q_heads, head_dim = q.shape
-    if k.ndim != 4 or k.shape != v.shape or k.dtype != jnp.bfloat16 or v.dtype != jnp.bfloat16:
-        raise ValueError(f"k, v must be bf16[num_pages, num_kv_heads, page_size, head_dim] of one shape, "
-                         f"got {k.shape=} {k.dtype=} {v.shape=} {v.dtype=}")
-    num_pages, num_kv_heads, page_size, head_dim_kv = k.shape
-    if head_dim_kv != head_dim or not _is_pow2(head_dim) or head_dim < 16:
-        raise ValueError(f"head_dim must match between q and k/v and be a power of two >= 16, "
-                         f"got {q.shape=} {k.shape=}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads must be a multiple of num_kv_heads, got {num_q_heads=} {num_kv_heads=}")
-    if not _is_pow2(page_size) or page_size < 16:
-        raise ValueError(f"page_size must be a power of two >= 16, got {page_size=}")
-    if page_indices.ndim != 2 or page_indices.shape[0] != batch or page_indices.dtype != jnp.int32:
-        raise ValueError(f"page_indices must be i32[batch, pages_per_seq], got {page_indices.shape=} "
-                         f"{page_indices.dtype=} ({batch=})")
+    num_pages, num_kv_heads, page_size, _ = common.check_paged_bf16(head_dim, num_q_heads, batch, k, v,
+                                                                    page_indices)
     if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
         raise ValueError(f"kv_lens must be i32[batch], got {kv_lens.shape=} {kv_lens.dtype=} ({batch=})")
     pages_per_seq = page_indices.shape[1]
     if config is None:
         config = default_config(batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                 head_dim=head_dim, page_size=page_size, pages_per_seq=pages_per_seq)
-    if not _is_pow2(config.block_k) or config.block_k < 16 or config.num_splits < 1:
+    if not common.is_pow2(config.block_k) or config.block_k < 16 or config.num_splits < 1:
         raise ValueError(f"config.block_k must be a power of two >= 16 and num_splits >= 1, got {config=}")
 
     group = num_q_heads // num_kv_heads

@@ -160,10 +160,6 @@ def _bf16_prefill(q, k, v, page_indices, kv_lens, q_start, *, config, interpret)
     return out[:, :q_len, :, :group].reshape(batch, q_len, num_q_heads, head_dim)
 
 
-def _is_pow2(x) -> bool:
-    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
-
-
 @common.quiet
 def bf16_prefill_attention(q, k, v, page_indices, kv_lens, *, q_start=None, config: KernelConfig | None = None,
                            interpret: bool = False):
@@ -194,20 +190,8 @@ def bf16_prefill_attention(q, k, v, page_indices, kv_lens, *, q_start=None, conf
     if q.ndim != 4 or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be float[batch, T, num_q_heads, head_dim], got {q.shape=} {q.dtype=}")
     batch, q_len, num_q_heads, head_dim = q.shape
-    if k.ndim != 4 or k.shape != v.shape or k.dtype != jnp.bfloat16 or v.dtype != jnp.bfloat16:
-        raise ValueError(f"k, v must be bf16[num_pages, num_kv_heads, page_size, head_dim] of one shape, "
-                         f"got {k.shape=} {k.dtype=} {v.shape=} {v.dtype=}")
-    _, num_kv_heads, page_size, head_dim_kv = k.shape
-    if head_dim_kv != head_dim or not _is_pow2(head_dim) or head_dim < 16:
-        raise ValueError(f"head_dim must match between q and k/v and be a power of two >= 16, "
-                         f"got {q.shape=} {k.shape=}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads must be a multiple of num_kv_heads, got {num_q_heads=} {num_kv_heads=}")
-    if not _is_pow2(page_size) or page_size < 16:
-        raise ValueError(f"page_size must be a power of two >= 16, got {page_size=}")
-    if page_indices.ndim != 2 or page_indices.shape[0] != batch or page_indices.dtype != jnp.int32:
-        raise ValueError(f"page_indices must be i32[batch, pages_per_seq], got {page_indices.shape=} "
-                         f"{page_indices.dtype=} ({batch=})")
+    _, num_kv_heads, page_size, _ = common.check_paged_bf16(head_dim, num_q_heads, batch, k, v,
+                                                            page_indices)
     for name, x in (("kv_lens", kv_lens), ("q_start", q_start)):
         if x.shape != (batch,) or x.dtype != jnp.int32:
             raise ValueError(f"{name} must be i32[{batch}], got {x.shape=} {x.dtype=}")
@@ -217,7 +201,7 @@ def bf16_prefill_attention(q, k, v, page_indices, kv_lens, *, q_start=None, conf
         config = default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, q_len=q_len,
                                 head_dim=head_dim, page_size=page_size)
     pad = _next_pow2(num_q_heads // num_kv_heads)
-    if (not _is_pow2(config.block_q) or config.block_q * pad < 16 or not _is_pow2(config.block_k)
+    if (not common.is_pow2(config.block_q) or config.block_q * pad < 16 or not common.is_pow2(config.block_k)
             or not 16 <= config.block_k <= page_size):
         raise ValueError(f"config must have power-of-two block_q with block_q * G_pad >= 16 (G_pad={pad}) "
                          f"and power-of-two 16 <= block_k <= page_size={page_size}, got {config=}")

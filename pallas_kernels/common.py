@@ -317,3 +317,35 @@ def lse_combine(m, l, acc, axes):
     acc_tot = jnp.sum(acc * w[..., None], axis=axes)
     safe = jnp.where(l_tot > 0, l_tot, 1.0)
     return jnp.where((l_tot > 0)[..., None], acc_tot / safe[..., None], 0.0)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def is_pow2(n) -> bool:
+    """True for a positive power of two (Triton tile sizes)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+def check_paged_bf16(head_dim: int, num_q_heads: int, batch: int, k, v, page_indices):
+    """Validates a paged bf16 cache against q's sizes (both bf16 kernels); returns k's shape.
+
+    Raises ValueError naming the offending value: k/v not bf16[num_pages, num_kv_heads, page_size,
+    head_dim] of one shape, head_dim or page_size not a power of two >= 16, num_q_heads not a
+    multiple of num_kv_heads, page_indices not i32[batch, pages_per_seq].
+    """
+    if k.ndim != 4 or k.shape != v.shape or k.dtype != jnp.bfloat16 or v.dtype != jnp.bfloat16:
+        raise ValueError(f"k, v must be bf16[num_pages, num_kv_heads, page_size, head_dim] of one shape, "
+                         f"got {k.shape=} {k.dtype=} {v.shape=} {v.dtype=}")
+    _, num_kv_heads, page_size, head_dim_kv = k.shape
+    if head_dim_kv != head_dim or not is_pow2(head_dim) or head_dim < 16:
+        raise ValueError(f"head_dim must match between q and k/v and be a power of two >= 16, "
+                         f"got {head_dim=} {k.shape=}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads must be a multiple of num_kv_heads, got {num_q_heads=} {num_kv_heads=}")
+    if not is_pow2(page_size) or page_size < 16:
+        raise ValueError(f"page_size must be a power of two >= 16, got {page_size=}")
+    if page_indices.ndim != 2 or page_indices.shape[0] != batch or page_indices.dtype != jnp.int32:
+        raise ValueError(f"page_indices must be i32[batch, pages_per_seq], got {page_indices.shape=} "
+                         f"{page_indices.dtype=} ({batch=})")
+    return k.shape

@@ -388,10 +388,6 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_pow2(n) -> bool:
-    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
-
-
 def validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                     sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens):
     """Trace-time checks of shapes and dtypes against DESIGN.md's kivi layout; raises ValueError."""
@@ -403,9 +399,9 @@ def validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min,
         raise ValueError(f"k_codes must be u8[num_pages, num_kv_heads, page_size // 4, head_dim], got {k_codes.shape=}")
     num_pages, num_kv_heads, quarter, _ = k_codes.shape
     page_size = 4 * quarter
-    if not _is_pow2(P) or P < 32:
+    if not common.is_pow2(P) or P < 32:
         raise ValueError(f"partition_size must be a power of two >= 32, got {partition_size=}")
-    if not _is_pow2(head_dim) or head_dim < 32:
+    if not common.is_pow2(head_dim) or head_dim < 32:
         raise ValueError(f"head_dim must be a power of two >= 32, got {head_dim=}")
     if page_size % (NUM_PLANES * P):
         raise ValueError(f"page_size must be a multiple of 4 * partition_size, got {page_size=}, {partition_size=}")

@@ -353,10 +353,6 @@ def _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_pow2(n) -> bool:
-    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
-
-
 def validate_inputs(q, layer, page_indices, kv_lens, q_start, config):
     """Trace-time checks of shapes and dtypes against DESIGN.md's kivi layout (ValueError; the
     layer's type is checked by the caller); a concrete q_start is also checked to be >= 0."""
@@ -368,9 +364,9 @@ def validate_inputs(q, layer, page_indices, kv_lens, q_start, config):
     page_size = 4 * quarter
     if d != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"q does not match the cache (num_kv_heads={num_kv_heads}, head_dim={d}): {q.shape=}")
-    if not _is_pow2(P) or P < 32:
+    if not common.is_pow2(P) or P < 32:
         raise ValueError(f"partition_size must be a power of two >= 32, got {P=}")
-    if not _is_pow2(head_dim) or head_dim < 32:
+    if not common.is_pow2(head_dim) or head_dim < 32:
         raise ValueError(f"head_dim must be a power of two >= 32, got {head_dim=}")
     if page_size % (NUM_PLANES * P):
         raise ValueError(f"page_size must be a multiple of 4 * partition_size, got {page_size=}, {P=}")
@@ -403,7 +399,7 @@ def validate_inputs(q, layer, page_indices, kv_lens, q_start, config):
     if config.dot_dtype not in DOT_DTYPES:
         raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {config.dot_dtype=}")
     pad = group_pad(num_q_heads // num_kv_heads)
-    if not _is_pow2(config.block_q) or config.block_q * pad < 16:
+    if not common.is_pow2(config.block_q) or config.block_q * pad < 16:
         raise ValueError(f"block_q must be a power of two with block_q * G_pad >= 16 (the dots' M), "
                          f"got {config.block_q=}, G_pad={pad}")
 
