@@ -347,8 +347,12 @@ def _maybe_validate(layer, page_indices, kv_lens):
 
 
 def _check_kv(layer, k, v, ndim, what):
-    if k.shape != v.shape or k.ndim != ndim:
-        raise ValueError(f"{what}: k and v must have the same {ndim}-axis shape: {k.shape=} {v.shape=}")
+    if k.ndim != ndim or v.ndim != ndim:
+        raise ValueError(f"{what}: k and v must have {ndim} axes, got {k.shape=} {v.shape=}")
+    if k.shape != v.shape:
+        raise ValueError(f"{what}: k and v must have the same shape: {k.shape=} {v.shape=}")
+    if not (jnp.issubdtype(k.dtype, jnp.floating) and jnp.issubdtype(v.dtype, jnp.floating)):
+        raise ValueError(f"{what}: k and v must be floating, got {k.dtype=} {v.dtype=}")
     if (k.shape[-2], k.shape[-1]) != (layer.num_kv_heads, layer.head_dim):
         raise ValueError(f"{what}: k's (num_kv_heads, head_dim) must match the cache "
                          f"({layer.num_kv_heads}, {layer.head_dim}): {k.shape=}")

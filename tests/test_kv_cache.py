@@ -496,3 +496,15 @@ def test_init_cache_rejects_non_int_sizes():
         with pytest.raises(TypeError, match="num_pages"):
             kv_cache.init_cache(QuantConfig(), num_layers=1, num_kv_heads=1, head_dim=64,
                                 num_pages=bad, max_seqs=1, pages_per_seq=1)
+
+
+def test_write_errors_name_the_problem():
+    layer = kv_cache.init_layer(QuantConfig(kv_format="bf16"), num_kv_heads=1, head_dim=64,
+                                num_pages=2, max_seqs=1)
+    table = np.array([[1]], np.int32)
+    ok = np.zeros((1, 1, 64), np.float32)
+    with pytest.raises(ValueError, match="3 axes"):
+        kv_cache.append(layer, ok[None], ok[None], kv_lens=[0], active=[True], page_indices=table)
+    with pytest.raises(ValueError, match="floating"):
+        kv_cache.append(layer, ok.astype(np.int32), ok.astype(np.int32), kv_lens=[0], active=[True],
+                        page_indices=table)
