@@ -349,3 +349,18 @@ def check_paged_bf16(head_dim: int, num_q_heads: int, batch: int, k, v, page_ind
         raise ValueError(f"page_indices must be i32[batch, pages_per_seq], got {page_indices.shape=} "
                          f"{page_indices.dtype=} ({batch=})")
     return k.shape
+
+
+def check_kivi_geometry(partition_size: int, head_dim: int, page_size: int) -> None:
+    """Validates the kivi page geometry the HACK kernels support (DESIGN.md packing).
+
+    Raises ValueError naming the value: partition_size or head_dim not a power of two >= 32 (the int8
+    dot's inner dim), page_size not a multiple of 4 * partition_size (one packing group of 4 blocks).
+    """
+    if not is_pow2(partition_size) or partition_size < 32:
+        raise ValueError(f"partition_size must be a power of two >= 32, got {partition_size=}")
+    if not is_pow2(head_dim) or head_dim < 32:
+        raise ValueError(f"head_dim must be a power of two >= 32, got {head_dim=}")
+    if page_size % (4 * partition_size):
+        raise ValueError(f"page_size must be a multiple of 4 * partition_size, got {page_size=}, "
+                         f"{partition_size=}")

@@ -399,12 +399,7 @@ def validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min,
         raise ValueError(f"k_codes must be u8[num_pages, num_kv_heads, page_size // 4, head_dim], got {k_codes.shape=}")
     num_pages, num_kv_heads, quarter, _ = k_codes.shape
     page_size = 4 * quarter
-    if not common.is_pow2(P) or P < 32:
-        raise ValueError(f"partition_size must be a power of two >= 32, got {partition_size=}")
-    if not common.is_pow2(head_dim) or head_dim < 32:
-        raise ValueError(f"head_dim must be a power of two >= 32, got {head_dim=}")
-    if page_size % (NUM_PLANES * P):
-        raise ValueError(f"page_size must be a multiple of 4 * partition_size, got {page_size=}, {partition_size=}")
+    common.check_kivi_geometry(P, head_dim, page_size)
     if not isinstance(ns, int) or ns < 0:
         raise ValueError(f"num_sink_tokens must be an int >= 0, got {num_sink_tokens=}")
     if num_q_heads % num_kv_heads:

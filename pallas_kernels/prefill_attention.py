@@ -364,12 +364,7 @@ def validate_inputs(q, layer, page_indices, kv_lens, q_start, config):
     page_size = 4 * quarter
     if d != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"q does not match the cache (num_kv_heads={num_kv_heads}, head_dim={d}): {q.shape=}")
-    if not common.is_pow2(P) or P < 32:
-        raise ValueError(f"partition_size must be a power of two >= 32, got {P=}")
-    if not common.is_pow2(head_dim) or head_dim < 32:
-        raise ValueError(f"head_dim must be a power of two >= 32, got {head_dim=}")
-    if page_size % (NUM_PLANES * P):
-        raise ValueError(f"page_size must be a multiple of 4 * partition_size, got {page_size=}, {P=}")
+    common.check_kivi_geometry(P, head_dim, page_size)
     Pc = min(P, head_dim)
     NP, bpp = head_dim // Pc, page_size // P
     expect = {

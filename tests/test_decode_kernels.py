@@ -42,6 +42,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from oracles import q8_rows
 from pallas_kernels import common
 from pallas_kernels.decode_attention import (RESIDENT_PROGRAMS_PER_SM, KernelConfig, default_config,
                                              group_pad, hack_decode_attention)
@@ -129,18 +130,6 @@ def make_cache(rng, *, batch, num_kv_heads, head_dim, P, page_size, pages_per_se
 # ----------------------------------------------------------------------------------------------
 # NumPy twins (float64; the INT8 transients in float32 as the quantizer contract computes them)
 # ----------------------------------------------------------------------------------------------
-
-
-def q8_rows(x):
-    """INT8 per row, nearest, float32 metadata, folded minimum: hack_jax.quantization.quantize's
-    float32 arithmetic (DESIGN.md quantizer contract). Returns float64 (codes, scale, minimum)."""
-    x = np.asarray(x, np.float32)
-    lo, hi = x.min(1), x.max(1)
-    raw = (np.float32(0.5) * hi - np.float32(0.5) * lo) * np.float32(2.0 / 255)
-    s = np.where(hi > lo, np.maximum(raw, np.finfo(np.float32).tiny), np.float32(0)).astype(np.float32)
-    mf = (lo + np.float32(128) * s).astype(np.float32)
-    t = (x - mf[:, None]) / np.where(s > 0, s, np.float32(1))[:, None]
-    return np.clip(np.round(t), -128, 127).astype(np.float64), s.astype(np.float64), mf.astype(np.float64)
 
 
 def _f64(x):

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from hack_jax import attention, kv_cache, paging
 from hack_jax.config import QuantConfig
+from oracles import q8_rows
 from pallas_kernels import bf16_prefill_attention as bf16_mod
 from pallas_kernels import common
 from pallas_kernels import prefill_attention as hack_mod
@@ -344,18 +345,6 @@ def test_hack_kernel_deterministic_and_tile_invariant():
 # ----------------------------------------------------------------------------------------------
 # The float64 NumPy twin (independent of hack_jax and the kernel: own unpacking and page walk)
 # ----------------------------------------------------------------------------------------------
-
-
-def q8_rows(x):
-    """INT8 per row, nearest, float32 metadata, folded minimum: the quantizer contract's float32
-    arithmetic (DESIGN.md). Returns float64 (codes, scale, minimum)."""
-    x = np.asarray(x, np.float32)
-    lo, hi = x.min(1), x.max(1)
-    raw = (np.float32(0.5) * hi - np.float32(0.5) * lo) * np.float32(2.0 / 255)
-    s = np.where(hi > lo, np.maximum(raw, np.finfo(np.float32).tiny), np.float32(0)).astype(np.float32)
-    mf = (lo + np.float32(128) * s).astype(np.float32)
-    t = (x - mf[:, None]) / np.where(s > 0, s, np.float32(1))[:, None]
-    return np.clip(np.round(t), -128, 127).astype(np.float64), s.astype(np.float64), mf.astype(np.float64)
 
 
 def _softmax_part(logits, vis, values):
