@@ -2,10 +2,12 @@
 
   hack-jax generate --prompt TEXT [--prompt TEXT ...] [--model PATH] [--kv-format FMT]
                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
-                    [--no-chat] [--max-cache-len N] [--dtype D] [--impl I]
+                    [--no-chat] [--max-cache-len N] [--dtype D] [--impl I] [--interpret]
   hack-jax perplexity --text FILE [--tokens N] [--kv-format FMT] [--model PATH] [--dtype D]
   hack-jax eval [--formats all|F,..] [--contexts N,..] [--tokens N] [--windows W] [--text T]
                 [--out FILE.jsonl]      (KV-format accuracy table, models/eval.py)
+  hack-jax passkey [--formats F,..] [--lengths N,..] [--depths D,..] [--trials N]
+                   [--haystack T] [--out FILE.jsonl]   (passkey retrieval, models/passkey.py)
 
 Errors (empty prompt, prompt beyond the cache, bad option values) print `hack-jax: error: ...` on
 stderr and exit with status 2 (argparse's convention).
@@ -36,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
   common.add_argument("--impl", default="reference", choices=("reference", "pallas"),
                       help="attention implementation behind hack_jax.attention (pallas: the "
                       "Triton kernels, NVIDIA GPU only)")
+  common.add_argument("--interpret", action="store_true",
+                      help="with --impl pallas: run the kernels in Pallas interpret mode (any "
+                      "backend, CPU included; very slow, for testing)")
   g = sub.add_parser("generate", parents=[common], help="generate text for one or more prompts",
                      formatter_class=fmt)
   g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
@@ -60,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
   from models import eval as eval_mod
   eval_mod.add_arguments(sub.add_parser(
       "eval", help="accuracy of KV formats: teacher-forced decode perplexity (models/eval.py)"))
+  from models import passkey as passkey_mod
+  passkey_mod.add_arguments(sub.add_parser(
+      "passkey", help="passkey retrieval through KV formats, greedy decode (models/passkey.py)"))
   return p
 
 
@@ -67,13 +75,16 @@ def _load(args):
   import jax
   import jax.numpy as jnp
 
-  if args.impl == "pallas" and jax.default_backend() != "gpu":
+  if args.interpret and args.impl != "pallas":
+    raise ValueError("--interpret applies to --impl pallas only")
+  if args.impl == "pallas" and not args.interpret and jax.default_backend() != "gpu":
     raise ValueError(f"--impl pallas runs the Triton kernels and needs an NVIDIA GPU; jax's "
-                     f"backend here is {jax.default_backend()!r}: use --impl reference")
+                     f"backend here is {jax.default_backend()!r}: use --impl reference (or --interpret)")
 
   from models.gguf_loader import load_checkpoint
   from models.llama import Llama
-  ckpt = load_checkpoint(args.model, dtype=jnp.dtype(DTYPES[args.dtype]), impl=args.impl)
+  ckpt = load_checkpoint(args.model, dtype=jnp.dtype(DTYPES[args.dtype]), impl=args.impl,
+                         kernel_options={"interpret": True} if args.interpret else {})
   return ckpt, Llama.from_weights(ckpt.config, ckpt.weights)
 
 
@@ -144,9 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   """Entry point; returns the exit status (argparse errors exit with 2)."""
   parser = _parser()
   args = parser.parse_args(argv)
-  if args.command == "eval":
+  if args.command in ("eval", "passkey"):
     from models import eval as eval_mod
-    run = lambda a, _: eval_mod.run(a, argv_for_log=list(argv if argv is not None else sys.argv[1:])[1:])
+    from models import passkey as passkey_mod
+    mod = eval_mod if args.command == "eval" else passkey_mod
+    run = lambda a, _: mod.run(a, argv_for_log=list(argv if argv is not None else sys.argv[1:])[1:])
   else:
     run = _generate if args.command == "generate" else _perplexity
   try:

@@ -71,14 +71,61 @@ f32 = jnp.float32
 class EvalFormat:
   """One evaluated KV format: the cache it runs on, plus evaluation-only transforms.
 
-  fake: None (the cache as is) or "kivi2" (fake-quant attention over a float32 cache).
+  fake: None (the cache as is), "kivi2", or a FakeHack (fake-quant attention over a float32
+    cache: evaluation only, see FakeHack).
   hadamard: block size of a block-diagonal Hadamard rotation of K and q (0 = none).
+  v_hadamard: block size of a block-diagonal Hadamard rotation of V before the cache, undone on
+    the attention output (out R^T = sum_j w_j v_j, R orthonormal); 0 = none.
   """
   name: str
   quant: QuantConfig
-  fake: str | None = None
+  fake: "str | FakeHack | None" = None
   hadamard: int = 0
+  v_hadamard: int = 0
   note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeHack:
+  """An evaluation-only HACK-like 2-bit format that the cache cannot express (fake quantization:
+  exact K/V in a float32 cache, dequantize-then-attend; HACK's homomorphic identity makes HACK equal
+  to this up to its INT8 rounding of q and of the softmax weights, which this path leaves out: the
+  row fake-hack-p64 next to hack-p64 measures that difference).
+
+  Token t of a kv_len-token sequence is 2-bit when sinks <= t < sinks + n_q with
+  n_q = floor(max(kv_len - sinks - window, 0) / k_block) * k_block; the rest (sinks, the newest
+  window .. window + k_block - 1 tokens) is rounded to bfloat16 (HACK's residual dtype).
+  K: per channel over blocks of k_block tokens (from position `sinks`); V: per token over groups of
+  v_group channels, after an optional block-diagonal Hadamard rotation of size v_hadamard (undone
+  after dequantization, which equals undoing it on the attention output). 2 bits, fp16 scale/min,
+  nearest. edge_layers / edge: the first and last edge_layers layers use `edge` instead ("int8":
+  per (token, kv head) 8-bit like the int8 cache; or another FakeHack).
+  """
+  k_block: int = 64
+  v_group: int = 64
+  sinks: int = 4
+  window: int = 0
+  v_hadamard: int = 0
+  edge_layers: int = 0
+  edge: "FakeHack | str | None" = None
+
+  def __post_init__(self):
+    for name in ("k_block", "v_group"):
+      val = getattr(self, name)
+      if not isinstance(val, int) or val < 1:
+        raise ValueError(f"FakeHack.{name} must be a positive int, got {val!r}")
+    for name in ("sinks", "window", "v_hadamard", "edge_layers"):
+      val = getattr(self, name)
+      if not isinstance(val, int) or val < 0:
+        raise ValueError(f"FakeHack.{name} must be an int >= 0, got {val!r}")
+    if self.edge_layers and not (self.edge == "int8" or isinstance(self.edge, FakeHack)):
+      raise ValueError(f"FakeHack.edge must be 'int8' or a FakeHack when edge_layers > 0, "
+                       f"got {self.edge!r}")
+
+  def for_layer(self, index: int, num_layers: int) -> "FakeHack | str":
+    """The setting of layer `index` (edge layers get `edge`)."""
+    n = self.edge_layers
+    return self.edge if n and (index < n or index >= num_layers - n) else self
 
 
 def _hack(p=64, **kw):
@@ -100,7 +147,37 @@ FORMATS = {f.name: f for f in [
     EvalFormat("seed-p64", _hack(64, layout="seed"), note="seed layout, nearest, 4 sinks"),
     EvalFormat("seed-p64-had", _hack(64, layout="seed"), hadamard=64,
                note="seed layout + Hadamard(64) on K and q (outside the cache)"),
+    # HACK.md §4 "open work": variants that try to beat KIVI-2 at ~2.6-3 bits.
+    EvalFormat("hack-p64-vhad", _hack(64), v_hadamard=64,
+               note="kivi layout P64 + Hadamard(64) on V before the cache, undone after attention"),
+    EvalFormat("hack-p32-vhad", _hack(32), v_hadamard=64,
+               note="kivi layout P32 + Hadamard(64) on V before the cache, undone after attention"),
+    EvalFormat("hack-p64-sink64", _hack(64, num_sink_tokens=64),
+               note="kivi layout P64, 64 bf16 sinks (real cache)"),
+    EvalFormat("fake-hack-p64", QuantConfig(kv_format="float32"), fake=FakeHack(64, 64),
+               note="fake quant twin of hack-p64 (no INT8 q/W rounding): calibrates the fake rows"),
+    EvalFormat("fake-k32v64", QuantConfig(kv_format="float32"), fake=FakeHack(32, 64),
+               note="fake: K blocks of 32 tokens, V groups of 64 channels"),
+    EvalFormat("fake-p64-w128", QuantConfig(kv_format="float32"), fake=FakeHack(64, 64, window=128),
+               note="fake: P64 + newest 128..191 tokens bf16"),
+    EvalFormat("fake-p64-vhad-w128", QuantConfig(kv_format="float32"),
+               fake=FakeHack(64, 64, window=128, v_hadamard=64),
+               note="fake: P64 + V Hadamard(64) + newest 128..191 tokens bf16"),
+    EvalFormat("fake-p64-edge2-p32", QuantConfig(kv_format="float32"),
+               fake=FakeHack(64, 64, edge_layers=2, edge=FakeHack(32, 32)),
+               note="fake: P64, first/last 2 layers P32"),
+    EvalFormat("fake-p64-edge2-int8", QuantConfig(kv_format="float32"),
+               fake=FakeHack(64, 64, edge_layers=2, edge="int8"),
+               note="fake: P64, first/last 2 layers int8"),
+    EvalFormat("fake-k32v64-vhad-w128", QuantConfig(kv_format="float32"),
+               fake=FakeHack(32, 64, window=128, v_hadamard=64),
+               note="fake: K32/V64 + V Hadamard(64) + newest 128..159 tokens bf16"),
 ]}
+
+# `--formats all` = the formats of issue 7's first list; `variants` = the HACK.md §4 attempts.
+BASE_FORMATS = ("float32", "bf16", "int8", "kivi2", "hack-p32", "hack-p64", "hack-p128",
+                "hack-p64-stoch", "hack-p64-nosink", "seed-p64", "seed-p64-had")
+VARIANT_FORMATS = tuple(n for n in FORMATS if n not in BASE_FORMATS)
 
 KIVI_GROUP, KIVI_RESIDUAL = 32, 128
 
@@ -164,6 +241,82 @@ def kivi2_cache_bytes(num_kv_heads, head_dim, num_layers, seq_len) -> int:
   return int(nq * kivi2_bytes_per_token(num_kv_heads, head_dim, num_layers)) + resid
 
 
+def hack_quantized_range(kv_lens, *, k_block: int, sinks: int, window: int = 0):
+  """FakeHack's 2-bit token range [sinks, sinks + n_q) per sequence: n_q =
+  floor(max(kv_len - sinks - window, 0) / k_block) * k_block (window 0 = HACK's open-block rule)."""
+  return jnp.maximum(kv_lens - sinks - window, 0) // k_block * k_block
+
+
+def int8_fake_quant(x: jax.Array) -> jax.Array:
+  """x f32[..., D] -> int8 per (token, head) asymmetric quantize-dequantize over D (fp16 meta)."""
+  return fake_quant(x, axis=-1, bits=8)
+
+
+def fake_hack_quant(k: jax.Array, v: jax.Array, kv_lens: jax.Array, spec: FakeHack
+                    ) -> tuple[jax.Array, jax.Array]:
+  """k, v f32[S, C, H, D] (token order), kv_lens i32[S] -> FakeHack-dequantized (k, v) f32
+  (see FakeHack). Requires D % v_group == 0 and D % v_hadamard == 0."""
+  s, c, h, d = k.shape
+  if d % spec.v_group:
+    raise ValueError(f"head_dim {d} is not a multiple of v_group {spec.v_group}")
+  kb, ns = spec.k_block, spec.sinks
+  k, v = k.astype(f32), v.astype(f32)
+  # K per channel over blocks of kb tokens counted from position ns.
+  span = max(c - ns, 0)
+  pad = -span % kb
+  kt = jnp.pad(k[:, ns:], ((0, 0), (0, pad), (0, 0), (0, 0)))
+  kq = fake_quant(kt.reshape(s, (span + pad) // kb, kb, h, d), axis=2).reshape(s, span + pad, h, d)
+  kq = jnp.concatenate([k[:, :ns], kq[:, :span]], axis=1)
+  # V per token over channel groups, optionally in a Hadamard-rotated basis.
+  rot = block_hadamard(d, spec.v_hadamard) if spec.v_hadamard else None
+  vr = rotate(v, rot) if rot is not None else v
+  vq = fake_quant(vr.reshape(s, c, h, d // spec.v_group, spec.v_group), axis=-1).reshape(s, c, h, d)
+  if rot is not None:
+    vq = rotate(vq, rot.T)
+  nq = hack_quantized_range(kv_lens, k_block=kb, sinks=ns, window=spec.window)
+  t = jnp.arange(c)[None, :]
+  quantized = ((t >= ns) & (t < ns + nq[:, None]))[:, :, None, None]
+  half = lambda x: x.astype(jnp.bfloat16).astype(f32)
+  return jnp.where(quantized, kq, half(k)), jnp.where(quantized, vq, half(v))
+
+
+def _sum_bits(group: int) -> int:  # HACK's code sums: uint8 when 3 * group <= 255, else uint16
+  return 8 if 3 * group <= 255 else 16
+
+
+def fake_hack_bits(spec: "FakeHack | str", head_dim: int) -> float:
+  """Bits per 2-bit-held element of one layer's K and V (average), as HACK would store them:
+  codes 2 + K fp16 scale/min per (channel, k_block tokens) + K code sums per (token, channel
+  group) + V fp16 scale/min per (token, v_group channels) + V code sums per (channel, block).
+  Channel groups are min(v_group, head_dim). "int8": 8 + 2 x 16 / head_dim."""
+  if spec == "int8":
+    return 8 + 32 / head_dim
+  g = min(spec.v_group, head_dim)
+  k_bits = 2 + 32 / spec.k_block + _sum_bits(g) / g
+  v_bits = 2 + 32 / g + _sum_bits(spec.k_block) / spec.k_block
+  return (k_bits + v_bits) / 2
+
+
+def fake_hack_bytes(spec: FakeHack, num_kv_heads: int, head_dim: int, num_layers: int,
+                    seq_len: int | None = None) -> float:
+  """Bytes per token over all layers: asymptotic (seq_len None: every token 2-bit) or of one
+  seq_len-token sequence (2-bit tokens + bf16 sinks/window/open tokens, no page rounding)."""
+  elems = 2 * num_kv_heads * head_dim  # K and V elements per token per layer
+  total = 0.0
+  for i in range(num_layers):
+    layer = spec.for_layer(i, num_layers)
+    bits = fake_hack_bits(layer, head_dim)
+    if seq_len is None:
+      total += elems * bits / 8
+    elif layer == "int8":
+      total += seq_len * elems * bits / 8
+    else:
+      nq = int(hack_quantized_range(np.int64(seq_len), k_block=layer.k_block, sinks=layer.sinks,
+                                    window=layer.window))
+      total += nq * elems * bits / 8 + (seq_len - nq) * elems * 2
+  return total if seq_len is None else total / seq_len
+
+
 def hadamard(n: int) -> np.ndarray:
   """Orthonormal Sylvester Hadamard matrix f64[n, n] (n a power of two)."""
   if n < 1 or n & (n - 1):
@@ -208,14 +361,18 @@ def _dense_attention(q, k, v, q_pos, kv_lens):
 
 class FakeQuantAttention:
   """Stand-in for hack_jax.attention (decode_attention / prefill_attention) over a float32 cache:
-  reads the exact K/V, fake-quantizes them with `quantize(k, v, kv_lens)`, attends in float32."""
+  reads the exact K/V, fake-quantizes them with `quantize(k, v, kv_lens, layer_index)`, attends in
+  float32. The layer index is counted per call modulo num_layers: a traced forward step calls
+  attention once per layer, in order."""
 
-  def __init__(self, quantize):
-    self.quantize = quantize
+  def __init__(self, quantize, num_layers: int = 1):
+    self.quantize, self.num_layers, self._calls = quantize, num_layers, 0
 
   def _attend(self, q, layer, page_indices, kv_lens, q_pos):
+    index = self._calls % self.num_layers
+    self._calls += 1
     k, v = kv_cache.dequantize_cache(layer, page_indices, kv_lens)
-    k, v = self.quantize(k, v, kv_lens)
+    k, v = self.quantize(k, v, kv_lens, index)
     return _dense_attention(q, k, v, q_pos, kv_lens)
 
   def decode_attention(self, q, layer, *, page_indices, kv_lens, impl="reference", **_):
@@ -229,22 +386,55 @@ class FakeQuantAttention:
     return self._attend(q, layer, page_indices, kv_lens, q_pos)
 
 
+class _RotateV:
+  """Proxies of models.llama's `kv_cache` and `hack_attention` modules that store V @ R in the cache
+  and return attention @ R^T (R orthonormal: sum_j w_j (v_j R) R^T = sum_j w_j v_j)."""
+
+  def __init__(self, base, rotation, *, cache_side: bool):
+    self._base, self._rot, self._cache_side = base, rotation, cache_side
+
+  def __getattr__(self, name):
+    attr = getattr(self._base, name)
+    if self._cache_side and name in ("write_prefill", "append"):
+      return lambda layer, k, v, **kw: attr(layer, k, rotate(v, self._rot), **kw)
+    if not self._cache_side and name in ("decode_attention", "prefill_attention"):
+      return lambda *a, **kw: rotate(attr(*a, **kw), self._rot.T)
+    return attr
+
+
+def _fake_quantizer(fake, num_layers):
+  if fake == "kivi2":
+    return lambda k, v, kv_lens, _: kivi2_fake_quant(k, v, kv_lens)
+
+  def quantize(k, v, kv_lens, index):
+    spec = fake.for_layer(index, num_layers)
+    if spec == "int8":
+      return int8_fake_quant(k), int8_fake_quant(v)
+    return fake_hack_quant(k, v, kv_lens, spec)
+
+  return quantize
+
+
 @contextlib.contextmanager
-def patched(fmt: EvalFormat, head_dim: int):
+def patched(fmt: EvalFormat, head_dim: int, num_layers: int = 1):
   """Installs fmt's evaluation-only transforms in models.llama while traced inside the block."""
   from models import llama
-  saved = llama.hack_attention, llama.rope
+  saved = llama.hack_attention, llama.rope, llama.kv_cache
   try:
-    if fmt.fake == "kivi2":
-      llama.hack_attention = FakeQuantAttention(kivi2_fake_quant)
-    elif fmt.fake is not None:
-      raise ValueError(f"unknown fake format {fmt.fake!r}")
+    if fmt.fake is not None:
+      if not (fmt.fake == "kivi2" or isinstance(fmt.fake, FakeHack)):
+        raise ValueError(f"unknown fake format {fmt.fake!r}")
+      llama.hack_attention = FakeQuantAttention(_fake_quantizer(fmt.fake, num_layers), num_layers)
     if fmt.hadamard:
       rot, base = block_hadamard(head_dim, fmt.hadamard), saved[1]
       llama.rope = lambda x, positions, theta: rotate(base(x, positions, theta), rot)
+    if fmt.v_hadamard:
+      rot = block_hadamard(head_dim, fmt.v_hadamard)
+      llama.kv_cache = _RotateV(saved[2], rot, cache_side=True)
+      llama.hack_attention = _RotateV(llama.hack_attention, rot, cache_side=False)
     yield
   finally:
-    llama.hack_attention, llama.rope = saved
+    llama.hack_attention, llama.rope, llama.kv_cache = saved
 
 
 def _eval_generator_cls():
@@ -358,6 +548,9 @@ def bytes_info(fmt: EvalFormat, config, seq_len: int) -> dict:
   if fmt.fake == "kivi2":
     per_tok = kivi2_bytes_per_token(h, d, n)
     total = kivi2_cache_bytes(h, d, n, seq_len)
+  elif isinstance(fmt.fake, FakeHack):
+    per_tok = fake_hack_bytes(fmt.fake, h, d, n)
+    total = fake_hack_bytes(fmt.fake, h, d, n, seq_len) * seq_len
   else:
     per_tok = kv_cache.bytes_per_token(fmt.quant, h, d, n)
     total = kv_cache.cache_bytes_report(fmt.quant, num_layers=n, num_kv_heads=h, head_dim=d,
@@ -366,31 +559,44 @@ def bytes_info(fmt: EvalFormat, config, seq_len: int) -> dict:
               effective_bytes_per_token=total / seq_len, bf16_bytes_per_token=2 * elems)
 
 
-def evaluate_format(fmt: EvalFormat, model, tokenizer, prompts, forced, *, seed: int = 0) -> dict:
-  """Teacher-forced NLL of `forced` after each prompt through fmt's cache. Returns a dict with
-  ppl, nll, window_ppl, n_scored and timings."""
+def score_format(fmt: EvalFormat, model, tokenizer, prompts, forced, *, seed: int = 0):
+  """Teacher-forced NLL (natural log) of `forced` i32[W, n] after each of the W prompts, all in one
+  batch through fmt's cache. Returns (nll f64[W, n], timings dict)."""
   n = forced.shape[1]
   cls = _eval_generator_cls()
   gen = cls(model, tokenizer, fmt.quant, max_seqs=len(prompts),
             max_len=max(len(p) for p in prompts) + n)
   t0 = time.perf_counter()
-  with patched(fmt, model.config.head_dim):
+  with patched(fmt, model.config.head_dim, model.config.num_layers):
     res = gen.generate_ids(prompts, n, seed=seed, stop_on_eos=False, forced=forced)
   nll = -np.asarray(res.forced_logprobs, np.float64)  # [windows, n]
+  return nll, dict(wall_s=time.perf_counter() - t0, compile_s=res.stats["compile_s"],
+                   decode_tok_s=res.stats["decode_tok_s"])
+
+
+def summarize(nll: np.ndarray) -> dict:
+  """nll f64[W, n] -> ppl, nll (mean), window_ppl, n_scored."""
   return dict(ppl=float(np.exp(nll.mean())), nll=float(nll.mean()),
-              window_ppl=[float(x) for x in np.exp(nll.mean(axis=1))], n_scored=int(nll.size),
-              wall_s=time.perf_counter() - t0, compile_s=res.stats["compile_s"],
-              decode_tok_s=res.stats["decode_tok_s"])
+              window_ppl=[float(x) for x in np.exp(nll.mean(axis=1))], n_scored=int(nll.size))
+
+
+def evaluate_format(fmt: EvalFormat, model, tokenizer, prompts, forced, *, seed: int = 0) -> dict:
+  """Teacher-forced NLL of `forced` after each prompt through fmt's cache. Returns a dict with
+  ppl, nll, window_ppl, n_scored and timings."""
+  nll, timing = score_format(fmt, model, tokenizer, prompts, forced, seed=seed)
+  return dict(**summarize(nll), **timing)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--formats", default="all",
-                 help=f"comma list or 'all' ({','.join(FORMATS)})")
+                 help=f"comma list of names, 'all' (= {','.join(BASE_FORMATS)}) and/or 'variants' "
+                 f"(= {','.join(VARIANT_FORMATS)})")
   p.add_argument("--contexts", default="512", help="comma list of context lengths (tokens)")
   p.add_argument("--tokens", type=int, default=64, help="teacher-forced tokens scored per window")
   p.add_argument("--windows", type=int, default=2, help="windows per (text, context)")
   p.add_argument("--text", default="sotu2026",
-                 help="sotu2026 | sotuYYYY | austen:<book> | path to a UTF-8 file")
+                 help="comma list of sotu2026 | sotuYYYY | austen:<book> | path to a UTF-8 file "
+                 "(all texts' windows run in one batch; one row per text)")
   p.add_argument("--out", default="bench/results/accuracy.jsonl",
                  help="jsonl to append to; the .md table and _gap.png plot are written beside it")
   p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
@@ -400,15 +606,26 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   return p
 
 
+def format_names(spec: str) -> list[str]:
+  """--formats value -> format names: 'all' (issue 7's list, BASE_FORMATS), 'variants'
+  (VARIANT_FORMATS), or a comma list that may mix names and those two words.
+  Raises ValueError for an unknown name."""
+  names = []
+  for part in (x.strip() for x in spec.split(",")):
+    names += list(BASE_FORMATS if part == "all" else VARIANT_FORMATS if part == "variants"
+                  else [part])
+  unknown = [n for n in names if n not in FORMATS]
+  if unknown:
+    raise ValueError(f"unknown formats {unknown}; known: {list(FORMATS)} (or all, variants)")
+  return list(dict.fromkeys(names))
+
+
 def run(args, argv_for_log: Sequence[str] | None = None) -> int:
   out = args.out
   if args.report_only:
     write_report(out)
     return 0
-  names = list(FORMATS) if args.formats == "all" else [s.strip() for s in args.formats.split(",")]
-  unknown = [n for n in names if n not in FORMATS]
-  if unknown:
-    raise ValueError(f"unknown formats {unknown}; known: {list(FORMATS)}")
+  names = format_names(args.formats)
   contexts = [int(c) for c in args.contexts.split(",")]
   if args.tokens < 1 or args.windows < 1 or min(contexts) < 1:
     raise ValueError("--tokens, --windows and contexts must be >= 1")
@@ -416,29 +633,37 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
   from models.llama import Llama
   ckpt = load_checkpoint(args.model, dtype=jnp.float32)
   model = Llama.from_weights(ckpt.config, ckpt.weights)
-  label, text = load_text(args.text)
-  ids = ckpt.tokenizer.encode(text)
+  # Several texts share one batch (and so one compile per format and context).
+  texts = [load_text(spec) for spec in args.text.split(",")]
+  ids = [ckpt.tokenizer.encode(text) for _, text in texts]
   command = "python bench/bench_accuracy.py " + " ".join(
       shlex.quote(a) for a in (argv_for_log if argv_for_log is not None else sys.argv[1:]))
   os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
   for context in contexts:
-    prompts, forced = windows_of(ids, context, args.tokens, args.windows)
+    batches = [windows_of(i, context, args.tokens, args.windows) for i in ids]
+    prompts = [p for b in batches for p in b[0]]
+    forced = np.concatenate([b[1] for b in batches])
     for name in names:
       fmt = FORMATS[name]
-      r = evaluate_format(fmt, model, ckpt.tokenizer, prompts, forced, seed=args.seed)
-      row = dict(format=name, note=fmt.note, text=label, text_tokens=len(ids), context=context,
-                 tokens=args.tokens, windows=args.windows, model=os.path.basename(ckpt.path),
-                 **r, **bytes_info(fmt, ckpt.config, context + args.tokens),
-                 quant=dict(kv_format=fmt.quant.kv_format, layout=fmt.quant.layout,
-                            partition_size=fmt.quant.partition_size,
-                            num_sink_tokens=fmt.quant.num_sink_tokens,
-                            rounding=fmt.quant.rounding, fake=fmt.fake, hadamard=fmt.hadamard),
-                 seed=args.seed, command=command, date=time.strftime("%Y-%m-%d %H:%M"))
-      with open(out, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
-      print(f"{label} ctx={context} {name:16s} ppl={r['ppl']:9.4f} windows="
-            f"{[round(x, 3) for x in r['window_ppl']]} bits/elem={row['bits_per_element']:.2f} "
-            f"({r['wall_s']:.0f} s, compile {r['compile_s']:.0f} s)", flush=True)
+      nll, timing = score_format(fmt, model, ckpt.tokenizer, prompts, forced, seed=args.seed)
+      for t, ((label, _), text_ids) in enumerate(zip(texts, ids)):
+        r = dict(**summarize(nll[t * args.windows:(t + 1) * args.windows]), **timing)
+        row = dict(format=name, note=fmt.note, text=label, text_tokens=len(text_ids),
+                   context=context, tokens=args.tokens, windows=args.windows,
+                   model=os.path.basename(ckpt.path), batch=len(prompts),
+                   **r, **bytes_info(fmt, ckpt.config, context + args.tokens),
+                   quant=dict(kv_format=fmt.quant.kv_format, layout=fmt.quant.layout,
+                              partition_size=fmt.quant.partition_size,
+                              num_sink_tokens=fmt.quant.num_sink_tokens,
+                              rounding=fmt.quant.rounding, fake=str(fmt.fake) if fmt.fake else None,
+                              hadamard=fmt.hadamard, v_hadamard=fmt.v_hadamard),
+                   seed=args.seed, command=command, date=time.strftime("%Y-%m-%d %H:%M"))
+        with open(out, "a", encoding="utf-8") as f:
+          f.write(json.dumps(row) + "\n")
+        print(f"{label} ctx={context} {name:22s} ppl={r['ppl']:9.4f} windows="
+              f"{[round(x, 3) for x in r['window_ppl']]} bits/elem={row['bits_per_element']:.2f} "
+              f"({timing['wall_s']:.0f} s for the batch, compile {timing['compile_s']:.0f} s)",
+              flush=True)
   write_report(out)
   return 0
 
@@ -447,93 +672,119 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
 
 
 def _latest_rows(path):
+  """The newest row per (model, text, context, format) of a jsonl (later lines win)."""
   rows = {}
   with open(path, encoding="utf-8") as f:
     for line in f:
       if line.strip():
         r = json.loads(line)
-        rows[(r["model"], r["text"], r["context"], r["tokens"], r["windows"], r["format"])] = r
+        rows[(r["model"], r["text"], r["context"], r["format"])] = r
   return list(rows.values())
 
 
+def _eff_bits(r):
+  return 8 * r["effective_bytes_per_token"] / (r["bf16_bytes_per_token"] / 2)
+
+
 def write_report(jsonl: str) -> None:
-  """accuracy.md (tables per model/text/tokens/windows: format x context) and accuracy_gap.png."""
+  """accuracy.md beside jsonl (per model: a perplexity table format x (text, context) with the
+  commands that produced it, and a bytes table) and accuracy_gap.png (gap vs bits per element)."""
   rows = _latest_rows(jsonl)
   base = os.path.splitext(jsonl)[0]
   order = {n: i for i, n in enumerate(FORMATS)}
-  groups = {}
-  for r in rows:
-    groups.setdefault((r["model"], r["text"], r["tokens"], r["windows"]), []).append(r)
+  models = sorted({r["model"] for r in rows})
   lines = ["# KV-cache format accuracy (teacher-forced decode through the cache)", "",
-           "Generated by `models/eval.py` from `" + os.path.basename(jsonl) + "` (latest row per "
-           "cell). Perplexity of `tokens` teacher-forced tokens after each `context`-token prompt, "
-           "over `windows` consecutive windows (token 0 scored by the prefill, the rest by decode "
-           "steps through the cache). ratio = ppl / ppl(float32) of the same cell. bits/elem and "
-           "B/token: asymptotic (full pages / quantized tokens, all layers, K+V); eff B/token: "
-           "bytes of one sequence of context + tokens tokens (whole pages, sinks, open blocks or "
-           "KIVI residual) / its length. kivi2 and seed-p64-had are evaluation-only paths "
-           "(models/eval.py docstring).", ""]
-  for (model, text, tokens, windows), rs in sorted(groups.items()):
-    contexts = sorted({r["context"] for r in rs})
-    ref = {r["context"]: r["ppl"] for r in rs if r["format"] == "float32"}
-    cell = {(r["format"], r["context"]): r for r in rs}
-    lines += [f"## {model}, {text}, {tokens} tokens x {windows} windows", "",
-              "| format | bits/elem | B/token | " + " | ".join(
-                  f"ctx {c}: ppl | ratio | eff B/tok" for c in contexts) + " |",
-              "|---|---|---|" + "---|---|---|" * len(contexts)]
-    for name in sorted({r["format"] for r in rs}, key=lambda n: order.get(n, 99)):
+           "Generated by `models/eval.py` from `" + os.path.basename(jsonl) + "` (newest row per "
+           "cell). Each cell: perplexity of the teacher-forced tokens after each `context`-token "
+           "prompt (token 0 scored by the prefill, the rest by decode steps through the cache), "
+           "and in parentheses ratio = ppl / ppl(float32) of the same cell (same tokens). "
+           "`n` = scored tokens per cell (windows x tokens). bits/elem and B/token: asymptotic "
+           "(full pages / every token quantized, all layers, K+V); eff bits/elem: bytes of one "
+           "sequence of context + tokens tokens (whole pages, sinks, open blocks, 16-bit windows "
+           "or KIVI residual) / its length. kivi2, fake-* and *-had/-vhad are evaluation-only "
+           "paths (models/eval.py docstring); fake-* rows leave out HACK's INT8 rounding of q and "
+           "of the softmax weights (compare fake-hack-p64 with hack-p64).", ""]
+  for model in models:
+    rs = [r for r in rows if r["model"] == model]
+    cols = sorted({(r["text"], r["context"]) for r in rs}, key=lambda tc: (tc[0], tc[1]))
+    ref = {(r["text"], r["context"]): r["ppl"] for r in rs if r["format"] == "float32"}
+    cell = {(r["format"], r["text"], r["context"]): r for r in rs}
+    names = sorted({r["format"] for r in rs}, key=lambda n: order.get(n, 99))
+    n_of = {c: next(r["n_scored"] for r in rs if (r["text"], r["context"]) == c) for c in cols}
+    lines += [f"## {model}: perplexity (ratio to float32 KV)", "",
+              "| format | bits/elem | " + " | ".join(
+                  f"{t} ctx {c} (n={n_of[(t, c)]})" for t, c in cols) + " |",
+              "|---|---|" + "---|" * len(cols)]
+    for name in names:
       any_r = next(r for r in rs if r["format"] == name)
-      parts = [name, f"{any_r['bits_per_element']:.2f}", f"{any_r['bytes_per_token']:,.0f}"]
-      for c in contexts:
-        r = cell.get((name, c))
+      parts = [name, f"{any_r['bits_per_element']:.2f}"]
+      for t, c in cols:
+        r = cell.get((name, t, c))
         if r is None:
-          parts += ["", "", ""]
+          parts.append("")
         else:
-          ratio = f"{r['ppl'] / ref[c]:.4f}" if c in ref else ""
-          parts += [f"{r['ppl']:.3f}", ratio, f"{r['effective_bytes_per_token']:,.0f}"]
+          ratio = f" ({r['ppl'] / ref[(t, c)]:.3f})" if (t, c) in ref else ""
+          parts.append(f"{r['ppl']:.2f}{ratio}")
       lines.append("| " + " | ".join(parts) + " |")
-    lines += ["", "Commands:", ""]
+    lines += ["", "Commands (each ran every listed format on its contexts; all texts of one "
+              "command share one batch):", ""]
     for cmd in sorted({r["command"] for r in rs}):
-      cells = sorted({(r["context"], r["format"]) for r in rs if r["command"] == cmd})
-      ctxs = sorted({c for c, _ in cells})
-      lines.append(f"- `{cmd}` (contexts {ctxs}, {len(cells)} cells)")
+      cells = {(r["text"], r["context"]) for r in rs if r["command"] == cmd}
+      fmts = len({r["format"] for r in rs if r["command"] == cmd})
+      lines.append(f"- `{cmd}` ({fmts} formats; cells: "
+                   + ", ".join(f"{t} {c}" for t, c in sorted(cells)) + ")")
+    ctxs = sorted({c for _, c in cols})
+    lines += ["", f"### {model}: bytes per token", "",
+              "| format | note | bits/elem | B/token (all layers) | x bf16 | " + " | ".join(
+                  f"eff bits/elem @ {c}" for c in ctxs) + " |",
+              "|---|---|---|---|---|" + "---|" * len(ctxs)]
+    for name in names:
+      fr = [r for r in rs if r["format"] == name]
+      r0 = fr[0]
+      eff = {r["context"]: f"{_eff_bits(r):.2f}" for r in fr}
+      lines.append(f"| {name} | {r0['note']} | {r0['bits_per_element']:.2f} | "
+                   f"{r0['bytes_per_token']:,.0f} | {r0['bytes_per_token'] / r0['bf16_bytes_per_token']:.3f} | "
+                   + " | ".join(eff.get(c, "") for c in ctxs) + " |")
     lines.append("")
+  lines += ["![perplexity gap vs bits per element](accuracy_gap.png)", ""]
   with open(base + ".md", "w", encoding="utf-8") as f:
     f.write("\n".join(lines))
-  _plot(rows, os.path.join(os.path.dirname(jsonl), "accuracy_gap.png"))
+  _plot(rows, os.path.join(os.path.dirname(jsonl) or ".", "accuracy_gap.png"))
 
 
 def _plot(rows, path):
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return
-  ref = {(r["model"], r["text"], r["context"], r["tokens"], r["windows"]): r["ppl"]
-         for r in rows if r["format"] == "float32"}
-  fig, ax = plt.subplots(figsize=(8, 5))
-  series = sorted({(r["text"], r["context"]) for r in rows})
-  markers = "osd^v<>"
-  for i, (text, ctx) in enumerate(series):
-    pts = []
-    for r in rows:
-      key = (r["model"], r["text"], r["context"], r["tokens"], r["windows"])
-      if (r["text"], r["context"]) == (text, ctx) and key in ref and r["format"] != "float32":
-        pts.append((r["bits_per_element"], 100 * (r["ppl"] / ref[key] - 1), r["format"]))
-    if not pts:
-      continue
-    ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % 7],
-               label=f"{text}, ctx {ctx}")
-    if i == 0:
-      for x, y, n in pts:
-        ax.annotate(n, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-  ax.set_yscale("symlog", linthresh=0.1)
-  ax.set_xlabel("bits per cached element (asymptotic, incl. metadata)")
-  ax.set_ylabel("perplexity gap vs float32 KV (%, symlog: linear within +-0.1)")
-  ax.set_title("KV format accuracy: teacher-forced decode, SmolLM2-135M")
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=8)
+  """Perplexity gap (%) vs effective bits per element, one panel per model."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  models = sorted({r["model"] for r in rows})
+  fig, axes = plt.subplots(1, len(models), figsize=(9 * len(models), 6), squeeze=False)
+  for ax, model in zip(axes[0], models):
+    rs = [r for r in rows if r["model"] == model]
+    ref = {(r["text"], r["context"]): r["ppl"] for r in rs if r["format"] == "float32"}
+    series = sorted({(r["text"], r["context"]) for r in rs})
+    names = sorted({r["format"] for r in rs if r["format"] != "float32"})
+    cmap = plt.get_cmap("tab20")
+    color = {n: cmap(i % 20) for i, n in enumerate(names)}
+    markers = "osd^v<>PX*"
+    for i, key in enumerate(series):
+      for r in rs:
+        if (r["text"], r["context"]) != key or key not in ref or r["format"] == "float32":
+          continue
+        ax.scatter(_eff_bits(r), 100 * (r["ppl"] / ref[key] - 1), marker=markers[i % 10],
+                   color=color[r["format"]], s=30, edgecolor="k", linewidth=0.3)
+    for n in names:
+      ax.scatter([], [], color=color[n], marker="s", label=n)
+    for i, (text, ctx) in enumerate(series):
+      ax.scatter([], [], color="w", edgecolor="k", marker=markers[i % 10], label=f"{text} ctx {ctx}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_xlabel("effective bits per cached element at the cell's length "
+                  "(incl. metadata, sinks, 16-bit windows)")
+    ax.set_ylabel("perplexity gap vs float32 KV (%, symlog: linear within +-1)")
+    ax.set_title(f"KV format accuracy, teacher-forced decode: {model}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6, ncol=2, loc="upper right")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

