@@ -57,7 +57,8 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)  # Pallas-Triton 
 
 HEADS = {"llama3.1-8b": (32, 8, 128), "smollm2": (9, 3, 64), "tiny": (4, 2, 64)}
 BATCHES = (1, 8, 32)
-KV_LENS = (1024, 8192, 32768, 131072)
+# the issue's target lengths first: a stage cut by its time limit loses the rest
+KV_LENS = (32768, 1024, 131072, 8192)
 QUICK = [("llama3.1-8b", 8, 32768), ("llama3.1-8b", 1, 32768), ("llama3.1-8b", 32, 8192),
          ("llama3.1-8b", 8, 8192), ("llama3.1-8b", 8, 131072), ("smollm2", 8, 32768)]
 SMOKE = [("tiny", 2, 256), ("tiny", 1, 100)]
@@ -195,11 +196,12 @@ def _cache_bytes(layer_shapes, shape, config, pps, skip_fields=()):
     return int(total * shape.batch + shape.batch * pps * 4)
 
 
-def _layer_prep(shape, key, kv_format, skip_fields=()):
+def _layer_prep(shape, key, kv_format, skip_fields=(), partition_size=64):
     from hack_jax import kv_cache, paging
     from hack_jax.config import QuantConfig
-    config = QuantConfig(kv_format=kv_format, page_size=PAGE_SIZE)
-    pps = paging.pages_needed(shape.kv_len, page_size=PAGE_SIZE, num_sink_tokens=kv_cache.sink_tokens(config))
+    page_size = max(PAGE_SIZE, 4 * partition_size)  # one page holds at least one packing group
+    config = QuantConfig(kv_format=kv_format, page_size=page_size, partition_size=partition_size)
+    pps = paging.pages_needed(shape.kv_len, page_size=page_size, num_sink_tokens=kv_cache.sink_tokens(config))
     one = jax.eval_shape(lambda: kv_cache.init_layer(config, num_kv_heads=shape.num_kv_heads,
                                                      head_dim=shape.head_dim, num_pages=2, max_seqs=1))
     nbytes = _cache_bytes(one, shape, config, pps, skip_fields)
@@ -224,27 +226,33 @@ def _slots(layer, shape, i, n):
     return dataclasses.replace(layer, **per) if per else layer
 
 
-def hack_variants():
-    """The dot variants hack_decode_attention exposes, as (name, kwargs)."""
+def hack_variants(dots=("bf16", "int8"), p128=False):
+    """The dot variants hack_decode_attention exposes, as (name, kwargs); p128 adds the default dots on a
+    partition_size=128 cache (page 512): half the per-token INT8 requantization work, lower accuracy
+    (bench/results/accuracy.md), as a speed/accuracy data point."""
     from pallas_kernels import decode_attention as mod
-    if "dot_dtype" in inspect.signature(mod.hack_decode_attention).parameters:
-        return [(f"hack_{d}dot", {"dot_dtype": d}) for d in ("bf16", "int8")]
-    return [("hack", {})]
+    if "dot_dtype" not in inspect.signature(mod.hack_decode_attention).parameters:
+        return [("hack", {})]
+    out = [(f"hack_{d}dot", {"dot_dtype": d}) for d in dots]
+    if p128:
+        out.append(("hack_p128_int8dot", {"dot_dtype": "int8", "partition_size": 128}))
+    return out
 
 
 def prep_hack(shape, key, *, interpret, variant_kwargs=None):
     from pallas_kernels import decode_attention as mod
-    layer, table, pps, nbytes, n, _ = _layer_prep(shape, key, "hack")
+    kwargs = dict(variant_kwargs or {})
+    P = kwargs.pop("partition_size", 64)
+    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", partition_size=P)
     arrays = dict(layer=layer, table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
     per_copy = shape.batch * pps
-    kwargs = dict(variant_kwargs or {})
 
     def call(q, i, a):
         table = a["table"] + (i % n) * per_copy
         return mod.hack_decode_attention(q, _slots(a["layer"], shape, i, n), table, a["lens"],
                                          interpret=interpret, **kwargs)
 
-    return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={PAGE_SIZE} ns=4 default_config {kwargs}", n)
+    return Prepared(call, arrays, nbytes, f"kivi P={P} page_size={config.page_size} ns=4 default_config {kwargs}", n)
 
 
 def prep_dequant(shape, key, *, interpret):
@@ -469,6 +477,10 @@ def main(argv=None):
     ap.add_argument("--kv-lens", nargs="+", type=int)
     ap.add_argument("--bf16-configs", nargs="*", metavar="BK:SPLITS:WARPS:STAGES",
                     help="extra runs of our bf16 kernel with these configs (a sweep; default config always runs)")
+    ap.add_argument("--hack-dots", nargs="+", default=["bf16", "int8"], choices=("bf16", "int8", "f16"),
+                    help="dot variants of the hack kernel to time (hack_<dot>dot rows)")
+    ap.add_argument("--hack-p128", action="store_true",
+                    help="also time the hack kernel on a partition_size=128 cache (hack_p128_int8dot)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--target-ms", type=float, default=60.0, help="wall time of one timed loop")
     ap.add_argument("--unroll", type=int, default=UNROLL, help="calls per loop iteration")
@@ -484,7 +496,7 @@ def main(argv=None):
     elif args.quick:
         shapes = QUICK
     else:
-        shapes = [(h, b, s) for h in ("llama3.1-8b", "smollm2") for b in BATCHES for s in KV_LENS]
+        shapes = [(h, b, s) for h in ("llama3.1-8b", "smollm2") for s in KV_LENS for b in BATCHES]
     shapes = [Shape(*s) for s in shapes
               if (not args.heads or s[0] in args.heads) and (not args.batches or s[1] in args.batches)
               and (not args.kv_lens or s[2] in args.kv_lens)]
@@ -505,7 +517,7 @@ def main(argv=None):
         if name == "hack":
             try:
                 impls += [(v, lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret, variant_kwargs=kw))
-                          for v, kw in hack_variants()]
+                          for v, kw in hack_variants(args.hack_dots, args.hack_p128)]
             except Exception as e:  # the module itself is missing or broken: one row per shape says so
                 err = f"{type(e).__name__}: {e}"
                 impls.append(("hack", lambda s, k, err=err: (_ for _ in ()).throw(RuntimeError(err))))
@@ -531,7 +543,10 @@ def main(argv=None):
             row = dict(impl=impl, heads=shape.heads, batch=shape.batch, num_q_heads=shape.num_q_heads,
                        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, kv_len=shape.kv_len,
                        gpu=gpu, jax_version=jax.__version__, timing_method=timing, roof_gbps=roof)
-            if 3 * shape.kv_bytes > MEMORY_LIMIT:
+            # peak memory vs the bf16 K/V size: the 2-bit caches are ~6x smaller (never skipped), the bf16
+            # pool ~1x (+ its random-bits temporary), jax gqa / XLA's contiguous K/V + transposes ~3x
+            factor = 0 if impl.startswith(("hack", "dequant")) else 2 if impl.startswith("bf16") else 3
+            if factor * shape.kv_bytes > MEMORY_LIMIT:
                 row["error"] = f"skipped: needs > {MEMORY_LIMIT >> 30} GiB"
             else:
                 key, k_data, k_q = jax.random.split(key, 3)

@@ -14,6 +14,8 @@ bytes = codes + metadata + code sums of the kv_len tokens (84 B per token per kv
 P 64) + open block + sinks + page table.
 
 Usage: PYTHONPATH=. python3 bench/bench_hack_decode.py --out DIR [--shapes b8_32k b1_32k ...]
+Stages (--stages): bench, accuracy, resources (ptxas report of the device's own compile), profile
+(plain calls for an outside profiler: bench/gpu_check.sh NCU=1), sass (CPU-only, below).
 CPU-only static report (registers, loop SASS counts; pip triton importable, e.g. installed with
 `pip install --target /tmp/tri triton==3.6.0` and /tmp/tri in PYTHONPATH):
   python3 bench/bench_hack_decode.py --out DIR --stages sass --variants v3=default v2=int8asm:v2:4:2
@@ -233,6 +235,27 @@ def accuracy(log, mode="gpu"):
     log(dict(accuracy="default_vs_plain_int8_splits5", max_err=float(diff.max()), bit_equal=bool((diff == 0).all())))
 
 
+def profile(args, log):
+    """A few plain calls of each variant on the first shape, for a profiler attached from outside
+    (bench/gpu_check.sh runs this stage under `ncu -k regex:hack_decode|bf16_decode --launch-skip 2
+    --launch-count 1`): warm-up calls first, so the profiled launch is a steady-state one."""
+    batch, kv_len = SHAPES[args.shapes[0]]
+    c, table, lens, _ = make_inputs(batch, kv_len, 1)
+    q = jax.random.normal(jax.random.PRNGKey(1), (batch, HQ, D), jnp.float32)
+    for name, fn, config in variants(batch, kv_len, args.variants):
+        if fn == "bf16paged":
+            from pallas_kernels.bf16_decode_attention import bf16_decode_attention
+            k, v, bt, bl, _ = bf16_inputs(batch, kv_len, 1)
+            call = jax.jit(lambda q: bf16_decode_attention(q, k, v, bt, bl, interpret=args.interpret))
+        else:
+            call = jax.jit(lambda q, fn=fn, config=config: fn(q, *[c[f] for f in FIELDS], table, lens,
+                                                                partition_size=P, num_sink_tokens=NS, config=config,
+                                                                interpret=args.interpret))
+        for _ in range(4):
+            jax.block_until_ready(call(q))
+        log(dict(profile=name, shape=args.shapes[0], config=str(config)))
+
+
 def resources(out_dir, log):
     """ptxas' resource report (registers, spills, shared memory) of the kernel as this jax compiles it:
     jax._src.lib.triton.compile (called by the Pallas-Triton lowering of jax >= 0.11) is wrapped to keep
@@ -248,10 +271,15 @@ def resources(out_dir, log):
 
     def keep(platform, module, arch, **kw):
         r = compile_fn(platform, module, arch, **kw)
-        ptx.append((kw.get("num_warps"), r.asm, r.smem_bytes))
+        asm = getattr(r, "asm", None) or getattr(r, "ptx", None)
+        if asm is None:
+            lines.append(f"compile result has no asm/ptx attribute: {[a for a in dir(r) if not a.startswith('_')]}")
+        else:
+            ptx.append((kw.get("num_warps"), asm if isinstance(asm, str) else asm.decode(),
+                        getattr(r, "smem_bytes", None)))
         return r
-    jl_triton.compile = keep
     lines = []
+    jl_triton.compile = keep
     try:
         batch, kv_len = SHAPES["b8_32k"]
         c, table, lens, _ = make_inputs(batch, 4096, 1)
@@ -284,21 +312,9 @@ def sass(out_dir, log, specs):
     cuda (TTIR from the Pallas-Triton lowering), compile it with pip `triton` (e.g. 3.6.0 in
     PYTHONPATH; XLA's bundled Triton may differ a little) for sm_90, and report ptxas' registers /
     stack and the main loop's SASS: instructions per warp and packing group, BAR.SYNC, shared-memory
-    and global loads, shuffles, IMMA. No GPU needed."""
-    import collections
-    import re
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from jax._src.pallas.triton import lowering as tl
-    captured = []
-    orig = tl.lower_jaxpr_to_triton_module
-
-    def keep(*a, **k):
-        r = orig(*a, **k)
-        captured.append(r.module.operation.get_asm(enable_debug_info=False))
-        return r
-    tl.lower_jaxpr_to_triton_module = keep
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+    and global loads, shuffles, IMMA. No GPU needed. The compile and SASS parsing are
+    bench/triton_offline.py's (shared with bench_prefill_attention.py --stages sass)."""
+    import triton_offline
     batch, kv_len = SHAPES["b8_32k"]
     pps = kv_len // PAGE + 1
     N, NP, bpp = batch * pps + 1, D // min(P, D), PAGE // P
@@ -308,37 +324,18 @@ def sass(out_dir, log, specs):
             S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, bpp, D), jnp.uint8),
             S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, NS, D), jnp.bfloat16),
             S((batch, HKV, NS, D), jnp.bfloat16), S((batch, pps), jnp.int32), S((batch,), jnp.int32)]
-    try:
-        for name, fn, cfg in variants(batch, kv_len, specs):
-            if fn == "bf16paged":
-                continue
-            captured.clear()
-            jax.jit(lambda *xs: fn(*xs, partition_size=P, num_sink_tokens=NS, config=cfg)).trace(*args).lower(
-                lowering_platforms=("cuda",))
-            path = os.path.join(out_dir, f"{name}.ttir")
-            with open(path, "w") as fh:
-                fh.write(captured[-1])
-            k = triton.compile(path, target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-            cubin = os.path.join(out_dir, f"{name}.cubin")
-            with open(cubin, "wb") as fh:
-                fh.write(k.asm["cubin"])
-            res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", cubin], capture_output=True,
-                                 text=True).stdout
-            text = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True,
-                                  text=True).stdout
-            ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)]
-            back = [(int(m.group(1), 16), a) for a, t in ins
-                    if (m := re.search(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", t)) and int(m.group(1), 16) < a]
-            lo, hi = max(back, key=lambda x: x[1] - x[0]) if back else (0, -1)
-            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                                      for a, t in ins if lo <= a <= hi)
-            regs = re.search(r"REG:(\d+) STACK:(\d+)", res)
-            log(dict(sass=name, config=str(cfg), regs=int(regs.group(1)) if regs else None,
-                     stack=int(regs.group(2)) if regs else None, loop_instr=sum(ops.values()),
-                     **{k_: ops[k_] for k_ in ("BAR", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "SHFL", "IMMA", "MUFU")}))
-    finally:
-        tl.lower_jaxpr_to_triton_module = orig
+    for name, fn, cfg in variants(batch, kv_len, specs):
+        if fn == "bf16paged":
+            continue
+        ttir = triton_offline.lower_ttir(
+            lambda *xs: fn(*xs, partition_size=P, num_sink_tokens=NS, config=cfg), *args)
+        c = triton_offline.compile_sm90(ttir, out_dir, name, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        loops = triton_offline.loops(c["sass"], innermost=False)  # the widest loop, as before
+        lo, hi, _ = max(loops, key=lambda x: x[1] - x[0]) if loops else (0, -1, 0)
+        ops = triton_offline.op_counts(c["sass"], lo, hi)
+        regs, stack = triton_offline.resources(c["res"])
+        log(dict(sass=name, config=str(cfg), regs=regs, stack=stack, loop_instr=sum(ops.values()),
+                 **{k_: ops[k_] for k_ in ("BAR", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "SHFL", "IMMA", "MUFU")}))
 
 
 def main(argv=None):
@@ -366,7 +363,7 @@ def main(argv=None):
     for stage in args.stages:
         try:
             {"bench": lambda: bench(args, log), "accuracy": lambda: accuracy(log, "interpret" if args.interpret else "gpu"),
-             "resources": lambda: resources(args.out, log),
+             "resources": lambda: resources(args.out, log), "profile": lambda: profile(args, log),
              "sass": lambda: sass(args.out, log, args.variants)}[stage]()
         except Exception as e:
             log(dict(stage=stage, error=f"{type(e).__name__}: {str(e)[:600]}"))

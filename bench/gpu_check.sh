@@ -16,6 +16,13 @@
 #                                                  (BLOCK_K:SPLITS|d:WARPS:STAGES) -> OUT_DIR/sweep/, on
 #   SWEEP_ARGS="--heads llama3.1-8b --batches 8 --kv-lens 32768"   these shapes
 #   SKIP_TESTS=1, SKIP_BENCH=1                     leave a stage out
+#   TEST_WORKERS=4                                 pytest-xdist workers for the gpu tests (compiles are
+#                                                  CPU-bound; XLA preallocation is off in that stage)
+#   RESOURCES=1                                    ptxas report of the device's own compile of the hack
+#                                                  decode kernel -> OUT_DIR/resources.txt (RESOURCES_TIMEOUT=60)
+#   NCU=1                                          Nsight Compute on one steady-state launch of the hack
+#                                                  decode kernel and of the bf16 one at NCU_SHAPE (b8_32k)
+#                                                  -> OUT_DIR/ncu.txt (NCU_TIMEOUT=150)
 #   PREFILL_BENCH=1 PREFILL_ARGS="--quick"         also run bench_prefill_attention.py (PREFILL_BENCH_TIMEOUT=150)
 #   TEST_TIMEOUT=180, BENCH_TIMEOUT=150 (bf16, jax_gqa, xla), HACK_BENCH_TIMEOUT=150 (hack, dequant),
 #   SWEEP_TIMEOUT=90                               seconds per stage
@@ -37,8 +44,30 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 if [[ -z "${SKIP_TESTS:-}" ]]; then
   # shellcheck disable=SC2086
-  timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/} 2>&1 | tee "$OUT/gpu_tests.log"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -m gpu \
+    ${TEST_WORKERS:+-n $TEST_WORKERS} ${GPU_TESTS:-tests/} 2>&1 | tee "$OUT/gpu_tests.log"
   echo "gpu tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.log"
+fi
+
+if [[ -n "${RESOURCES:-}" ]]; then
+  timeout "${RESOURCES_TIMEOUT:-60}" python3 bench/bench_hack_decode.py --out "$OUT" --stages resources 2>&1 \
+    | tee "$OUT/resources.log"
+fi
+
+if [[ -n "${NCU:-}" ]]; then
+  # --clock-control none: the H200 machines' clocks as they run (KINDS.md); launch 3 of each kernel
+  # (after 2 warm-up calls) with the sections that say what limits it: issue stalls, pipes, memory.
+  : >"$OUT/ncu.txt"
+  for pair in "hack_decode:v3=default" "bf16_decode:bf16paged=bf16paged"; do
+    timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none -k "regex:${pair%%:*}" --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis_Tables --section InstructionStats \
+      --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+      python3 bench/bench_hack_decode.py --out "$OUT/ncu_run" --stages profile --shapes "${NCU_SHAPE:-b8_32k}" \
+      --variants "${pair#*:}" >>"$OUT/ncu.txt" 2>&1
+    echo "ncu ${pair%%:*} exit: $?" | tee -a "$OUT/ncu.txt"
+  done
 fi
 
 if [[ -z "${SKIP_BENCH:-}" ]]; then

@@ -21,7 +21,8 @@ NP = head_dim // Pc, bpp = page_size // P, S = max_seqs = batch, ns = num_sink_t
 
 Kernel structure. Grid (batch, num_kv_heads, num_splits): one program serves all G query heads of a
 kv head over a contiguous range of packing groups (4 blocks = one [P, head_dim] u8 tile of K and of
-V codes). Its R = 4 * G_pad rows are (plane j, head g), G_pad = max(4, next_pow2(G)): row (j, g)
+V codes; `split_range`: the sequence's groups balanced over the splits to within one, split 0 the
+smallest). Its R = 4 * G_pad rows are (plane j, head g), G_pad = max(4, next_pow2(G)): row (j, g)
 handles block j of every packing group, so the 4 blocks of a tile are processed in one [R, ...]
 pass with every row doing useful work when G = 4 (Llama-3 8B), and R >= 16 satisfies the dot's M.
 Row (j, g) carries its own online softmax (stream j); the 4 streams are merged at the end of the
@@ -89,7 +90,7 @@ RESIDENT_PROGRAMS_PER_SM = 3
 def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref,
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
-                        num_sink_tokens, num_pages, max_blocks, groups_per_split, sm_scale, dot_dtype,
+                        num_sink_tokens, num_pages, max_blocks, num_splits, sm_scale, dot_dtype,
                         unpack_asm, dedup, fast_quant, interpret):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
@@ -117,8 +118,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     num_blocks = after_sinks // P  # sealed blocks
     num_open = after_sinks % P
     num_tile_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
-    g_lo = split * groups_per_split
-    g_hi = jnp.maximum(jnp.minimum(g_lo + groups_per_split, num_tile_groups), g_lo)
+    g_lo, g_hi = split_range(split, num_tile_groups, num_splits)
 
     row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R] block j of the row
     token = jax.lax.broadcasted_iota(jnp.int32, (P,), 0)  # [P]
@@ -215,6 +215,14 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
         acc_ref[:, pl.ds(p * Pc, Pc)] = accs[p]
     m_ref[...] = m
     l_ref[...] = l
+
+
+def split_range(split, num_groups, num_splits):
+    """Packing groups [g_lo, g_hi) of program `split` out of a sequence's `num_groups` (traced):
+    split s takes [s n // S, (s + 1) n // S), so every split gets floor(n / S) or one more, whatever
+    the sequence's length (a short sequence of a ragged batch is spread over all splits too), and
+    split 0, which also takes the sinks and the open block, gets the fewest."""
+    return split * num_groups // num_splits, (split + 1) * num_groups // num_splits
 
 
 def load_q_rows(q_ref, b, h, *, group, group_pad, num_groups, sm_scale):
@@ -354,9 +362,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     pages_per_seq = page_indices.shape[1]
     pad = group_pad(num_q_heads, num_kv_heads)
     groups_per_page = page_size // (NUM_PLANES * partition_size)
-    max_groups = pages_per_seq * groups_per_page
     splits = config.num_splits
-    groups_per_split = -(-max_groups // splits)
 
     inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q, k_codes, k_scale, k_min,
               k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
@@ -366,7 +372,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         _hack_decode_kernel, partition_size=partition_size, num_groups=num_groups,
         group=num_q_heads // num_kv_heads, group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
         groups_per_page=groups_per_page, num_sink_tokens=num_sink_tokens, num_pages=num_pages,
-        max_blocks=pages_per_seq * (page_size // partition_size), groups_per_split=groups_per_split,
+        max_blocks=pages_per_seq * (page_size // partition_size), num_splits=splits,
         dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, dedup=config.dedup,
         fast_quant=config.fast_quant, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad, head_dim), jnp.float32),

@@ -30,7 +30,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.decode_attention import (NUM_PLANES, KernelConfig, _full_spec, _is_layer, combine_splits,
                                              default_config, empty_state, group_pad, resolve_config,
-                                             load_q_rows, sinks_and_open_block_state, validate_inputs)
+                                             load_q_rows, sinks_and_open_block_state, split_range,
+                                             validate_inputs)
 
 __all__ = ["dequant_decode_attention", "KernelConfig", "default_config"]
 
@@ -43,7 +44,7 @@ __all__ = ["dequant_decode_attention", "KernelConfig", "default_config"]
 def _dequant_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref,
                            v_codes_ref, v_scale_ref, v_min_ref, open_k_ref, open_v_ref, *refs,
                            partition_size, num_groups, group, group_pad, groups_per_page, num_sink_tokens,
-                           num_pages, max_blocks, groups_per_split, sm_scale):
+                           num_pages, max_blocks, num_splits, sm_scale):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[S, Hq, D]
@@ -64,8 +65,7 @@ def _dequant_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_
     after_sinks = jnp.clip(kv_len - ns, 0, max_blocks * P)  # beyond the capacity: clipped (as kv_cache)
     num_blocks = after_sinks // P  # sealed blocks
     num_tile_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
-    g_lo = split * groups_per_split
-    g_hi = jnp.maximum(jnp.minimum(g_lo + groups_per_split, num_tile_groups), g_lo)
+    g_lo, g_hi = split_range(split, num_tile_groups, num_splits)
 
     row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R]
     q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
@@ -150,7 +150,7 @@ def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k,
         group=num_q_heads // num_kv_heads, group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
         groups_per_page=groups_per_page, num_sink_tokens=num_sink_tokens, num_pages=num_pages,
         max_blocks=pages_per_seq * (page_size // partition_size),
-        groups_per_split=-(-pages_per_seq * groups_per_page // splits))
+        num_splits=splits)
     acc, m, l = common.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad, head_dim), jnp.float32),
