@@ -8,6 +8,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+IMPLS = ("reference", "pallas", "pallas_dequant")  # = hack_jax.attention.IMPLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,12 @@ class ModelConfig:
     qkv_bias: True for qwen2 (q/k/v projections carry biases).
     dtype: compute dtype of weights and activations (float32 default; bfloat16 allowed).
       Logits, norms and softmax are always float32.
-    impl: attention implementation passed to hack_jax.attention ("reference" | "pallas").
+    impl: attention implementation passed to hack_jax.attention ("reference" | "pallas" |
+      "pallas_dequant").
+    kernel_options: keyword options for the Pallas kernels behind hack_jax.attention, as sorted
+      (name, value) pairs so the config stays hashable (a dict is accepted and converted), e.g.
+      {"interpret": True} to run them in Pallas interpret mode on the CPU. Must be empty with
+      impl="reference".
   """
 
   architecture: Literal["llama", "qwen2"]
@@ -43,8 +49,17 @@ class ModelConfig:
   qkv_bias: bool
   dtype: Any = jnp.float32
   impl: str = "reference"
+  kernel_options: Any = ()
 
   def __post_init__(self):
+    options = self.kernel_options
+    options = tuple(sorted((options.items() if isinstance(options, dict) else options)))
+    object.__setattr__(self, "kernel_options", options)
+    if self.impl not in IMPLS:
+      raise ValueError(f"impl must be one of {IMPLS}, got {self.impl=}")
+    if options and self.impl == "reference":
+      raise ValueError(f"kernel_options only apply to the Pallas impls, got {options=} with "
+                       f"impl='reference'")
     if self.architecture not in SUPPORTED_ARCHITECTURES:
       raise ValueError(f"unsupported architecture {self.architecture=}; "
                        f"supported: {SUPPORTED_ARCHITECTURES}")

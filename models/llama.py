@@ -12,7 +12,8 @@ Two ways to run:
   model.run(tokens, positions, cache, step) -> (cache, hidden)
                                         cached prefill / decode: each attention layer writes its K/V
                                         into the hack_jax cache and attends through
-                                        hack_jax.attention (the one dispatch; impl=config.impl).
+                                        hack_jax.attention (the one dispatch; impl=config.impl,
+                                        kernel options config.kernel_options).
 Einsum axes: B batch, T query tokens, S key tokens, D embed_dim, F hidden_dim, N q heads,
 K kv heads, G q heads per kv head, H head_dim, V vocab.
 """
@@ -133,13 +134,15 @@ class Attention(nnx.Module):
         cache = kv_cache.write_prefill(cache, k, v, lengths=step.write_lens,
                                        page_indices=step.page_indices, key=key)
         out = hack_attention.prefill_attention(q, cache, page_indices=step.page_indices,
-                                               kv_lens=step.kv_lens, impl=c.impl)
+                                               kv_lens=step.kv_lens, impl=c.impl,
+                                               **dict(c.kernel_options))
       else:
         cache = kv_cache.append(cache, k[:, 0], v[:, 0], kv_lens=step.kv_lens - step.write_lens,
                                 active=step.write_lens > 0, page_indices=step.page_indices,
                                 key=key)
         out = hack_attention.decode_attention(q[:, 0], cache, page_indices=step.page_indices,
-                                              kv_lens=step.kv_lens, impl=c.impl)[:, None]
+                                              kv_lens=step.kv_lens, impl=c.impl,
+                                              **dict(c.kernel_options))[:, None]
     return cache, jnp.einsum("BTNH,NHD->BTD", out.astype(x.dtype), self.o[...])
 
 
