@@ -313,7 +313,7 @@ def sass(out_dir, log, specs):
     PYTHONPATH; XLA's bundled Triton may differ a little) for sm_90, and report ptxas' registers /
     stack and the main loop's SASS: instructions per warp and packing group, BAR.SYNC, shared-memory
     and global loads, shuffles, IMMA. No GPU needed. The compile and SASS parsing are
-    bench/triton_offline.py's (shared with bench_prefill_attention.py --stages sass)."""
+    bench/triton_offline.py's (shared with bench_prefill_attention.py --sass)."""
     import triton_offline
     batch, kv_len = SHAPES["b8_32k"]
     pps = kv_len // PAGE + 1

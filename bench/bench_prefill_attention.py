@@ -58,9 +58,12 @@ SMOKE = [("tiny", 1, 128), ("tiny", 2, 256)]
 IMPLS = ("hack_bf16dot", "hack_int8dot", "hack_write", "bf16", "cudnn", "jax_mha")
 # --quick's sweep at 16K (name suffix -> KernelConfig fields): rows = block_q * 4 (G = 4).
 QUICK_SWEEP_SEQ = 16384
-HACK_SWEEP = [("bf16", dict(block_q=32, num_warps=8)), ("bf16", dict(block_q=32, num_warps=4)),
-              ("bf16", dict(block_q=8, num_warps=4)), ("bf16", dict(block_q=16, num_warps=4, num_stages=3)),
-              ("int8", dict(block_q=16, num_warps=4, fast_quant=True)), ("int8", dict(block_q=32, num_warps=8))]
+HACK_SWEEP = [  # NOTES_prefill.md v2: the offline SASS ranking's candidates (the default is in the matrix)
+    ("bf16", dict(block_q=32, num_warps=8)),  # 128 rows: 3539 vs 3461 loop instructions per 16 rows
+    ("bf16", dict(q_reload=True)),  # q re-read per block: fewer spills (106 vs 123), 3607 instructions
+    ("int8", dict()),  # int8 dots with the same fast paths (IGMMA; V transposed through shared memory)
+    ("bf16", dict(fast_quant=False, unpack_asm=False, meta_tiles=False)),  # v1's kernel: v2's gain, same run
+]
 BF16_SWEEP = [dict(block_q=16, block_k=64, num_warps=4), dict(block_q=32, block_k=128, num_warps=8),
               dict(block_q=32, block_k=64, num_warps=8, num_stages=3), dict(block_q=64, block_k=64, num_warps=8)]
 PAGE_SIZE = 256
@@ -309,21 +312,23 @@ def write_plot(rows, path):
 
 # ----------------------------------------------------------------------------- main
 
-def impl_preps(names, interpret, sweep):
-    """[(name, shape filter or None, prep_fn)]: the default configs, plus --quick's sweep at 16K."""
+def impl_preps(names, interpret, sweep, bf16_sweep=True):
+    """[(name, shape filter or None, prep_fn)]: the default configs, plus --quick's sweep at 16K (the
+    hack sweep runs once if any hack dot impl is listed, whatever its entries' dot dtypes)."""
     preps = []
+    hack_swept = False
     for name in names:
         if name.startswith("hack_") and name != "hack_write":
             dot = name[len("hack_"):-len("dot")]
             preps.append((name, None, functools.partial(prep_hack, interpret=interpret, dot_dtype=dot)))
-            for d, fields in (HACK_SWEEP if sweep else []):
-                if d == dot:
-                    label = f"{name}[{','.join(f'{k}={v}' for k, v in fields.items())}]"
-                    preps.append((label, QUICK_SWEEP_SEQ, functools.partial(prep_hack, interpret=interpret,
-                                                                           dot_dtype=dot, fields=fields)))
+            for d, fields in (HACK_SWEEP if sweep and not hack_swept else []):
+                label = f"hack_{d}dot[{','.join(f'{k}={v}' for k, v in fields.items()) or 'default'}]"
+                preps.append((label, QUICK_SWEEP_SEQ, functools.partial(prep_hack, interpret=interpret,
+                                                                       dot_dtype=d, fields=fields)))
+            hack_swept = True
         elif name == "bf16":
             preps.append((name, None, functools.partial(prep_bf16, interpret=interpret)))
-            for fields in (BF16_SWEEP if sweep else []):
+            for fields in (BF16_SWEEP if sweep and bf16_sweep else []):
                 label = f"bf16[{','.join(f'{k}={v}' for k, v in fields.items())}]"
                 preps.append((label, QUICK_SWEEP_SEQ, functools.partial(prep_bf16, interpret=interpret,
                                                                        fields=fields)))
@@ -342,6 +347,9 @@ def main(argv=None):
     ap.add_argument("--seqs", nargs="+", type=int, default=list(SEQS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--sweep", action="store_true", help="the config sweep at 16K (on with --quick)")
+    ap.add_argument("--no-bf16-sweep", action="store_true", help="sweep the hack kernel only")
+    ap.add_argument("--sweep-early", action="store_true",
+                    help="run the 16K sweep right after the 16K rows, before longer shapes (default: after all)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--target-s", type=float, default=0.4, help="wall time of one timed loop of n calls")
     ap.add_argument("--wall-calls", type=int, default=5)
@@ -350,7 +358,14 @@ def main(argv=None):
     ap.add_argument("--lower-cuda", action="store_true",
                     help="CPU check: build every impl (at --seqs, default 4096) and lower its timed loop for CUDA "
                          "(Pallas -> Triton IR) instead of running it; writes nothing")
+    ap.add_argument("--sass", metavar="DIR",
+                    help="CPU-only: compile every hack config of the run offline for sm_90 (pip triton 3.6.0 in "
+                         "PYTHONPATH, e.g. /tmp/tri) and report registers and the main loops' SASS; writes DIR/sass.jsonl")
+    ap.add_argument("--sass-configs", nargs="*", metavar="NAME:FIELDS",
+                    help="extra configs for --sass, e.g. q32w8:block_q=32,num_warps=8,fast_quant=1")
     args = ap.parse_args(argv)
+    if args.sass:
+        return sass_report(args)
     if args.lower_cuda:
         return lower_cuda(args)
     t_start = time.perf_counter()
@@ -377,11 +392,16 @@ def main(argv=None):
     rows = []
     key = jax.random.key(0)
     sweep_seq = shapes[-1].seq if interpret else QUICK_SWEEP_SEQ
-    preps = impl_preps(args.impls, interpret, sweep)
+    preps = impl_preps(args.impls, interpret, sweep, bf16_sweep=not args.no_bf16_sweep)
     # Every impl at every shape first, then the sweep: a time budget can only cut sweep rows.
     runs = [(shape, impl, fn) for shape in shapes for impl, only, fn in preps if only is None]
-    runs += [(shape, impl, fn) for impl, only, fn in preps if only is not None
+    swept = [(shape, impl, fn) for impl, only, fn in preps if only is not None
              for shape in shapes if shape.seq == sweep_seq]
+    if args.sweep_early:  # the sweep right after its shape's rows (longer shapes after it)
+        cut = max((i + 1 for i, (shape, _, _) in enumerate(runs) if shape.seq <= sweep_seq), default=len(runs))
+        runs = runs[:cut] + swept + runs[cut:]
+    else:
+        runs += swept
     for shape, impl, prep_fn in runs:
         num_q_heads, num_kv_heads, head_dim = shape.dims
         row = dict(impl=impl, heads=shape.heads, batch=shape.batch, seq=shape.seq, num_q_heads=num_q_heads,
@@ -414,6 +434,80 @@ def main(argv=None):
     print(f"wrote {args.out}/prefill_attention.{{jsonl,md,png}}; {len(rows)} rows, {len(failed)} failed, "
           f"{time.perf_counter() - t_start:.0f} s")
     return rows
+
+
+def parse_fields(text):
+    """"block_q=32,num_warps=8,fast_quant=1" -> KernelConfig fields (ints; bools as 0/1; dot_dtype str)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        k, v = item.split("=")
+        out[k] = v if k == "dot_dtype" else bool(int(v)) if k in BOOL_FIELDS else int(v)
+    return out
+
+
+BOOL_FIELDS = ("fast_quant", "unpack_asm", "q_reload")
+# Measured on the H200 (NOTES_prefill.md): block_q=16, 4 warps, 2 programs/SM: ~8.8k SM-cycles per
+# (64-row program, K block) at 3874... 4214 loop instructions per warp: ~0.24 instructions/cycle per warp.
+IPC_PER_WARP = 0.24
+
+
+def sass_report(args):
+    """--sass DIR: every hack config of the run (defaults of --impls' hack dot dtypes, the 16K sweep,
+    --sass-configs) lowered at Llama heads / --seqs[0] for CUDA and compiled offline for sm_90 with
+    pip triton (bench/triton_offline.py): registers, stack, shared memory, and per main loop (full
+    blocks, then diagonal blocks) SASS instructions per warp and K block, plus the model's figures:
+    instructions per K block per 16 query rows, resident warps per SM (registers, 64k per SM), and
+    predicted SM-cycles per (K block, 64 rows) = instr per 16 rows * 4 / 4 schedulers / min(1,
+    IPC_PER_WARP * warps per scheduler). Writes DIR/sass.jsonl (+ ttir/ttgir/ptx/cubin/sass files)."""
+    import triton_offline
+    from pallas_kernels import prefill_attention as mod
+    seq = args.seqs[0] if args.seqs != list(SEQS) else QUICK_SWEEP_SEQ
+    num_q_heads, num_kv_heads, head_dim = HEADS["llama3.1-8b"]
+    P, NS, B = 64, 4, args.batch
+    pps = -(-seq // PAGE_SIZE) + 1
+    N, NP, bpp = B * pps + 1, head_dim // min(P, head_dim), PAGE_SIZE // P
+    S = jax.ShapeDtypeStruct
+    u8, f16, bf = jnp.uint8, jnp.float16, jnp.bfloat16
+    H, D, PG = num_kv_heads, head_dim, PAGE_SIZE
+    xs = [S((B, seq, num_q_heads, D), bf), S((N, H, PG // 4, D), u8), S((N, H, bpp, D), f16), S((N, H, bpp, D), f16),
+          S((N, H, PG, NP), u8), S((N, H, PG // 4, D), u8), S((N, H, PG, NP), f16), S((N, H, PG, NP), f16),
+          S((N, H, bpp, D), u8), S((B, H, P, D), bf), S((B, H, P, D), bf), S((B, H, NS, D), bf), S((B, H, NS, D), bf),
+          S((B, pps), jnp.int32), S((B,), jnp.int32), S((B,), jnp.int32)]
+    configs = []
+    for name, only, fn in impl_preps([i for i in args.impls if i.startswith("hack_") and i != "hack_write"],
+                                     False, True):
+        kw = fn.keywords
+        base = mod.default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, q_len=seq,
+                                  dot_dtype=kw["dot_dtype"])
+        configs.append((name, dataclasses.replace(base, **(kw.get("fields") or {}))))
+    for spec in args.sass_configs or []:
+        name, _, fields = spec.partition(":")
+        base = mod.default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, q_len=seq)
+        configs.append((name, dataclasses.replace(base, **parse_fields(fields))))
+    os.makedirs(args.sass, exist_ok=True)
+    pad = mod.group_pad(num_q_heads // num_kv_heads)
+    for name, cfg in configs:
+        t0 = time.perf_counter()
+        try:
+            ttir = triton_offline.lower_ttir(
+                lambda *a: mod._hack_prefill(*a, partition_size=P, num_sink_tokens=NS, config=cfg, interpret=False),
+                *xs)
+            fname = "".join(c if c.isalnum() or c in "_=-" else "_" for c in name)
+            row = triton_offline.report(ttir, args.sass, fname, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            rows = cfg.block_q * pad
+            regs = -(-(row["regs"] or 255) // 8) * 8
+            warps_sm = min(64, 65536 // (regs * 32 * cfg.num_warps) * cfg.num_warps)
+            main = row["loops"][0] if row["loops"] else {"instr": 0}
+            per16 = main["instr"] * cfg.num_warps * 16 / rows
+            ipc = min(1.0, IPC_PER_WARP * warps_sm / 4)
+            row.update(name=name, config=str(cfg), rows=rows, instr_per_block_16rows=round(per16),
+                       warps_per_sm=warps_sm, pred_cycles_per_block_64rows=round(per16 * 4 / 4 / ipc),
+                       compile_s=round(time.perf_counter() - t0, 1))
+        except Exception as e:
+            row = dict(name=name, config=str(cfg), error=f"{type(e).__name__}: {str(e)[:400]}")
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(args.sass, "sass.jsonl"), "a") as fh:
+            fh.write(json.dumps(row) + "\n")
 
 
 def lower_cuda(args):

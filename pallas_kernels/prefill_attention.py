@@ -41,6 +41,12 @@ as one bf16 MMA. Default "bf16": GPU.md measured Pallas-Triton bf16 dots at 2-3x
 prefill is compute-bound (the decode kernel's int8 win came from cheaper unpacking of a
 memory-bound stream); the benchmark measures both (bench/bench_prefill_attention.py).
 
+GPU fast paths (KernelConfig; defaults on; bench/NOTES_prefill.md v2, from the offline SASS): the INT8
+quantizers by one reciprocal per row with the rounding done by the FFMA (`quantize_rows_int8_fast`), the
+2-bit plane unpacked by inline PTX without integer-to-float converts (`plane_asm`), the per-token metadata
+of all channel groups as one [P, NP] tile each (pipelined by Triton). Interpret mode runs the same math
+through jnp, except the PTX (the plain jnp unpack gives the same codes).
+
 Tested: CPU interpret mode (jax 0.10.2), tests/test_prefill_kernels.py, against the reference
 (hack_jax.attention.prefill_attention(..., impl="reference"), whose per-block step is
 hack_jax.reference.kivi_block_attention_step) and an independent float64 NumPy twin; the Triton
@@ -62,6 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import common
 
@@ -80,7 +87,7 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
                          k_min_ref, k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref,
                          open_k_ref, open_v_ref, *refs, partition_size, num_groups, group_pad, block_q,
                          num_q_tiles, num_sink_tokens, num_pages, max_blocks, dot_dtype, fast_quant,
-                         interpret):
+                         unpack_asm, q_reload, meta_tiles, interpret):
     # kv_lens_ref, q_start_ref  i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[block_q, G_pad, D]   this tile: positions x the kv head's query heads
@@ -121,13 +128,17 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
 
     def quantize(x):
         """x f32[R, n] -> (INT8 codes as dot operands, scale [R], folded minimum [R])."""
+        if fast_quant:
+            return quantize_rows_int8_fast(x, op_dtype, interpret=interpret)
         if dot_dtype == "int8":
-            return common.quantize_rows_int8_codes(x, interpret=interpret, fast=fast_quant)
+            return common.quantize_rows_int8_codes(x, interpret=interpret, fast=False)
         codes, s, mf = common.quantize_rows_int8(x, interpret=interpret)
         return codes.astype(op_dtype), s, mf
 
     def plane(tile_u8, shift):  # u8[P, Pc] packed -> this block's codes [P, Pc] as dot operands
-        return ((tile_u8 >> shift) & jnp.uint8(3)).astype(op_dtype)
+        if unpack_asm and not interpret:
+            return plane_asm(tile_u8, shift, op_dtype)
+        return ((tile_u8 >> shift.astype(jnp.uint8)) & jnp.uint8(3)).astype(op_dtype)
 
     def block(masked, k, state):
         """Sealed block k of this sequence (DESIGN.md steps 1-4)."""
@@ -136,8 +147,20 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
         pid = jnp.where((pid >= 0) & (pid < num_pages), pid, 0)
         slot = _mod(k, bpp)
         code_rows = pl.ds(_div(slot, NUM_PLANES) * P, P)  # the packed rows of the block's group
-        shift = (2 * _mod(slot, NUM_PLANES)).astype(jnp.uint8)
+        shift = 2 * _mod(slot, NUM_PLANES)  # i32
         tokens = pl.ds(slot * P, P)
+        if q_reload:  # q re-read per block (an opaque zero offset keeps the load in the loop)
+            zero = jnp.minimum(pid, 0)
+            qb = [(q_ref[pl.ds(zero, block_q), :, pl.ds(p * Pc, Pc)].astype(jnp.float32) * inv_sqrt_d)
+                  .reshape(R, Pc) for p in range(NP)]
+        else:
+            qb = q
+
+        if meta_tiles:  # the per-token metadata of all channel groups as [P, NP] tiles, split in registers
+            cols = lambda ref, f: [f(x.reshape(P)) for x in jnp.split(ref[pid, h, tokens, :], NP, axis=1)]
+            kappas = cols(k_sums_ref, _u_to_f32)
+            taus = cols(v_scale_ref, lambda x: x.astype(jnp.float32))
+            nus = cols(v_min_ref, lambda x: x.astype(jnp.float32))
 
         # logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu
         logits = qmu = None
@@ -146,11 +169,11 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
             kc = plane(k_codes_ref[pid, h, code_rows, ch], shift)  # [P, Pc]
             sigma = k_scale_ref[pid, h, slot, ch].astype(jnp.float32)  # [Pc]
             mu = k_min_ref[pid, h, slot, ch].astype(jnp.float32)  # [Pc]
-            kappa = k_sums_ref[pid, h, tokens, p].astype(jnp.float32)  # [P]
-            qc, qs, qm = quantize(q[p] * sigma[None, :])  # [R, Pc], [R], [R]
+            kappa = kappas[p] if meta_tiles else _u_to_f32(k_sums_ref[pid, h, tokens, p])  # [P]
+            qc, qs, qm = quantize(qb[p] * sigma[None, :])  # [R, Pc], [R], [R]
             dot = common.int_dot(qc, kc, dot_dtype, trans_b=True)  # [R, P]
             part = qs[:, None] * dot + qm[:, None] * kappa[None, :]
-            q_mu = jnp.sum(q[p] * mu[None, :], axis=1)  # [R]
+            q_mu = jnp.sum(qb[p] * mu[None, :], axis=1)  # [R]
             logits, qmu = (part, q_mu) if p == 0 else (logits + part, qmu + q_mu)
         logits = logits + qmu[:, None]  # [R, P]
 
@@ -167,18 +190,23 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
         lb = jnp.sum(w, axis=1)
 
         # o_c = s'_p sum_j wc_jp v_jc + m'_p omega_c + sum_j W_j nu_jp, c in p
+        # merge_state's arithmetic, each accumulator merged as soon as its part exists (fewer live tiles)
+        m_new, l_new, alpha, beta = common.merge_weights(m, l, mb, lb, valid)
         outs = []
         for p in range(NP):
             ch = pl.ds(p * Pc, Pc)
             vc = plane(v_codes_ref[pid, h, code_rows, ch], shift)  # [P, Pc]
-            tau = v_scale_ref[pid, h, tokens, p].astype(jnp.float32)  # [P]
-            nu = v_min_ref[pid, h, tokens, p].astype(jnp.float32)  # [P]
-            omega = v_sums_ref[pid, h, slot, ch].astype(jnp.float32)  # [Pc]
+            if meta_tiles:
+                tau, nu = taus[p], nus[p]
+            else:
+                tau = v_scale_ref[pid, h, tokens, p].astype(jnp.float32)  # [P]
+                nu = v_min_ref[pid, h, tokens, p].astype(jnp.float32)  # [P]
+            omega = _u_to_f32(v_sums_ref[pid, h, slot, ch])  # [Pc]
             wc, ws, wm = quantize(w * tau[None, :])  # [R, P], [R], [R]
             pv = common.int_dot(wc, vc, dot_dtype)  # [R, Pc]
-            outs.append(ws[:, None] * pv + wm[:, None] * omega[None, :]
-                        + jnp.sum(w * nu[None, :], axis=1)[:, None])
-        return common.merge_state(m, l, accs, mb, lb, tuple(outs), valid)
+            o_p = ws[:, None] * pv + wm[:, None] * omega[None, :] + jnp.sum(w * nu[None, :], axis=1)[:, None]
+            outs.append(common.merge_acc(accs[p], o_p, alpha, beta, valid))
+        return m_new, l_new, tuple(outs)
 
     state = sink_state(q, sink_refs, b, h, kv_len, pos) if ns else empty_state(R, Pc, NP)
     state = jax.lax.fori_loop(0, n_full, functools.partial(block, False), state)
@@ -195,6 +223,73 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
     for p in range(NP):
         out = jnp.where(ok[:, None], accs[p] / denom, 0.0)  # [R, Pc]
         o_ref[:, :, pl.ds(p * Pc, Pc)] = out.reshape(block_q, group_pad, Pc)
+
+
+_ROUND_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: in [2**23, 2**24) the float32 ulp is 1
+
+
+def quantize_rows_int8_fast(x, op_dtype, *, interpret: bool):
+    """INT8 per row of f32[R, n] as dot operands (codes, s [R], mf [R]): the reference quantizer's
+    scale and folded minimum (common.quantize_rows_int8: s = (hi/2 - lo/2) * (2/255), mf = lo + 128 s),
+    codes round((x - mf) * (1/s)) with one reciprocal per row instead of a division per element.
+
+    GPU: the rounding is done by the FFMA itself, u = (x - mf) * r + 1.5 * 2**23 (exact product, one
+    rounding to a float whose ulp is 1 = round half to even of the code, |code| <= 128.5 < 2**22), then
+    the clip to [M - 128, M + 127] and either u - M (bf16 operands: exact) or, for int8 operands, the low
+    byte of u's bits (M's low byte is 0, so it is the code's two's complement: no float-to-int convert).
+    Per element: sub, fma, min, max (+ sub for bf16) instead of sub, mul, add, sub, min, max (+ cvt).
+    (Both clips stay: they only bind where x - mf loses bits to cancellation, e.g. a near-constant row
+    far from 0, and there they must, as in the reference.) Interpret mode: the same reciprocal product,
+    rounded by lax.round (XLA folds the magic-number trick away).
+    Codes differ from the reference's (which divides) only where x / s is within float32 rounding of
+    a half-integer (the GPU's float32 division is approximate anyway: module docstring)."""
+    lo = jnp.min(x, axis=1)
+    hi = jnp.max(x, axis=1)
+    raw = (0.5 * hi - 0.5 * lo) * np.float32(2.0 / 255)
+    s = jnp.where(hi > lo, jnp.maximum(raw, jnp.finfo(jnp.float32).tiny), 0.0)
+    mf = lo + 128.0 * s
+    r = 1.0 / jnp.where(s > 0, s, 1.0)  # [R]
+    d = x - mf[:, None]
+    if interpret:
+        c = jnp.clip(jax.lax.round(d * r[:, None], jax.lax.RoundingMethod.TO_NEAREST_EVEN), -128.0, 127.0)
+        return c.astype(op_dtype), s, mf
+    u = jnp.clip(d * r[:, None] + _ROUND_MAGIC, _ROUND_MAGIC - np.float32(128), _ROUND_MAGIC + np.float32(127))
+    if op_dtype == jnp.int8:
+        return jax.lax.bitcast_convert_type(u, jnp.int32).astype(jnp.int8), s, mf
+    return (u - _ROUND_MAGIC).astype(op_dtype), s, mf
+
+
+def plane_asm(tile_u8, shift, op_dtype):
+    """Plane `shift // 2` of a packed u8 code tile as dot operands by inline PTX on 4 bytes per 32-bit
+    register (GPU only), with a dynamic (traced i32) shift: `t = (word >> shift) & 0x03030303` (the
+    shift moves other bytes' bits only into bits 2..7, which the mask drops), then
+      int8: t itself (4 codes);
+      bf16: two PRMTs put 0x43 above each code byte (bf16 0x43cc = 128 + c, exact) and one
+        bf16x2 FMA per pair subtracts 128 (exact): no integer-to-float converts (I2F.BF16 runs at a
+        quarter of the ALU rate; it was ~180 of the loop's instructions per warp and block).
+    2 + 1.5 instructions per 4 codes (bf16) instead of ~6 per code."""
+    shifts = jnp.broadcast_to(jnp.asarray(shift, jnp.int32), tile_u8.shape)
+    if op_dtype == jnp.int8:
+        [out] = pltriton.elementwise_inline_asm(
+            "{ .reg .b32 t; shr.b32 t, $1, $2; and.b32 $0, t, 0x03030303; }", args=[tile_u8, shifts],
+            constraints="=r,r,r,r,r,r", pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(tile_u8.shape, jnp.int8)])
+        return out
+    [out] = pltriton.elementwise_inline_asm(
+        "{ .reg .b32 t, hi, one, off; shr.b32 t, $2, $3; and.b32 t, t, 0x03030303; mov.b32 hi, 0x43434343; "
+        "mov.b32 one, 0x3F803F80; mov.b32 off, 0xC300C300; "
+        "prmt.b32 $0, t, hi, 0x5140; prmt.b32 $1, t, hi, 0x7362; "
+        "fma.rn.bf16x2 $0, $0, one, off; fma.rn.bf16x2 $1, $1, one, off; }",
+        args=[tile_u8, shifts], constraints="=r,=r,r,r,r,r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(tile_u8.shape, jnp.bfloat16)])
+    return out
+
+
+def _u_to_f32(x):
+    """Unsigned code sums (u8 / u16, < 2**16) to float32 without an integer-to-float convert (I2F.U16
+    runs at a quarter of the ALU rate): the bits 0x4B000000 | x are the float 2**23 + x; minus 2**23
+    is exact. Two full-rate ALU instructions."""
+    bits = x.astype(jnp.uint32) | jnp.uint32(0x4B000000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32) - np.float32(8388608.0)
 
 
 def _div(x, n: int):
@@ -274,14 +369,27 @@ def open_block_state(q, open_k_ref, open_v_ref, b, h, open_lo, num_open, pos, st
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Launch choices. block_q: query positions per program (rows = block_q * G_pad, a power of
-    two >= 16 for the dots); dot_dtype: operand type of the integer dots; fast_quant ("int8" on
-    GPU): INT8 round + clip + convert by one PTX cvt.rni.s8.f32 (common.round_saturate_int8_asm)."""
+    two >= 16 for the dots); dot_dtype: operand type of the integer dots.
+    GPU-only arithmetic (interpret mode runs the same math through jnp; bench/NOTES_prefill.md v2):
+      fast_quant: INT8 transients as `quantize_rows_int8_fast` (one reciprocal per row, the FFMA
+        rounds, int8 codes from the float's low byte: no division, no float-to-int convert);
+        False: common.quantize_rows_int8 (v1's arithmetic).
+      unpack_asm: the block's 2-bit plane by inline PTX on 4 codes per register (`plane_asm`: no
+        I2F converts); False: jnp shifts and converts per code.
+      q_reload: q re-read (from L1/L2, pipelined into shared memory) per block instead of held in
+        registers for the whole loop: half the register spills, +4% instructions.
+    meta_tiles: a block's per-token metadata (kappa, tau, nu) of all channel groups loaded as [P, NP]
+      tiles and split in registers (Triton then pipelines them into shared memory; per-group strided
+      vectors were ~100 exposed global loads per warp and block); False: one strided vector each."""
 
     block_q: int = 16
     num_warps: int = 4
     num_stages: int = 2
     dot_dtype: Literal["bf16", "int8"] = "bf16"
-    fast_quant: bool = False
+    fast_quant: bool = True
+    unpack_asm: bool = True
+    q_reload: bool = False
+    meta_tiles: bool = True
 
 
 def _next_pow2(n: int) -> int:
@@ -339,7 +447,8 @@ def _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v
         _hack_prefill_kernel, partition_size=partition_size, num_groups=num_groups, group_pad=pad,
         block_q=block_q, num_q_tiles=tiles, num_sink_tokens=num_sink_tokens, num_pages=num_pages,
         max_blocks=page_indices.shape[1] * (page_size // partition_size), dot_dtype=config.dot_dtype,
-        fast_quant=config.fast_quant, interpret=interpret)
+        fast_quant=config.fast_quant, unpack_asm=config.unpack_asm, q_reload=config.q_reload,
+        meta_tiles=config.meta_tiles, interpret=interpret)
     out = common.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(qg.shape, jnp.float32),
         grid=(batch, num_kv_heads, tiles), in_specs=in_specs, out_specs=tile_spec,

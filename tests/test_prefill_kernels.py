@@ -213,6 +213,24 @@ def test_hack_kernel_single_sequence_lengths(dot_dtype, mode):
         check_close(out, ref, np.abs(case.v).max(), mode, label=f"{dot_dtype} n={n}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dot_dtype", ["bf16"])  # int8's fast paths: the int8 tests above, vs the reference
+def test_hack_kernel_fast_paths_gpu(dot_dtype):
+    """The GPU-only fast paths of the default config (KernelConfig.unpack_asm: the 2-bit planes by
+    inline PTX; fast_quant: reciprocal + FFMA rounding of the INT8 transients) against the plain jnp
+    paths on the same cache: unpack_asm alone is bit-equal (the same codes, exactly); fast_quant meets
+    the tier (a) criterion (codes may move at rounding ties only), as does each against the reference."""
+    case = build(ONE_SEQ, (1000,))
+    cfg = lambda **kw: hack_mod.KernelConfig(block_q=16, dot_dtype=dot_dtype, **kw)
+    plain = prefill(case, "pallas", "gpu", config=cfg(fast_quant=False, unpack_asm=False))
+    asm = prefill(case, "pallas", "gpu", config=cfg(fast_quant=False, unpack_asm=True))
+    assert np.array_equal(asm, plain)
+    fast = prefill(case, "pallas", "gpu", config=cfg(fast_quant=True, unpack_asm=True))
+    scale = np.abs(case.v).max()
+    check_close(fast, plain, scale, "gpu", label=f"{dot_dtype} fast vs plain")
+    check_close(fast, prefill(case, "reference"), scale, "gpu", label=f"{dot_dtype} fast vs reference")
+
+
 MIXED = Geometry(t_len=1024, num_kv_heads=2, group=1, head_dim=64, partition_size=32)
 
 
@@ -496,6 +514,8 @@ LOWERED = [  # (geometry, KernelConfig): the tests' configurations (the benchmar
     (ONE_SEQ, hack_mod.KernelConfig(block_q=16, dot_dtype="bf16")),
     (ONE_SEQ, hack_mod.KernelConfig(block_q=16, dot_dtype="int8")),
     (ONE_SEQ, hack_mod.KernelConfig(block_q=32, num_warps=8, dot_dtype="int8", fast_quant=True)),
+    (ONE_SEQ, hack_mod.KernelConfig(block_q=16, dot_dtype="bf16", fast_quant=False, unpack_asm=False)),
+    (ONE_SEQ, hack_mod.KernelConfig(block_q=16, dot_dtype="bf16", q_reload=True)),
     (MIXED, hack_mod.KernelConfig(block_q=64, dot_dtype="int8")),
     (SMOL, hack_mod.KernelConfig(block_q=16, dot_dtype="bf16")),
     (Geometry(t_len=512, num_kv_heads=1, group=4, head_dim=64, partition_size=32, pages_per_p=12),
