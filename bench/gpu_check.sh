@@ -59,7 +59,8 @@ if [[ -n "${NCU:-}" ]]; then
   # (after 2 warm-up calls) with the sections that say what limits it: issue stalls, pipes, memory.
   : >"$OUT/ncu.txt"
   for pair in "hack_decode:v3=default" "bf16_decode:bf16paged=bf16paged"; do
-    timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none -k "regex:${pair%%:*}" --launch-skip 2 --launch-count 1 \
+    # no XLA preallocation: ncu saves and restores the process' device memory around each replay pass
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${NCU_TIMEOUT:-150}" ncu --clock-control none -k "regex:${pair%%:*}" --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       --section MemoryWorkloadAnalysis_Tables --section InstructionStats \
@@ -67,6 +68,7 @@ if [[ -n "${NCU:-}" ]]; then
       python3 bench/bench_hack_decode.py --out "$OUT/ncu_run" --stages profile --shapes "${NCU_SHAPE:-b8_32k}" \
       --variants "${pair#*:}" >>"$OUT/ncu.txt" 2>&1
     echo "ncu ${pair%%:*} exit: $?" | tee -a "$OUT/ncu.txt"
+    pkill -9 -f "bench_hack_decode.py --out $OUT/ncu_run" 2>/dev/null  # a profiled process a timeout left behind
   done
 fi
 

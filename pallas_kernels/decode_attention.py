@@ -309,17 +309,33 @@ class KernelConfig:
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
                    partition_size: int, dot_dtype: str = "int8", num_sms: int = H200_NUM_SMS) -> KernelConfig:
-    """Heuristic from the H200 runs (bench/NOTES_decode.md). Splits: one wave of programs, as many
-    as fit on the GPU at once (RESIDENT_PROGRAMS_PER_SM per SM, set by the register count), at
-    most one split per packing group: the kernel is latency-bound, a program's time is ~linear in
-    its packing groups, so a partial second wave costs a whole wave. 4 warps, 2 stages; "int8"
-    planes unpacked by inline PTX, metadata deduplicated, INT8 rounding by one cvt (GPU only;
-    interpret mode falls back to jnp with the same results)."""
+    """Heuristic from the H200 runs (bench/NOTES_decode.md). Splits: the kernel is latency-bound and a
+    program's time is ~linear in its packing groups, so the time is ~ waves x groups per program,
+    with RESIDENT_PROGRAMS_PER_SM x num_sms programs per wave (set by the register count);
+    `choose_num_splits` minimizes that (a partial last wave costs a whole one; at batch 32 one split
+    per (sequence, kv head) would leave a third of the slots empty). 4 warps, 2 stages; "int8" planes
+    unpacked by inline PTX, metadata deduplicated, INT8 rounding by one cvt (GPU only; interpret mode
+    falls back to jnp with the same results)."""
     groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
-    fit = RESIDENT_PROGRAMS_PER_SM * num_sms // max(1, batch * num_kv_heads)
     int8 = dot_dtype == "int8"
-    return KernelConfig(num_splits=max(1, min(fit, groups)), num_warps=4, num_stages=2, dot_dtype=dot_dtype,
+    splits = choose_num_splits(batch * num_kv_heads, groups, RESIDENT_PROGRAMS_PER_SM * num_sms)
+    return KernelConfig(num_splits=splits, num_warps=4, num_stages=2, dot_dtype=dot_dtype,
                         unpack_asm=int8, dedup=True, fast_quant=int8)
+
+
+def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> int:
+    """Splits per (sequence, kv head) minimizing waves x (groups per program + 1), where waves =
+    ceil(num_pairs * splits / slots), groups per program = ceil(num_groups / splits) and the + 1 is
+    a program's fixed cost (prologue, sinks and open block, epilogue, its share of the split
+    combine) in units of one packing group; ties go to fewer splits. E.g. H200, 8 kv heads, 32K tokens (128 groups): batch 1 -> 43
+    (one wave, 3 groups each), batch 8 -> 6, batch 32 -> 3 (2 full waves of 43 groups instead of one
+    two-thirds-empty wave of 128)."""
+    best, best_cost = 1, None
+    for s in range(1, num_groups + 1):
+        cost = -(-num_pairs * s // slots) * (-(-num_groups // s) + 1)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 # ----------------------------------------------------------------------------------------------

@@ -503,15 +503,21 @@ def test_default_config_and_rows():
     cfg = default_config(batch=8, num_kv_heads=8, pages_per_seq=128, page_size=256, partition_size=64)
     assert isinstance(cfg, KernelConfig) and cfg.dot_dtype == "int8"
     assert cfg.unpack_asm and cfg.dedup and cfg.fast_quant
-    fit = RESIDENT_PROGRAMS_PER_SM * 132  # one wave of programs on the H200
-    assert cfg.num_splits == fit // 64
-    assert default_config(batch=1, num_kv_heads=8, pages_per_seq=128, page_size=256,
-                          partition_size=64).num_splits == fit // 8
-    assert default_config(batch=1, num_kv_heads=8, pages_per_seq=4, page_size=256,
-                          partition_size=64).num_splits == 4  # at most one split per packing group
-    assert default_config(batch=1, num_kv_heads=1, pages_per_seq=1, page_size=256, partition_size=64).num_splits == 1
-    assert default_config(batch=64, num_kv_heads=8, pages_per_seq=128, page_size=256,
-                          partition_size=64).num_splits == 1
+    slots = RESIDENT_PROGRAMS_PER_SM * 132  # programs resident at once on the H200
+
+    def cost(pairs, groups, s):  # waves x (groups per program + one group of fixed cost)
+        return math.ceil(pairs * s / slots) * (math.ceil(groups / s) + 1)
+
+    for batch, pages in ((1, 128), (8, 128), (32, 128), (1, 4), (8, 4), (64, 128), (1, 1), (3, 37)):
+        n = default_config(batch=batch, num_kv_heads=8, pages_per_seq=pages, page_size=256,
+                           partition_size=64).num_splits
+        assert 1 <= n <= pages  # at most one split per packing group (one group per page here)
+        assert all(cost(batch * 8, pages, n) <= cost(batch * 8, pages, s) for s in range(1, pages + 1))
+    # the H200 cases of the docstring (RESIDENT_PROGRAMS_PER_SM = 3): one wave at batch 1 and 8,
+    # two full waves instead of one two-thirds-empty wave at batch 32
+    if RESIDENT_PROGRAMS_PER_SM == 3:
+        assert [default_config(batch=b, num_kv_heads=8, pages_per_seq=128, page_size=256,
+                               partition_size=64).num_splits for b in (1, 8, 32)] == [43, 6, 3]
     bf16 = default_config(batch=8, num_kv_heads=8, pages_per_seq=128, page_size=256, partition_size=64,
                           dot_dtype="bf16")
     assert not bf16.unpack_asm and not bf16.fast_quant
