@@ -445,7 +445,7 @@ def parse_fields(text):
     return out
 
 
-BOOL_FIELDS = ("fast_quant", "unpack_asm", "q_reload")
+BOOL_FIELDS = ("fast_quant", "unpack_asm", "q_reload", "meta_tiles")
 # Measured on the H200 (NOTES_prefill.md): block_q=16, 4 warps, 2 programs/SM: ~8.8k SM-cycles per
 # (64-row program, K block) at 3874... 4214 loop instructions per warp: ~0.24 instructions/cycle per warp.
 IPC_PER_WARP = 0.24
