@@ -218,15 +218,17 @@ def test_hack_kernel_single_sequence_lengths(dot_dtype, mode):
 def test_hack_kernel_fast_paths_gpu(dot_dtype):
     """The GPU-only fast paths of the default config (KernelConfig.unpack_asm: the 2-bit planes by
     inline PTX; fast_quant: reciprocal + FFMA rounding of the INT8 transients) against the plain jnp
-    paths on the same cache: unpack_asm alone is bit-equal (the same codes, exactly); fast_quant meets
-    the tier (a) criterion (codes may move at rounding ties only), as does each against the reference."""
+    paths on the same cache: unpack_asm alone gives the same codes, so the same output up to float32
+    order (TIGHT everywhere; a wrong plane, shift or byte order is off by far more); fast_quant meets
+    the tier (a) criterion (codes may move at rounding ties only), as does it against the reference."""
     case = build(ONE_SEQ, (1000,))
     cfg = lambda **kw: hack_mod.KernelConfig(block_q=16, dot_dtype=dot_dtype, **kw)
     plain = prefill(case, "pallas", "gpu", config=cfg(fast_quant=False, unpack_asm=False))
     asm = prefill(case, "pallas", "gpu", config=cfg(fast_quant=False, unpack_asm=True))
-    assert np.array_equal(asm, plain)
-    fast = prefill(case, "pallas", "gpu", config=cfg(fast_quant=True, unpack_asm=True))
     scale = np.abs(case.v).max()
+    print(f"\nunpack_asm vs jnp unpack: bit-equal {np.array_equal(asm, plain)}")
+    np.testing.assert_allclose(asm, plain, rtol=0, atol=TIGHT * scale)
+    fast = prefill(case, "pallas", "gpu", config=cfg(fast_quant=True, unpack_asm=True))
     check_close(fast, plain, scale, "gpu", label=f"{dot_dtype} fast vs plain")
     check_close(fast, prefill(case, "reference"), scale, "gpu", label=f"{dot_dtype} fast vs reference")
 
