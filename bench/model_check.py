@@ -417,14 +417,19 @@ def warm_up(run, m, texts):
     log(f"  warm-up {name}: {time.perf_counter() - t:.1f} s")
     return round(time.perf_counter() - t, 2)
 
-  with concurrent.futures.ThreadPoolExecutor(run.args.threads) as pool:
-    futures = {pool.submit(timed, name, fn): name for name, fn in tasks.items()}
-    for fut in concurrent.futures.as_completed(futures):
+  pool = concurrent.futures.ThreadPoolExecutor(run.args.threads)
+  futures = {pool.submit(timed, name, fn): name for name, fn in tasks.items()}
+  try:
+    for fut in concurrent.futures.as_completed(futures, timeout=max(1.0, run.left())):
       try:
         out[futures[fut]] = fut.result()
       except Exception as e:  # noqa: BLE001 - the part that needs it will retry and record
         out[futures[fut]] = f"{type(e).__name__}: {e}"
         run.result["errors"][f"warm-up {futures[fut]}"] = traceback.format_exc()
+  except concurrent.futures.TimeoutError:
+    out["past_budget"] = sorted(name for f, name in futures.items() if not f.done())
+    log(f"warm-up past the time budget; unfinished: {out['past_budget']}")
+  pool.shutdown(wait=False, cancel_futures=True)
   out["wall_s"] = round(time.perf_counter() - t0, 1)
   out["threads"] = run.args.threads
   return out
@@ -471,7 +476,16 @@ def finish_cli(cli, timeout):
 
 
 def markdown(res):
-  a, p = res["args"], res["parts"]
+  try:
+    return _markdown(res)
+  except Exception as e:  # noqa: BLE001 - the JSON has everything; never lose it to the summary
+    return f"# model_check\n\nsummary failed ({type(e).__name__}: {e}); see model_check.json\n"
+
+
+def _markdown(res):
+  a = res["args"]
+  p = {k: v for k, v in res["parts"].items() if v and "skipped" not in v}
+  skipped = [k for k, v in res["parts"].items() if v and "skipped" in v]
   lines = ["# model_check: impl=pallas vs reference, SmolLM2-135M-Instruct", "",
            f"{res['env']} | layers: {a['layers'] or 'all'} | interpret: {a['interpret']} | "
            f"quick: {a['quick']} | wall {res.get('wall_s')} s", ""]
@@ -531,6 +545,8 @@ def markdown(res):
     lines += ["## d. CLI", "", f"`{d['cmd']}`: exit {d['returncode']}, {d['wall_s']} s"
               + (" (killed at the deadline)" if d["killed_at_deadline"] else ""), "", "```",
               d["stdout"].strip(), "```", ""]
+  if skipped:
+    lines += [f"skipped (time budget): parts {skipped}", ""]
   if res["errors"]:
     lines += ["## errors", ""] + [f"- {k}: {v.splitlines()[0]}" for k, v in res["errors"].items()]
   return "\n".join(lines) + "\n"
@@ -594,4 +610,14 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  status = 1
+  try:
+    status = main()
+  except SystemExit as e:  # argparse
+    status = e.code if isinstance(e.code, int) else 1
+  except BaseException:  # noqa: BLE001
+    traceback.print_exc()
+  finally:  # do not wait for warm-up threads still compiling past the budget
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
