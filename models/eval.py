@@ -25,16 +25,36 @@ for the evaluation-only ones):
                                  tokens stay 16-bit (fp16): tokens at positions >= the largest
                                  multiple of 32 that is <= kv_len - 128, i.e. 128..159 tokens.
 
+HACK.md §4 variants (VARIANT_FORMATS, `--formats variants`):
+  hack-p64-vhad, hack-p32-vhad   the real kivi-layout cache with V rotated by a block-diagonal
+                                 Hadamard(64) before it is written; the attention output is rotated
+                                 back (out R^T): exact for an unquantized cache, and it spreads
+                                 per-token V outliers over the channel group before 2-bit rounding.
+  hack-p64-sink64                the real cache with 64 bf16 sink tokens instead of 4.
+  fake-*                         FakeHack (evaluation only, fake quantization like kivi2): K block
+                                 size and V channel group chosen separately (fake-k32v64), a bf16
+                                 window of the newest 128 tokens (-w128), V rotation (-vhad), and
+                                 per-layer settings (-edge2-p32 / -edge2-int8: the first and last
+                                 two layers at P32 or int8). fake-hack-p64 is the twin of hack-p64
+                                 and shows what the fake path leaves out (HACK's INT8 rounding of q
+                                 and of the softmax weights). Bytes for fake rows are HACK's layout
+                                 arithmetic (fake_hack_bytes), code sums included.
+
+Several texts (`--text sotu2026,austen:persuasion`) run in one batch per format and context, so
+each format compiles once per context; one jsonl row per text.
+
 The evaluation-only paths are installed by `patched(...)` while a format's steps are traced: it
-swaps `models.llama.hack_attention` (kivi2) or `models.llama.rope` (Hadamard) for wrappers; the
-hack_jax cache and attention modules themselves are untouched. EvalGenerator jits fresh copies of
+swaps `models.llama.hack_attention` (kivi2, fake-*), `models.llama.rope` (Hadamard on K) or
+`models.llama.kv_cache` + `hack_attention` (Hadamard on V) for wrappers; the hack_jax cache and
+attention modules themselves are untouched. EvalGenerator jits fresh copies of
 the Generator's step functions so traces made under a patch are never reused by another format.
 
 Prefill semantics are the cache's: the prompt is written first, and every prompt row attends over
 the cache contents as stored after the write (quantized for int8/hack; for kivi2 the same rule,
 fake-quantized with kv_len = prompt length).
 
-Usage: `python bench/bench_accuracy.py --formats all --contexts 512 --tokens 64 --windows 2`
+Usage: `python bench/bench_accuracy.py --formats all,variants --contexts 512 --tokens 64
+--windows 2 --text sotu2026,austen:persuasion`
 (or `hack-jax eval ...`); rows are appended to --out (jsonl) and the Markdown table and plot are
 regenerated from the whole jsonl.
 """
