@@ -90,7 +90,7 @@ RESIDENT_PROGRAMS_PER_SM = 3
 def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref,
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
-                        num_sink_tokens, num_pages, max_blocks, num_splits, sm_scale, dot_dtype,
+                        num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
                         unpack_asm, dedup, fast_quant, interpret):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
@@ -118,7 +118,12 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     num_blocks = after_sinks // P  # sealed blocks
     num_open = after_sinks % P
     num_tile_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
-    g_lo, g_hi = split_range(split, num_tile_groups, num_splits)
+    # open_split: programs 0..num_splits-1 take the sealed blocks, program num_splits the sinks and the
+    # open block alone; otherwise split 0 takes them besides its (fewest) groups
+    prologue_split = num_splits if open_split else 0
+    g_lo, g_hi = split_range(jnp.minimum(split, num_splits - 1), num_tile_groups, num_splits)
+    if open_split:
+        g_hi = jnp.where(split < num_splits, g_hi, g_lo)
 
     row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R] block j of the row
     token = jax.lax.broadcasted_iota(jnp.int32, (P,), 0)  # [P]
@@ -146,7 +151,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
         return common.unbias(common.select_rows(row_plane, dots), xc, dot_dtype), xs, xm
 
     init = jax.lax.cond(
-        split == 0,
+        split == prologue_split,
         lambda: sinks_and_open_block_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), b, h, kv_len,
                                            num_open, row_plane),
         lambda: empty_state(R, Pc, NP))
@@ -296,7 +301,10 @@ def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_le
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch choices. num_splits: programs per (sequence, kv head) along the sequence (split-K)."""
+    """Launch choices. num_splits: programs per (sequence, kv head) along the sequence (split-K);
+    open_split: one more program per (sequence, kv head) for the sinks and the open block alone (short
+    sequences: otherwise split 0 does them after its packing groups; hack kernel only, the dequant
+    baseline ignores it)."""
 
     num_splits: int = 1
     num_warps: int = 4
@@ -305,6 +313,7 @@ class KernelConfig:
     unpack_asm: bool = False  # "int8" on GPU: unpack 4 codes per instruction with inline PTX
     dedup: bool = False  # metadata read once per block ([4, X] tiles), broadcast to the rows in registers
     fast_quant: bool = False  # "int8" on GPU: INT8 round + clip + convert by one PTX cvt.rni.s8.f32
+    open_split: bool = False  # sinks + open block in a program of their own (see above)
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
@@ -318,23 +327,27 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     falls back to jnp with the same results)."""
     groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
     int8 = dot_dtype == "int8"
-    splits = choose_num_splits(batch * num_kv_heads, groups, RESIDENT_PROGRAMS_PER_SM * num_sms)
+    splits, open_split = choose_num_splits(batch * num_kv_heads, groups, RESIDENT_PROGRAMS_PER_SM * num_sms)
     return KernelConfig(num_splits=splits, num_warps=4, num_stages=2, dot_dtype=dot_dtype,
-                        unpack_asm=int8, dedup=True, fast_quant=int8)
+                        unpack_asm=int8, dedup=True, fast_quant=int8, open_split=open_split)
 
 
-def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> int:
-    """Splits per (sequence, kv head) minimizing waves x (groups per program + 1), where waves =
-    ceil(num_pairs * splits / slots), groups per program = ceil(num_groups / splits) and the + 1 is
-    a program's fixed cost (prologue, sinks and open block, epilogue, its share of the split
-    combine) in units of one packing group; ties go to fewer splits. E.g. H200, 8 kv heads, 32K tokens (128 groups): batch 1 -> 43
-    (one wave, 3 groups each), batch 8 -> 6, batch 32 -> 3 (2 full waves of 43 groups instead of one
-    two-thirds-empty wave of 128)."""
-    best, best_cost = 1, None
+def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> tuple[int, bool]:
+    """(splits, open_split) per (sequence, kv head) minimizing waves x (work of the longest program + 1):
+    waves = ceil(num_pairs * programs / slots) with programs = splits (+ 1 with open_split); the
+    longest program's work in packing groups is ceil(n / splits) with open_split, else
+    floor(n / splits) + 1 (split 0 also does the sinks and the open block, ~1 group); the + 1 is a
+    program's fixed cost (prologue, epilogue, its share of the split combine). Ties go to fewer
+    programs. E.g. H200, 8 kv heads, 32K tokens (128 groups): batch 1 -> 43, batch 8 -> 6, batch 32 ->
+    3 (2 full waves of 43 groups instead of one two-thirds-empty wave of 128); 1K tokens (4 groups) at
+    batch 1 and 8 -> 4 splits + the open split (each program one unit of work instead of two)."""
+    best, best_cost = (1, False), None
     for s in range(1, num_groups + 1):
-        cost = -(-num_pairs * s // slots) * (-(-num_groups // s) + 1)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s, cost
+        for open_split in (False, True):
+            work = -(-num_groups // s) if open_split else num_groups // s + 1
+            cost = -(-num_pairs * (s + open_split) // slots) * (work + 1)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = (s, open_split), cost
     return best
 
 
@@ -379,6 +392,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     pad = group_pad(num_q_heads, num_kv_heads)
     groups_per_page = page_size // (NUM_PLANES * partition_size)
     splits = config.num_splits
+    programs = splits + config.open_split
 
     inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q, k_codes, k_scale, k_min,
               k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
@@ -389,13 +403,14 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         group=num_q_heads // num_kv_heads, group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
         groups_per_page=groups_per_page, num_sink_tokens=num_sink_tokens, num_pages=num_pages,
         max_blocks=pages_per_seq * (page_size // partition_size), num_splits=splits,
+        open_split=config.open_split,
         dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, dedup=config.dedup,
         fast_quant=config.fast_quant, interpret=interpret)
-    out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
     acc, m, l = common.pallas_call(
-        kernel, out_shape=out_shape, grid=(batch, num_kv_heads, splits),
+        kernel, out_shape=out_shape, grid=(batch, num_kv_heads, programs),
         in_specs=[_full_spec(x) for x in inputs],
         out_specs=[pl.BlockSpec((None, None, None, pad, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
                    pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0)),

@@ -384,6 +384,27 @@ def test_hack_kernel_deterministic_and_split_invariant(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", [CASES[1], CASE["d64_P128_g1_ns0_bf16_s2"]], ids=lambda c: c.name)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_hack_kernel_open_split(case, splits, mode):
+    """KernelConfig.open_split (sinks and open block in a program of their own) vs the NumPy twin:
+    with and without sinks, lengths 0..beyond capacity, 1 and 3 group splits; and vs the same config
+    without it (the same INT8 codes: equal up to float32 merge order). (Seed 0: at seed 4 one transient
+    INT8 code of this case sits at a rounding tie that float32 and the float64 twin break differently,
+    with or without open_split.)"""
+    q, c = build(case, seed=0)
+    cfg = KernelConfig(num_splits=splits, open_split=True, dot_dtype="int8", unpack_asm=True, dedup=True,
+                       fast_quant=True)
+    out = run_config(q, c, case, cfg, mode)
+    ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
+    assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
+    tol = (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
+    assert np.abs(out - ref).max() <= tol
+    joined = run_config(q, c, case, dataclasses.replace(cfg, open_split=False), mode)
+    assert np.abs(out - joined).max() <= TIGHT * v_scale_of(c)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_hack_kernel_constant_v_returns_the_constant(mode):
     """tau = 0 (constant V per token group) -> every sealed token's V is nu; with nu the same
     constant everywhere, attention must return it exactly up to float32 rounding (the nu term uses
@@ -505,19 +526,23 @@ def test_default_config_and_rows():
     assert cfg.unpack_asm and cfg.dedup and cfg.fast_quant
     slots = RESIDENT_PROGRAMS_PER_SM * 132  # programs resident at once on the H200
 
-    def cost(pairs, groups, s):  # waves x (groups per program + one group of fixed cost)
-        return math.ceil(pairs * s / slots) * (math.ceil(groups / s) + 1)
+    def cost(pairs, groups, s, o):  # waves x (longest program's groups + one group of fixed cost)
+        longest = math.ceil(groups / s) if o else groups // s + 1  # without o, split 0 adds the open block
+        return math.ceil(pairs * (s + o) / slots) * (longest + 1)
 
     for batch, pages in ((1, 128), (8, 128), (32, 128), (1, 4), (8, 4), (64, 128), (1, 1), (3, 37)):
-        n = default_config(batch=batch, num_kv_heads=8, pages_per_seq=pages, page_size=256,
-                           partition_size=64).num_splits
+        cfg = default_config(batch=batch, num_kv_heads=8, pages_per_seq=pages, page_size=256, partition_size=64)
+        n, o = cfg.num_splits, cfg.open_split
         assert 1 <= n <= pages  # at most one split per packing group (one group per page here)
-        assert all(cost(batch * 8, pages, n) <= cost(batch * 8, pages, s) for s in range(1, pages + 1))
+        assert all(cost(batch * 8, pages, n, o) <= cost(batch * 8, pages, s, oo)
+                   for s in range(1, pages + 1) for oo in (False, True))
     # the H200 cases of the docstring (RESIDENT_PROGRAMS_PER_SM = 3): one wave at batch 1 and 8,
-    # two full waves instead of one two-thirds-empty wave at batch 32
+    # two full waves instead of one two-thirds-empty wave at batch 32; an open split at 1K tokens
     if RESIDENT_PROGRAMS_PER_SM == 3:
-        assert [default_config(batch=b, num_kv_heads=8, pages_per_seq=128, page_size=256,
-                               partition_size=64).num_splits for b in (1, 8, 32)] == [43, 6, 3]
+        got = [(lambda cfg: (cfg.num_splits, cfg.open_split))(default_config(
+            batch=b, num_kv_heads=8, pages_per_seq=pps, page_size=256, partition_size=64))
+            for b, pps in ((1, 128), (8, 128), (32, 128), (1, 4), (8, 4))]
+        assert got == [(43, False), (6, False), (3, False), (4, True), (4, True)]
     bf16 = default_config(batch=8, num_kv_heads=8, pages_per_seq=128, page_size=256, partition_size=64,
                           dot_dtype="bf16")
     assert not bf16.unpack_asm and not bf16.fast_quant
