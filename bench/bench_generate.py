@@ -384,7 +384,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
                    kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps)
         try:
-            run(args.warmup, ctx)
+            row["warmup_s"] = round(run(args.warmup, ctx), 4)  # first one: incl. any lazy kernel compile
             times = [run(args.steps, ctx) for _ in range(args.reps)]
             tpot = float(np.median(times)) / args.steps
             if not bool(jnp.all((tokens >= 0) & (tokens < cfg.vocab_size))):
