@@ -26,6 +26,11 @@
 #   PREFILL_BENCH=1 PREFILL_ARGS="--quick"         also run bench_prefill_attention.py (PREFILL_BENCH_TIMEOUT=150)
 #   TEST_TIMEOUT=180, BENCH_TIMEOUT=150 (bf16, jax_gqa, xla), HACK_BENCH_TIMEOUT=150 (hack, dequant),
 #   SWEEP_TIMEOUT=90                               seconds per stage
+#   GENERATE=1 GENERATE_ARGS="..."                 bench/bench_generate.py (end to end, random weights) ->
+#                                                  OUT_DIR/generate/ (GENERATE_TIMEOUT=200)
+#   MODEL_CHECK=1 MODEL=/path/to.gguf TEXT=...      bench/model_check.py (the real model, pallas vs
+#                                                  reference) -> OUT_DIR/model_check/ (MODEL_CHECK_TIMEOUT=220);
+#                                                  needs the `gguf` wheel in .whl/ (installed to /tmp/site)
 # Needs no network and no install: PYTHONPATH=. (jax, triton, pytest preinstalled there).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_check.sh OUT_DIR}
@@ -97,4 +102,22 @@ if [[ -n "${BF16_SWEEP:-}" ]]; then
     --impls bf16 ${SWEEP_ARGS:---heads llama3.1-8b --batches 8 --kv-lens 32768} --reps 3 --target-ms 30 \
     --bf16-configs $BF16_SWEEP 2>&1 | tee -a "$OUT/bench.log"
   echo "sweep exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+fi
+
+if [[ -n "${GENERATE:-}" ]]; then
+  # shellcheck disable=SC2086
+  timeout -k 5 "${GENERATE_TIMEOUT:-200}" python3 bench/bench_generate.py --out "$OUT/generate" ${GENERATE_ARGS:-} 2>&1 \
+    | tee "$OUT/generate.log"
+  echo "generate bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/generate.log"
+fi
+
+if [[ -n "${MODEL_CHECK:-}" ]]; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  fi
+  timeout -k 5 "${MODEL_CHECK_TIMEOUT:-220}" python3 bench/model_check.py --model "${MODEL:?MODEL=path to the GGUF}" \
+    --text "${TEXT:?TEXT=path to a text}" --out "$OUT/model_check" --budget-s "${MODEL_CHECK_BUDGET:-200}" 2>&1 \
+    | tee "$OUT/model_check.log"
+  echo "model check exit: ${PIPESTATUS[0]}" | tee -a "$OUT/model_check.log"
 fi
