@@ -703,7 +703,21 @@ def _latest_rows(path):
 
 
 def _eff_bits(r):
-  return 8 * r["effective_bytes_per_token"] / (r["bf16_bytes_per_token"] / 2)
+  """Bits per element of the cell's sequence counted token by token (no page rounding): 2-bit
+  tokens at the format's asymptotic rate, sinks / open block / 16-bit window / KIVI residual at 16
+  bits. kivi2 and fake rows store exactly this; real hack rows are recomputed from FORMATS."""
+  elems = r["bf16_bytes_per_token"] / 2
+  fmt = FORMATS.get(r["format"])
+  n = r["context"] + r["tokens"]
+  if fmt is not None and fmt.fake is None and fmt.quant.kv_format == "hack":
+    q = fmt.quant
+    nq = int(hack_quantized_range(np.int64(n), k_block=q.partition_size, sinks=q.num_sink_tokens))
+    if q.layout == "seed":  # K of every non-sink token is quantized at once; V waits for its block
+      nq = (n - q.num_sink_tokens + nq) / 2
+    return 8 * (nq * r["bytes_per_token"] + (n - nq) * r["bf16_bytes_per_token"]) / n / elems
+  if fmt is not None and fmt.fake is None:
+    return 8 * r["bytes_per_token"] / elems
+  return 8 * r["effective_bytes_per_token"] / elems
 
 
 def write_report(jsonl: str) -> None:
@@ -719,9 +733,10 @@ def write_report(jsonl: str) -> None:
            "prompt (token 0 scored by the prefill, the rest by decode steps through the cache), "
            "and in parentheses ratio = ppl / ppl(float32) of the same cell (same tokens). "
            "`n` = scored tokens per cell (windows x tokens). bits/elem and B/token: asymptotic "
-           "(full pages / every token quantized, all layers, K+V); eff bits/elem: bytes of one "
-           "sequence of context + tokens tokens (whole pages, sinks, open blocks, 16-bit windows "
-           "or KIVI residual) / its length. kivi2, fake-* and *-had/-vhad are evaluation-only "
+           "(every token quantized, metadata and code sums included, all layers, K+V); eff "
+           "bits/elem: one sequence of context + tokens tokens counted token by token (2-bit "
+           "tokens at the asymptotic rate; sinks, open blocks, 16-bit windows and the KIVI "
+           "residual at 16 bits; whole-page rounding left out, it is an allocation choice). kivi2, fake-* and *-had/-vhad are evaluation-only "
            "paths (models/eval.py docstring); fake-* rows leave out HACK's INT8 rounding of q and "
            "of the softmax weights (compare fake-hack-p64 with hack-p64).", ""]
   for model in models:
