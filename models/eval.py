@@ -793,8 +793,8 @@ def _plot(rows, path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   models = sorted({r["model"] for r in rows})
-  fig, axes = plt.subplots(1, len(models), figsize=(9 * len(models), 6), squeeze=False)
-  for ax, model in zip(axes[0], models):
+  fig, axes = plt.subplots(len(models), 1, figsize=(11, 6 * len(models)), squeeze=False)
+  for ax, model in zip(axes[:, 0], models):
     rs = [r for r in rows if r["model"] == model]
     ref = {(r["text"], r["context"]): r["ppl"] for r in rs if r["format"] == "float32"}
     series = sorted({(r["text"], r["context"]) for r in rs})
@@ -818,8 +818,11 @@ def _plot(rows, path):
                   "(incl. metadata, sinks, 16-bit windows)")
     ax.set_ylabel("perplexity gap vs float32 KV (%, symlog: linear within +-1)")
     ax.set_title(f"KV format accuracy, teacher-forced decode: {model}", fontsize=10)
+    gaps = [100 * (r["ppl"] / ref[(r["text"], r["context"])] - 1) for r in rs
+            if (r["text"], r["context"]) in ref and r["format"] != "float32"]
+    ax.set_ylim(min(-2.0, min(gaps, default=0) * 1.5), max(gaps, default=10) * 2)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6, ncol=2, loc="upper right")
+    ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
