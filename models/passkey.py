@@ -32,6 +32,7 @@ import sys
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 
 INTRO = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and "
@@ -194,7 +195,7 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
                    prompt_tokens=len(p.ids), depth=p.depth, needle_token=p.needle_token,
                    key=p.key, answer=ans, correct=bool(ok), chat=not args.no_chat,
                    batch_wall_s=r["wall_s"], batch_compile_s=r["compile_s"], command=command,
-                   date=time.strftime("%Y-%m-%d %H:%M"))
+                   device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M"))
         with open(args.out, "a", encoding="utf-8") as f:
           f.write(json.dumps(row) + "\n")
       acc = np.mean(r["correct"])
