@@ -91,7 +91,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
-                        unpack_asm, dedup, fast_quant, interpret):
+                        unpack_asm, dedup, fast_quant, acc_in_memory=False, interpret):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[S, Hq, D]
@@ -104,7 +104,10 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     # open_k_ref, open_v_ref  bf16[S, H, P, D]
     # refs = (sink_k_ref, sink_v_ref  bf16[S, H, ns, D],)  if ns else ()
     #        + (acc_ref f32[G_pad, D], m_ref f32[G_pad], l_ref f32[G_pad])   outputs of this program
+    #        + (stream_acc_ref f32[4 G_pad, D],)  if acc_in_memory: the running accumulators
     ns, P, NP = num_sink_tokens, partition_size, num_groups
+    stream_acc_ref = refs[-1] if acc_in_memory else None
+    refs = refs[:-1] if acc_in_memory else refs
     if ns:
         sink_k_ref, sink_v_ref, acc_ref, m_ref, l_ref = refs
     else:
@@ -127,7 +130,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
 
     row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R] block j of the row
     token = jax.lax.broadcasted_iota(jnp.int32, (P,), 0)  # [P]
-    q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
+    q_all = q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
     int8 = dot_dtype == "int8"
     plane_w = common.plane_weights(row_plane, dot_dtype)  # [R]
     op_dtype = common.operand_dtype(dot_dtype)
@@ -174,6 +177,11 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
 
         # QK^T: logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu
         logits = jnp.zeros((R, P), jnp.float32)
+        if acc_in_memory:  # q re-read per group (L1 hits); the tg-dependent 0 keeps LICM from hoisting it
+            q = load_q_rows(q_ref, b, h + jnp.minimum(tg, 0), group=group, group_pad=group_pad, num_groups=NP,
+                            sm_scale=sm_scale)
+        else:
+            q = q_all
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
             k_tile = common.widen(k_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
@@ -211,10 +219,24 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                 omega = v_sums_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
             pv, ws, wm = int_part(w * tau, v_tile, False)  # [R, Pc], [R], [R]
             out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
-            new_accs.append(common.merge_acc(accs[p], out, alpha, beta, valid))
+            if acc_in_memory:  # read, merge, write back: not carried in registers across the loop
+                stream_acc_ref[:, channels] = common.merge_acc(stream_acc_ref[:, channels], out, alpha, beta, valid)
+            else:
+                new_accs.append(common.merge_acc(accs[p], out, alpha, beta, valid))
         return m_new, l_new, tuple(new_accs)
 
-    m, l, accs = jax.lax.fori_loop(g_lo, g_hi, body, init)
+    if acc_in_memory:
+        # KernelConfig.acc_in_memory: the NP running [R, Pc] accumulators live in this program's own
+        # output block (global memory, L1/L2-resident), read and written once per packing group by
+        # the same threads in the same layout, instead of occupying 2 x 32 registers per thread
+        # across the loop at 1 warp (bench/NOTES_decode.md 2026-12-01).
+        m0, l0, accs0 = init
+        for p in range(NP):
+            stream_acc_ref[:, pl.ds(p * Pc, Pc)] = accs0[p]
+        m, l, _ = jax.lax.fori_loop(g_lo, g_hi, body, (m0, l0, ()))
+        accs = tuple(stream_acc_ref[:, pl.ds(p * Pc, Pc)] for p in range(NP))
+    else:
+        m, l, accs = jax.lax.fori_loop(g_lo, g_hi, body, init)
     m, l, accs = common.merge_streams(m, l, accs, NUM_PLANES)  # [G_pad], [G_pad], NP x [G_pad, Pc]
     for p in range(NP):
         acc_ref[:, pl.ds(p * Pc, Pc)] = accs[p]
@@ -314,6 +336,12 @@ class KernelConfig:
     dedup: bool = False  # metadata read once per block ([4, X] tiles), broadcast to the rows in registers
     fast_quant: bool = False  # "int8" on GPU: INT8 round + clip + convert by one PTX cvt.rni.s8.f32
     open_split: bool = False  # sinks + open block in a program of their own (see above)
+    # 1-warp layout (bench/NOTES_decode.md 2026-12-01): the NP running [R, Pc] accumulators kept in the
+    # program's own global-memory block (read + written once per packing group, same pointers and
+    # layout, so each thread re-reads only what it wrote) and q re-read per group, instead of 2 x 32 +
+    # 2 x 32 registers per thread held across the loop at 1 warp; needs num_stages=1 (Triton's
+    # pipeliner would prefetch the accumulator load ahead of the previous group's store)
+    acc_in_memory: bool = False
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
@@ -405,16 +433,20 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         max_blocks=pages_per_seq * (page_size // partition_size), num_splits=splits,
         open_split=config.open_split,
         dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, dedup=config.dedup,
-        fast_quant=config.fast_quant, interpret=interpret)
+        fast_quant=config.fast_quant, acc_in_memory=config.acc_in_memory, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
-    acc, m, l = common.pallas_call(
+    out_specs = [pl.BlockSpec((None, None, None, pad, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+                 pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0)),
+                 pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0))]
+    if config.acc_in_memory:  # per-program running accumulators of the 4 plane streams (scratch)
+        rows = NUM_PLANES * pad
+        out_shape.append(jax.ShapeDtypeStruct((batch, num_kv_heads, programs, rows, head_dim), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)))
+    acc, m, l, *_ = common.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, num_kv_heads, programs),
-        in_specs=[_full_spec(x) for x in inputs],
-        out_specs=[pl.BlockSpec((None, None, None, pad, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0)),
-                   pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0))],
+        in_specs=[_full_spec(x) for x in inputs], out_specs=out_specs,
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
         name="hack_decode_attention")(*inputs)
     return combine_splits(acc, m, l, num_q_heads)
@@ -555,6 +587,9 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
         if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int, got {num_splits=}")
         config = dataclasses.replace(config, num_splits=num_splits)
+    if config.acc_in_memory and config.num_stages != 1:
+        raise ValueError(f"acc_in_memory needs num_stages=1 (the pipeliner would prefetch the accumulator "
+                         f"ahead of its store), got num_stages={config.num_stages}")
     if config.dot_dtype == "f16" and max(partition_size, min(partition_size, q.shape[-1])) > 64:
         raise ValueError(f"dot_dtype='f16' is exact only for inner dims <= 64 (1024-offset operands): "
                          f"got {partition_size=}, head_dim={q.shape[-1]}")

@@ -404,6 +404,38 @@ def test_hack_kernel_open_split(case, splits, mode):
     assert np.abs(out - joined).max() <= TIGHT * v_scale_of(c)
 
 
+# Llama-3 heads (G 4, d 128, P 64, page 4P) with lengths 1, 63, 64, 65 (+ sinks) and an odd number of
+# packing groups (4 + 64 * 12 + 37: 12 sealed blocks = 3 groups, 4 + 64 * 20: 5 groups), shuffled page ids.
+ACC_MEM_CASE = Case("d128_P64_g4_int8_accmem", 128, 64, 256, 1, 4, 6, (1, 4 + 63, 4 + 64, 4 + 65, 4 + 64 * 12 + 37,
+                                                                      4 + 64 * 20), dot_dtype="int8")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits,open_split", [(1, False), (2, True)])
+def test_hack_kernel_acc_in_memory(splits, open_split, mode):
+    """KernelConfig.acc_in_memory (running accumulators in the program's own global-memory block, q
+    re-read per group; the 1-warp layout of bench/NOTES_decode.md 2026-12-01) vs the NumPy twin, and
+    vs the same config with register accumulators (same arithmetic: equal up to float32 order)."""
+    case = dataclasses.replace(ACC_MEM_CASE, num_splits=splits)
+    q, c = build(case, seed=0)
+    cfg = KernelConfig(num_splits=splits, num_warps=1, num_stages=1, dot_dtype="int8", unpack_asm=True,
+                       dedup=True, fast_quant=True, open_split=open_split, acc_in_memory=True)
+    out = run_config(q, c, case, cfg, mode)
+    ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
+    assert np.isfinite(out).all()
+    tol = (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
+    assert np.abs(out - ref).max() <= tol, (np.abs(out - ref).max(), tol)
+    regs = run_config(q, c, case, dataclasses.replace(cfg, acc_in_memory=False), mode)
+    assert np.abs(out - regs).max() <= TIGHT * v_scale_of(c)
+
+
+def test_hack_kernel_acc_in_memory_needs_one_stage():
+    case = ACC_MEM_CASE
+    q, c = build(case, seed=0)
+    with pytest.raises(ValueError, match="num_stages"):
+        run_config(q, c, case, KernelConfig(num_stages=2, dot_dtype="int8", acc_in_memory=True), "interpret")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_hack_kernel_constant_v_returns_the_constant(mode):
     """tau = 0 (constant V per token group) -> every sealed token's V is nu; with nu the same
