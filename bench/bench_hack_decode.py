@@ -65,7 +65,9 @@ def variants(batch, kv_len, specs):
     """specs: NAME=default (default_config), NAME=bf16paged (the bf16 paged kernel on a bf16 cache of
     the same length), or NAME=DOT:SPLITS:WARPS:STAGES[:FLAGS] with DOT int8|int8asm|bf16|f16|dequant,
     SPLITS a number, d (default_config's) or v2 (the v2 heuristic), FLAGS letters d (dedup metadata),
-    q (fast_quant), a (unpack_asm; int8asm implies it)."""
+    q (fast_quant), a (unpack_asm; int8asm implies it), m (acc_in_memory: accumulators in global memory
+    and q re-read per group, the 1-warp layout; STAGES must be 1), g (groups_per_iter=2: two packing
+    groups per loop trip stacked in the rows; needs d), e.g. w1=int8asm:16:1:1:dqm, g2=int8asm:d:2:2:dqg."""
     pps = kv_len // PAGE
     base = default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=pps, page_size=PAGE, partition_size=P)
     out = []
@@ -84,7 +86,8 @@ def variants(batch, kv_len, specs):
         asm = dot == "int8asm" or "a" in flags
         dot = {"dequant": "bf16", "int8asm": "int8"}.get(dot, dot)
         out.append((name, fn, KernelConfig(splits, int(warps), int(stages), dot, asm, dedup="d" in flags,
-                                           fast_quant="q" in flags)))
+                                           fast_quant="q" in flags, acc_in_memory="m" in flags,
+                                           groups_per_iter=2 if "g" in flags else 1)))
     return out
 
 
@@ -334,7 +337,8 @@ def sass(out_dir, log, specs):
         lo, hi, _ = max(loops, key=lambda x: x[1] - x[0]) if loops else (0, -1, 0)
         ops = triton_offline.op_counts(c["sass"], lo, hi)
         regs, stack = triton_offline.resources(c["res"])
-        log(dict(sass=name, config=str(cfg), regs=regs, stack=stack, loop_instr=sum(ops.values()),
+        log(dict(sass=name, config=str(cfg), regs=regs, stack=stack, shared=c["shared"], loop_instr=sum(ops.values()),
+                 STL=ops["STL"], LDL=ops["LDL"],
                  **{k_: ops[k_] for k_ in ("BAR", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "SHFL", "IMMA", "MUFU")}))
 
 

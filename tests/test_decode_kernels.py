@@ -404,6 +404,77 @@ def test_hack_kernel_open_split(case, splits, mode):
     assert np.abs(out - joined).max() <= TIGHT * v_scale_of(c)
 
 
+# Llama-3 heads (G 4, d 128, P 64, page 4P) with lengths 1, 63, 64, 65 (+ sinks) and an odd number of
+# packing groups (4 + 64 * 12 + 37: 12 sealed blocks = 3 groups, 4 + 64 * 20: 5 groups), shuffled page ids.
+ACC_MEM_CASE = Case("d128_P64_g4_int8_accmem", 128, 64, 256, 1, 4, 6, (1, 4 + 63, 4 + 64, 4 + 65, 4 + 64 * 12 + 37,
+                                                                      4 + 64 * 20), dot_dtype="int8")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits,open_split", [(1, False), (2, True)])
+def test_hack_kernel_acc_in_memory(splits, open_split, mode):
+    """KernelConfig.acc_in_memory (running accumulators in the program's own global-memory block, q
+    re-read per group; the 1-warp layout of bench/NOTES_decode.md 2026-12-01) vs the NumPy twin, and
+    vs the same config with register accumulators (same arithmetic: equal up to float32 order)."""
+    case = dataclasses.replace(ACC_MEM_CASE, num_splits=splits)
+    q, c = build(case, seed=0)
+    cfg = KernelConfig(num_splits=splits, num_warps=1, num_stages=1, dot_dtype="int8", unpack_asm=True,
+                       dedup=True, fast_quant=True, open_split=open_split, acc_in_memory=True)
+    out = run_config(q, c, case, cfg, mode)
+    ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
+    assert np.isfinite(out).all()
+    tol = (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
+    assert np.abs(out - ref).max() <= tol, (np.abs(out - ref).max(), tol)
+    regs = run_config(q, c, case, dataclasses.replace(cfg, acc_in_memory=False), mode)
+    assert np.abs(out - regs).max() <= TIGHT * v_scale_of(c)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits,open_split,acc_in_memory", [(1, False, False), (2, True, False), (3, False, True)])
+def test_hack_kernel_two_groups_per_iter(splits, open_split, acc_in_memory, mode):
+    """KernelConfig.groups_per_iter=2 (two packing groups per loop trip stacked in the rows) vs the NumPy
+    twin: odd group counts (the last trip's second group masked), split ranges of 1-2 groups, open_split,
+    with and without acc_in_memory; and vs groups_per_iter=1 (same codes: equal up to float32 order)."""
+    case = dataclasses.replace(ACC_MEM_CASE, num_splits=splits)
+    q, c = build(case, seed=0)
+    cfg = KernelConfig(num_splits=splits, num_warps=2, num_stages=1 if acc_in_memory else 2, dot_dtype="int8",
+                       unpack_asm=True, dedup=True, fast_quant=True, open_split=open_split,
+                       acc_in_memory=acc_in_memory, groups_per_iter=2)
+    out = run_config(q, c, case, cfg, mode)
+    ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
+    assert np.isfinite(out).all()
+    tol = (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
+    assert np.abs(out - ref).max() <= tol, (np.abs(out - ref).max(), tol)
+    one = run_config(q, c, case, dataclasses.replace(cfg, groups_per_iter=1), mode)
+    assert np.abs(out - one).max() <= TIGHT * v_scale_of(c)
+
+
+def test_hack_kernel_two_groups_bf16_g3():
+    """groups_per_iter=2 with bf16 dots, G 3 (padded heads), page 8P (2 groups per page), interpret mode."""
+    case = dataclasses.replace(CASE["d64_P64_g3_page8P_bf16_s4"], num_splits=2)
+    q, c = build(case, seed=0)
+    cfg = KernelConfig(num_splits=2, dot_dtype="bf16", dedup=True, groups_per_iter=2)
+    out = run_config(q, c, case, cfg, "interpret")
+    ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
+    assert np.abs(out - ref).max() <= TIGHT * v_scale_of(c)
+
+
+def test_hack_kernel_bad_groups_per_iter():
+    case = ACC_MEM_CASE
+    q, c = build(case, seed=0)
+    for cfg in (KernelConfig(dot_dtype="int8", dedup=True, groups_per_iter=3),
+                KernelConfig(dot_dtype="int8", dedup=False, groups_per_iter=2)):
+        with pytest.raises(ValueError, match="groups_per_iter"):
+            run_config(q, c, case, cfg, "interpret")
+
+
+def test_hack_kernel_acc_in_memory_needs_one_stage():
+    case = ACC_MEM_CASE
+    q, c = build(case, seed=0)
+    with pytest.raises(ValueError, match="num_stages"):
+        run_config(q, c, case, KernelConfig(num_stages=2, dot_dtype="int8", acc_in_memory=True), "interpret")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_hack_kernel_constant_v_returns_the_constant(mode):
     """tau = 0 (constant V per token group) -> every sealed token's V is nu; with nu the same
