@@ -7,8 +7,11 @@ same run (copy: read + written bytes of a device-to-device copy; read: a sum's r
 time ratio to our paged bf16 kernel (< 1: faster than it).
 
 Timing (us): per impl one jitted `lax.fori_loop` runs n_iter x UNROLL calls, as a decode loop would:
-each call's query is q + 1e-3 * (previous output), and every large cache array gets a one-element
-in-place write per call (a shrunk cache append; the carry is donated). So no call can be hoisted or
+each call's query is q + 1e-3 * (previous output), and the cache arrays a decode step's append writes
+get a one-element in-place write per call (a shrunk cache append; the carry is donated): K and V for
+the bf16 caches, the 16-bit open block for HACK (`--touch append`, the default since 2026-12-01;
+`--touch all` writes every array >= 1 MiB, as the runs before did, which gave each HACK call ~6 more tiny
+kernels than a bf16 call). So no call can be hoisted or
 merged, and neither can per-call work on K/V done outside a kernel (jax gqa's and XLA's layout
 transposes): with a constant cache XLA hoists it (a first H200 run measured jax gqa at 274 us where
 it costs ~1 ms per call). Loops of n and 2n iterations are timed wall-clock (block_until_ready) and
@@ -67,6 +70,9 @@ PAGE_SIZE = 256  # QuantConfig's default
 UNROLL = 8
 ROTATE_BYTES = 256 << 20  # >= 4x the H200's 60 MB L2
 MAX_COPIES = 8
+# What each call writes into the cache (see _touch): "append" = what a decode step's append writes (the
+# default since 2026-12-01), "all" = every cache array of >= 1 MiB (the runs before; --touch all).
+TOUCH = "append"
 MEMORY_LIMIT = 100 << 30
 L2_BYTES = 60 << 20
 
@@ -109,9 +115,9 @@ def copies_for(nbytes):
     return int(min(MAX_COPIES, max(1, math.ceil(ROTATE_BYTES / max(nbytes, 1)))))
 
 
-def _set_limits(max_copies, unroll):
-    global MAX_COPIES, UNROLL
-    MAX_COPIES, UNROLL = max_copies, unroll
+def _set_limits(max_copies, unroll, touch="append"):
+    global MAX_COPIES, UNROLL, TOUCH
+    MAX_COPIES, UNROLL, TOUCH = max_copies, unroll, touch
 
 
 def paged_table(key, shape, pages_per_seq, n_copies):
@@ -123,12 +129,14 @@ def paged_table(key, shape, pages_per_seq, n_copies):
 
 @dataclasses.dataclass
 class Prepared:
-    """call(q, i, arrays) -> f32[batch, num_q_heads, head_dim]; i = call number (for rotation)."""
+    """call(q, i, arrays) -> f32[batch, num_q_heads, head_dim]; i = call number (for rotation).
+    append: names of the cache arrays a decode step's append writes (_touch with TOUCH = "append")."""
     call: object
     arrays: object
     nbytes: int
     config: str
     n_copies: int
+    append: tuple = ("k", "v")
 
 
 # ----------------------------------------------------------------------------- impls
@@ -217,13 +225,26 @@ def _layer_prep(shape, key, kv_format, skip_fields=(), partition_size=64):
 
 
 def _slots(layer, shape, i, n):
-    """The layer with its per-sequence fields (open blocks, sinks) cut to copy i % n."""
+    """The layer with its per-sequence fields (open blocks, sinks) cut to copy i % n. With TOUCH =
+    "append" the layer already holds copy 0's only (_one_copy_slots): returned as is, so a call pays no
+    slicing copies (open blocks and sinks are ~0.3 MiB at batch 1; the page pools still rotate)."""
+    if TOUCH == "append":
+        return layer
     per = {}
     for f in dataclasses.fields(layer):
         if f.name.startswith(("open", "sink")):
             a = getattr(layer, f.name)
             per[f.name] = lax.dynamic_slice_in_dim(a, (i % n) * shape.batch, shape.batch, 0) if n > 1 else a
     return dataclasses.replace(layer, **per) if per else layer
+
+
+def _one_copy_slots(layer, shape):
+    """With TOUCH = "append": the layer with its open blocks and sinks cut once to copy 0's slots."""
+    if TOUCH != "append":
+        return layer
+    per = {f.name: getattr(layer, f.name)[:shape.batch] for f in dataclasses.fields(layer)
+           if f.name.startswith(("open", "sink")) and getattr(layer, f.name) is not None}
+    return dataclasses.replace(layer, **per)
 
 
 def hack_variants(dots=("bf16", "int8"), p128=False):
@@ -244,7 +265,7 @@ def prep_hack(shape, key, *, interpret, variant_kwargs=None):
     kwargs = dict(variant_kwargs or {})
     P = kwargs.pop("partition_size", 64)
     layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", partition_size=P)
-    arrays = dict(layer=layer, table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
+    arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
     per_copy = shape.batch * pps
 
     def call(q, i, a):
@@ -252,13 +273,14 @@ def prep_hack(shape, key, *, interpret, variant_kwargs=None):
         return mod.hack_decode_attention(q, _slots(a["layer"], shape, i, n), table, a["lens"],
                                          interpret=interpret, **kwargs)
 
-    return Prepared(call, arrays, nbytes, f"kivi P={P} page_size={config.page_size} ns=4 default_config {kwargs}", n)
+    return Prepared(call, arrays, nbytes, f"kivi P={P} page_size={config.page_size} ns=4 default_config {kwargs}", n,
+                    append=("open_k", "open_v"))
 
 
 def prep_dequant(shape, key, *, interpret):
     from pallas_kernels.dequant_decode_attention import dequant_decode_attention
     layer, table, pps, nbytes, n, _ = _layer_prep(shape, key, "hack", skip_fields=("k_sums", "v_sums"))
-    arrays = dict(layer=layer, table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
+    arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
     per_copy = shape.batch * pps
 
     def call(q, i, a):
@@ -266,7 +288,8 @@ def prep_dequant(shape, key, *, interpret):
         return dequant_decode_attention(q, _slots(a["layer"], shape, i, n), table, a["lens"], interpret=interpret)
 
     return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={PAGE_SIZE} ns=4 default_config "
-                    "(HACK cache, codes dequantized in registers; code sums not read)", n)
+                    "(HACK cache, codes dequantized in registers; code sums not read)", n,
+                    append=("open_k", "open_v"))
 
 
 def _contiguous(shape, key):
@@ -315,19 +338,32 @@ def prep_xla(shape, key, *, interpret, contiguous=None):
 
 # ----------------------------------------------------------------------------- timing
 
-def _touch(arrays, out):
-    """A decode step's cache append, shrunk to one element: every large cache array gets element 0
-    overwritten (in place: the loop carry is donated) with a value of the last output. It makes the
-    cache loop-variant, so XLA cannot hoist per-call work on K/V (layout transposes in a wrapper) out
-    of the timed loop, as it could with a constant cache."""
+def _key_name(k):
+    return getattr(k, "key", None) if hasattr(k, "key") else getattr(k, "name", None)
+
+
+def _touch(arrays, out, append=("k", "v")):
+    """A decode step's cache append, shrunk to one element, written in place (the loop carry is donated)
+    with a value of the last output. It makes the cache loop-variant, so XLA cannot hoist per-call work
+    on K/V (layout transposes in a wrapper) out of the timed loop, as it could with a constant cache.
+    TOUCH = "append": only the arrays named in `append` (what the format's real append writes every
+    step: K/V pages or contiguous K/V for bf16; the 16-bit open block for HACK, whose pages are written
+    once per P tokens); "all": every array of >= 1 MiB (before 2026-12-01: 8 page-pool arrays per HACK
+    call vs 2 for bf16, ~6 more tiny kernels per call, bench/NOTES_decode.md)."""
     val = out.reshape(-1)[0]
 
-    def touch(a):
-        if a.size * a.dtype.itemsize < (1 << 20):
+    def touch(path, a):
+        if TOUCH == "all":
+            if a.size * a.dtype.itemsize < (1 << 20):
+                return a
+        elif not path or _key_name(path[-1]) not in append:
             return a
         return lax.dynamic_update_slice(a, jnp.full((1,) * a.ndim, val).astype(a.dtype), (0,) * a.ndim)
 
-    return jax.tree.map(touch, arrays)
+    names = {_key_name(path[-1]) for path, _ in jax.tree_util.tree_leaves_with_path(arrays) if path}
+    if TOUCH == "append" and not set(append) & names:
+        raise ValueError(f"_touch: none of {append} among the cache arrays {sorted(map(str, names))}")
+    return jax.tree_util.tree_map_with_path(touch, arrays)
 
 
 def time_impl(prep, shape, *, reps, target_ms, key, wall_calls):
@@ -341,7 +377,7 @@ def time_impl(prep, shape, *, reps, target_ms, key, wall_calls):
             for u in range(UNROLL):
                 out = prep.call(qc, j * UNROLL + u, arrs).astype(jnp.float32)
                 qc = q0 + 1e-3 * out
-                arrs = _touch(arrs, out)
+                arrs = _touch(arrs, out, prep.append)
             return qc, arrs
         return lax.fori_loop(0, n_iter, body, (q0, arrays))
 
@@ -491,9 +527,12 @@ def main(argv=None):
     ap.add_argument("--unroll", type=int, default=UNROLL, help="calls per loop iteration")
     ap.add_argument("--wall-calls", type=int, default=20, help="single calls timed for us_wall")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--touch", choices=("append", "all"), default="append",
+                    help="cache arrays written per call: what a decode append writes (default) or every array "
+                         ">= 1 MiB (the runs before 2026-12-01)")
     ap.add_argument("--append", action="store_true", help="keep the rows already in OUT/decode_attention.jsonl")
     args = ap.parse_args(argv)
-    _set_limits(2 if args.smoke else MAX_COPIES, args.unroll)
+    _set_limits(2 if args.smoke else MAX_COPIES, args.unroll, args.touch)
 
     interpret = args.smoke
     if args.smoke:
@@ -512,7 +551,10 @@ def main(argv=None):
     roof, roof_parts = measure_roof(64 << 20 if args.smoke else 4 << 30)
     timing = (f"us: slope of wall clock over jitted lax.fori_loops of n and 2n iterations x {UNROLL} calls "
               f"(median of {args.reps} loops each, n for ~{args.target_ms:g} ms): q_next = q + 1e-3 * out and a "
-              f"one-element in-place write into every cache array are carried, so nothing is hoisted; inputs "
+              + ("one-element in-place write into what each format's decode append writes (bf16: K and V; "
+                 "HACK: the open block) " if TOUCH == "append" else
+                 "one-element in-place write into every cache array of >= 1 MiB ") +
+              f"are carried, so nothing is hoisted; page pools / K, V "
               f"rotated over n_copies when one call reads < {ROTATE_BYTES >> 20} MiB. us_wall: median of "
               f"{args.wall_calls} single jitted calls with block_until_ready (includes dispatch)")
     print(f"{gpu} jax {jax.__version__}  HBM roof {roof:.0f} GB/s {roof_parts}  interpret={interpret}", flush=True)
@@ -547,7 +589,7 @@ def main(argv=None):
         for impl, prep_fn in impls:
             row = dict(impl=impl, heads=shape.heads, batch=shape.batch, num_q_heads=shape.num_q_heads,
                        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, kv_len=shape.kv_len,
-                       gpu=gpu, jax_version=jax.__version__, timing_method=timing, roof_gbps=roof)
+                       gpu=gpu, jax_version=jax.__version__, timing_method=timing, touch=TOUCH, roof_gbps=roof)
             # peak memory vs the bf16 K/V size: the 2-bit caches are ~6x smaller (never skipped), the bf16
             # pool ~1x (+ its random-bits temporary), jax gqa / XLA's contiguous K/V + transposes ~3x
             factor = 0 if impl.startswith(("hack", "dequant")) else 2 if impl.startswith("bf16") else 3

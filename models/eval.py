@@ -767,7 +767,8 @@ def write_report(jsonl: str) -> None:
     for cmd in sorted({r["command"] for r in rs}):
       cells = {(r["text"], r["context"]) for r in rs if r["command"] == cmd}
       fmts = len({r["format"] for r in rs if r["command"] == cmd})
-      lines.append(f"- `{cmd}` ({fmts} formats; cells: "
+      devices = ", ".join(sorted({r.get("device", "cpu") for r in rs if r["command"] == cmd}))
+      lines.append(f"- `{cmd}` ({fmts} formats; {devices}; cells: "
                    + ", ".join(f"{t} {c}" for t, c in sorted(cells)) + ")")
     ctxs = sorted({c for _, c in cols})
     lines += ["", f"### {model}: bytes per token", "",

@@ -252,7 +252,8 @@ def write_report(jsonl: str) -> None:
       lines.append("| " + " | ".join(parts) + " |")
     lines += ["", "Commands:", ""]
     for cmd in sorted({r["command"] for r in rs}):
-      lines.append(f"- `{cmd}`")
+      devices = ", ".join(sorted({r.get("device", "cpu") for r in rs if r["command"] == cmd}))
+      lines.append(f"- `{cmd}` ({devices})")
     lines.append("")
   with open(os.path.splitext(jsonl)[0] + ".md", "w", encoding="utf-8") as f:
     f.write("\n".join(lines))
