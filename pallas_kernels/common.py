@@ -131,6 +131,30 @@ def plane_int8_asm(tile: jax.Array, j: int) -> jax.Array:
     return out
 
 
+# "int8" masked planes: plane j as code * 4**PLANE_SHIFT_EXP[j] <= 48 (int8-safe), the weight 4**-e undone on
+# the dot result (`plane_weights(..., masked=True)`); plane 3 needs one shift (code * 64 = 192 > 127).
+_MASKED_PLANE = {0: (0, 0x03), 1: (0, 0x0C), 2: (0, 0x30), 3: (2, 0x30)}  # j -> (right shift, byte mask)
+MASKED_PLANE_EXP = (0, 1, 2, 2)  # plane j holds code_j * 4**MASKED_PLANE_EXP[j]
+
+
+def plane_int8_masked(tile: jax.Array, j: int, *, asm: bool) -> jax.Array:
+    """"int8" plane j of a u8 code tile as code_j * 4**MASKED_PLANE_EXP[j] (values <= 48): planes 0-2 are
+    `byte & (3 << 2j)` (one AND per 4 codes with inline PTX, no shift), plane 3 `(byte >> 2) & 0x30`;
+    the dot results are exact integers (|dot| <= 127 * 48 * inner dim < 2**24) and the caller
+    multiplies them by 4**-MASKED_PLANE_EXP[j] (exact). asm (GPU only): on 4 packed bytes per 32-bit
+    register by `elementwise_inline_asm`, else jnp (interpret mode; same bits)."""
+    shift, mask = _MASKED_PLANE[j]
+    if not asm:
+        x = tile >> jnp.uint8(shift) if shift else tile
+        return (x & jnp.uint8(mask)).astype(jnp.int8)
+    mask4 = f"0x{mask:02X}{mask:02X}{mask:02X}{mask:02X}"
+    body = (f"shr.b32 t, $1, {shift}; and.b32 $0, t, {mask4};" if shift else f"and.b32 $0, $1, {mask4};")
+    [out] = pltriton.elementwise_inline_asm(
+        "{ .reg .b32 t; " + body + " }", args=[tile], constraints="=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.int8)])
+    return out
+
+
 def unbias(dot: jax.Array, codes: jax.Array, dot_dtype: str) -> jax.Array:
     """Removes the f16 operands' 1024 offset: dot - 1024 * sum(codes, axis=1), exact (integers
     < 2**24); identity for the other dot dtypes. codes: the [rows, k] left operand, as float32."""
@@ -288,13 +312,15 @@ def select_rows(row_plane: jax.Array, parts) -> jax.Array:
     return out
 
 
-def plane_weights(row_plane: jax.Array, dot_dtype: str) -> jax.Array:
-    """f32[rows]: 4**-row_plane for "bf16"/"f16" operands (masked, unshifted planes), 1 for "int8"."""
-    if dot_dtype == "int8":
+def plane_weights(row_plane: jax.Array, dot_dtype: str, *, masked: bool = False) -> jax.Array:
+    """f32[rows]: 4**-row_plane for "bf16"/"f16" operands (masked, unshifted planes), 1 for "int8",
+    4**-MASKED_PLANE_EXP[row_plane] for "int8" masked planes (`plane_int8_masked`)."""
+    if dot_dtype == "int8" and not masked:
         return jnp.ones(row_plane.shape, jnp.float32)
+    exps = MASKED_PLANE_EXP if dot_dtype == "int8" else (0, 1, 2, 3)
     w = jnp.full(row_plane.shape, 1.0, jnp.float32)
     for j in range(1, 4):
-        w = jnp.where(row_plane == j, 4.0 ** (-j), w)
+        w = jnp.where(row_plane == j, 4.0 ** (-exps[j]), w)
     return w
 
 

@@ -52,7 +52,12 @@ Offline-only options (SASS measured with pip Triton 3.6, not yet timed on the GP
 2026-12-01): KernelConfig.acc_in_memory (1-warp programs: accumulators in a per-program global block, q
 re-read per group: 255 registers with ~45 spill accesses per group instead of ~190, 8 programs per SM)
 and KernelConfig.groups_per_iter=2 (two packing groups per loop trip stacked in the rows, R = 32: at 4
-warps 38 instead of 60 barriers per group, 255 registers -> 2 programs per SM).
+warps 38 instead of 60 barriers per group, 255 registers -> 2 programs per SM); both were slower on the
+H200. Loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet", offline SASS, not yet timed):
+KernelConfig.fast_div (the quantizers' division as x * rcp(s), the GPU's div.full bits), fast_exp
+(exp2(x log2 e)), qmu_rowconst (q . mu added to the block max only) and block_meta (per-token metadata as
+strided [4, P] tiles): all four together 1823 -> 1586 instructions per warp and packing group at 168
+registers.
 
 Tested: CPU interpret mode (jax 0.10.2), tests/test_decode_kernels.py; H200 (jax 0.11.2): see
 bench/NOTES_decode.md. Caveats: partition_size and head_dim powers of two >= 32 with page_size a
@@ -98,7 +103,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                         open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
                         unpack_asm, dedup, fast_quant, acc_in_memory=False, groups_per_iter=1, fast_div=False,
-                        fast_exp=False, qmu_rowconst=False, block_meta=False, interpret):
+                        fast_exp=False, qmu_rowconst=False, block_meta=False, masked_planes=False,
+                        interpret):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[S, Hq, D]
@@ -143,9 +149,12 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     q_all = q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale,
                             planes=gpi * NUM_PLANES)
     int8 = dot_dtype == "int8"
-    plane_w = common.plane_weights(row_plane, dot_dtype)  # [R]
+    plane_w = common.plane_weights(row_plane, dot_dtype, masked=masked_planes and int8)  # [R]
     op_dtype = common.operand_dtype(dot_dtype)
-    if unpack_asm and int8 and not interpret:
+    if masked_planes and int8:  # code_j * 4**e_j, no shift for planes 0-2; 4**-e_j in plane_w
+        asm = unpack_asm and not interpret
+        plane = lambda tile, j, _: common.plane_int8_masked(tile, j, asm=asm)  # noqa: E731
+    elif unpack_asm and int8 and not interpret:
         plane = lambda tile, j, _: common.plane_int8_asm(tile, j)  # noqa: E731
     else:
         plane = common.plane
@@ -475,6 +484,9 @@ class KernelConfig:
     # group from a [N, H, bpp, P, NP] view of their arrays (free reshape in the wrapper) instead of a
     # [4P] vector reshaped to [4, P] in registers (a shared-memory round trip with 2 barriers each)
     block_meta: bool = False
+    # masked_planes ("int8"): planes 0-2 as byte & (3 << 2j) = code * 4**j (one AND per 4 codes, no shift),
+    # plane 3 as (byte >> 2) & 0x30 = code * 16 (int8-safe), 4**-e undone exactly on the dot result
+    masked_planes: bool = False
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
@@ -571,7 +583,8 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, dedup=config.dedup,
         fast_quant=config.fast_quant, acc_in_memory=config.acc_in_memory,
         groups_per_iter=config.groups_per_iter, fast_div=config.fast_div, fast_exp=config.fast_exp,
-        qmu_rowconst=config.qmu_rowconst, block_meta=config.block_meta, interpret=interpret)
+        qmu_rowconst=config.qmu_rowconst, block_meta=config.block_meta, masked_planes=config.masked_planes,
+        interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
