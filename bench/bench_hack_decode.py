@@ -72,6 +72,7 @@ def variants(batch, kv_len, specs):
     and merge weights), c (qmu_rowconst: q.mu summed over channel groups, added to the block max only),
     b (block_meta: kappa/tau/nu as strided [4, P] tiles of a [N, H, bpp, P, NP] view; needs d),
     p (masked_planes: int8 planes 0-2 by one AND per 4 codes, plane 3 shift + AND, 4^-e on the dot),
+    o (fma_order: correction sums as running FMAs),
     e.g. w1=int8asm:16:1:1:dqm, g2=int8asm:d:2:2:dqg, diet=int8asm:d:4:2:dqrec."""
     pps = kv_len // PAGE
     base = default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=pps, page_size=PAGE, partition_size=P)
@@ -94,7 +95,8 @@ def variants(batch, kv_len, specs):
                                            fast_quant="q" in flags, acc_in_memory="m" in flags,
                                            groups_per_iter=2 if "g" in flags else 1, fast_div="r" in flags,
                                            fast_exp="e" in flags, qmu_rowconst="c" in flags,
-                                           block_meta="b" in flags, masked_planes="p" in flags)))
+                                           block_meta="b" in flags, masked_planes="p" in flags,
+                                           fma_order="o" in flags)))
     return out
 
 

@@ -104,7 +104,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
                         unpack_asm, dedup, fast_quant, acc_in_memory=False, groups_per_iter=1, fast_div=False,
                         fast_exp=False, qmu_rowconst=False, block_meta=False, masked_planes=False,
-                        interpret):
+                        fma_order=False, interpret):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[S, Hq, D]
@@ -231,8 +231,11 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                 kappa = k_sums_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
             dot, qs, qm = int_part(q[p] * sigma, k_tile, True)  # [R, P], [R], [R]
             if qmu_rowconst:
-                part = (qs * plane_w)[:, None] * dot + qm[:, None] * kappa  # [R, P]
-                logits = part if logits is None else logits + part
+                if fma_order and logits is not None:  # 2 FFMAs per element onto the running sum
+                    logits = (logits + qm[:, None] * kappa) + (qs * plane_w)[:, None] * dot
+                else:
+                    part = (qs * plane_w)[:, None] * dot + qm[:, None] * kappa  # [R, P]
+                    logits = part if logits is None else logits + part
                 qmu_prod = q[p] * mu if qmu_prod is None else qmu_prod + q[p] * mu  # [R, Pc]
             else:
                 logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
@@ -261,7 +264,10 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                 nu = v_min_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
                 omega = v_sums_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
             pv, ws, wm = int_part(w * tau, v_tile, False)  # [R, Pc], [R], [R]
-            out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
+            if fma_order:  # wnu + wm omega + ws pv: 2 FFMAs per element instead of FMUL + FFMA + FADD
+                out = (jnp.sum(w * nu, axis=1)[:, None] + wm[:, None] * omega) + (ws * plane_w)[:, None] * pv
+            else:
+                out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
             if acc_in_memory:  # read, merge, write back: not carried in registers across the loop
                 stream_acc_ref[:, channels] = common.merge_acc(stream_acc_ref[:, channels], out, alpha, beta, valid)
             else:
@@ -338,7 +344,10 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                 nu = rows(lambda pid, s0, t0: per_token(v_min_ref, pid, s0, t0, p))  # [R, P]
                 omega = rows(lambda pid, s0, t0: v_sums_ref[pid, h, pl.ds(s0, NUM_PLANES), ch])  # [R, Pc]
                 pv, ws, wm = int_part_multi(w * tau, v_tiles, False)  # [R, Pc], [R], [R]
-                out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
+                if fma_order:
+                    out = (jnp.sum(w * nu, axis=1)[:, None] + wm[:, None] * omega) + (ws * plane_w)[:, None] * pv
+                else:
+                    out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
                 if acc_in_memory:
                     stream_acc_ref[:, ch] = common.merge_acc(stream_acc_ref[:, ch], out, alpha, beta, valid)
                 else:
@@ -487,6 +496,9 @@ class KernelConfig:
     # masked_planes ("int8"): planes 0-2 as byte & (3 << 2j) = code * 4**j (one AND per 4 codes, no shift),
     # plane 3 as (byte >> 2) & 0x30 = code * 16 (int8-safe), 4**-e undone exactly on the dot result
     masked_planes: bool = False
+    # fma_order: the per-element correction sums written as running FMAs (logits with qmu_rowconst:
+    # (acc + m kappa) + s dot; block output: (w.nu + m' omega) + s' pv), one instruction less each
+    fma_order: bool = False
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
@@ -584,7 +596,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         fast_quant=config.fast_quant, acc_in_memory=config.acc_in_memory,
         groups_per_iter=config.groups_per_iter, fast_div=config.fast_div, fast_exp=config.fast_exp,
         qmu_rowconst=config.qmu_rowconst, block_meta=config.block_meta, masked_planes=config.masked_planes,
-        interpret=interpret)
+        fma_order=config.fma_order, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]

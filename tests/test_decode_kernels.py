@@ -466,18 +466,21 @@ def test_hack_kernel_two_groups_bf16_g3():
 # KernelConfig loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet"): alone and combined.
 DIET = KernelConfig(dot_dtype="int8", unpack_asm=True, dedup=True, fast_quant=True)
 DIET_FLAGS = [dict(fast_div=True), dict(fast_exp=True), dict(qmu_rowconst=True), dict(block_meta=True),
-              dict(masked_planes=True), dict(fast_div=True, qmu_rowconst=True, block_meta=True),
-              dict(fast_div=True, fast_exp=True, qmu_rowconst=True, block_meta=True, masked_planes=True)]
+              dict(masked_planes=True), dict(fma_order=True), dict(fast_div=True, qmu_rowconst=True, block_meta=True),
+              dict(fast_div=True, fast_exp=True, qmu_rowconst=True, block_meta=True, masked_planes=True,
+                   fma_order=True)]
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("splits,open_split", [(1, False), (3, True)])
 @pytest.mark.parametrize("flags", DIET_FLAGS, ids=lambda f: "+".join(f))
 def test_hack_kernel_diet_flags(flags, splits, open_split, mode):
-    """fast_div, fast_exp, qmu_rowconst, block_meta, masked_planes on the v3 default path vs the float64 NumPy twin
+    """fast_div, fast_exp, qmu_rowconst, block_meta, masked_planes, fma_order on the v3 default path vs the
+    float64 NumPy twin
     (Llama-3 heads, lengths 1, 63, 64, 65 + sinks, 3 and 5 packing groups, shuffled pages; 1 split /
     3 splits + open_split), and vs the same config without them (equal up to float32 order: fast_exp's
-    exp2(x log2 e) and qmu_rowconst's logits without q.mu differ from the plain path in the last bits;
+    exp2(x log2 e), qmu_rowconst's logits without q.mu and fma_order's sums differ from the plain path in
+    the last bits;
     masked_planes' scaled integer dots are exact)."""
     case = dataclasses.replace(ACC_MEM_CASE, num_splits=splits)
     q, c = build(case, seed=0)
@@ -501,7 +504,7 @@ def test_hack_kernel_diet_flags_other_shapes(case, mode):
     q, c = build(case, seed=0)
     cfg = KernelConfig(num_splits=case.num_splits, dot_dtype=case.dot_dtype, unpack_asm=case.dot_dtype == "int8",
                        dedup=True, fast_quant=case.dot_dtype == "int8", fast_div=True, fast_exp=True,
-                       qmu_rowconst=True, block_meta=True, masked_planes=True)
+                       qmu_rowconst=True, block_meta=True, masked_planes=True, fma_order=True)
     out = run_config(q, c, case, cfg, mode)
     ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
     assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
@@ -511,12 +514,12 @@ def test_hack_kernel_diet_flags_other_shapes(case, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_hack_kernel_diet_flags_two_groups_per_iter(mode):
-    """block_meta, fast_div, fast_exp and masked_planes with groups_per_iter=2 (odd group counts, 2 splits
+    """block_meta, fast_div, fast_exp, masked_planes and fma_order with groups_per_iter=2 (odd group counts, 2 splits
     + open_split) vs the NumPy twin."""
     case = dataclasses.replace(ACC_MEM_CASE, num_splits=2)
     q, c = build(case, seed=0)
     cfg = dataclasses.replace(DIET, num_splits=2, open_split=True, num_warps=2, groups_per_iter=2, fast_div=True,
-                              fast_exp=True, block_meta=True, masked_planes=True)
+                              fast_exp=True, block_meta=True, masked_planes=True, fma_order=True)
     out = run_config(q, c, case, cfg, mode)
     ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
     tol = (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
