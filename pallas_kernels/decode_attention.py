@@ -55,9 +55,10 @@ and KernelConfig.groups_per_iter=2 (two packing groups per loop trip stacked in 
 warps 38 instead of 60 barriers per group, 255 registers -> 2 programs per SM); both were slower on the
 H200. Loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet", offline SASS, not yet timed):
 KernelConfig.fast_div (the quantizers' division as x * rcp(s), the GPU's div.full bits), fast_exp
-(exp2(x log2 e)), qmu_rowconst (q . mu added to the block max only) and block_meta (per-token metadata as
-strided [4, P] tiles): all four together 1823 -> 1586 instructions per warp and packing group at 168
-registers.
+(exp2(x log2 e)), qmu_rowconst (q . mu added to the block max only), block_meta (per-token metadata as
+strided [4, P] tiles), masked_planes (int8 planes without shifts, 4**-e on the dot) and fma_order (running
+FMA sums): all six together 1823 -> 1502 instructions per warp and packing group at 168 registers (pip
+Triton 3.6); fast_exp or fma_order alone need 182-184 registers (2 programs per SM).
 
 Tested: CPU interpret mode (jax 0.10.2), tests/test_decode_kernels.py; H200 (jax 0.11.2): see
 bench/NOTES_decode.md. Caveats: partition_size and head_dim powers of two >= 32 with page_size a
@@ -483,7 +484,7 @@ class KernelConfig:
     # Loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet"; GPU-only ones fall back to
     # jnp in interpret mode): fast_div: the INT8 quantizers' (x - mf) / s as x * rcp(s), one
     # reciprocal per row (the same bits as Triton's div.full.f32 division); fast_exp: exp as
-    # ex2.approx(x log2 e) (flash-attention style, a few ulp) in the block softmax and the merges;
+    # exp2(x log2 e) (ex2.approx on the GPU, flash-attention style, a few ulp) in the block softmax and the merges;
     # qmu_rowconst: q . mu (constant along a block's tokens, cancels in exp(logit - max)) summed
     # over the channel groups and added to the block max only (groups_per_iter=1 only)
     fast_div: bool = False
