@@ -482,9 +482,10 @@ class KernelConfig:
     # dedup): each row reduction / barrier step serves that many groups, at groups_per_iter x the dots
     groups_per_iter: int = 1
     # Loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet"; GPU-only ones fall back to
-    # jnp in interpret mode): fast_div: the INT8 quantizers' (x - mf) / s as x * rcp(s), one
-    # reciprocal per row (the same bits as Triton's div.full.f32 division); fast_exp: exp as
-    # exp2(x log2 e) (ex2.approx on the GPU, flash-attention style, a few ulp) in the block softmax and the merges;
+    # jnp in interpret mode): fast_div ("int8" dots): the INT8 quantizers' (x - mf) / s as x * rcp(s),
+    # one reciprocal per row (the same bits as Triton's div.full.f32 division); fast_exp: exp as
+    # exp2(x log2 e) (ex2.approx on the GPU, flash-attention style, a few ulp) in the block softmax
+    # and the merges;
     # qmu_rowconst: q . mu (constant along a block's tokens, cancels in exp(logit - max)) summed
     # over the channel groups and added to the block max only (groups_per_iter=1 only)
     fast_div: bool = False
