@@ -15,7 +15,9 @@
   bf16 tensor cores `f32_bf16_dot`.
 - The INT8 quantizer of the transient operands (`quantize_rows_int8`, `round_half_even`), repeating
   hack_jax.quantization.quantize's float32 arithmetic; `quantize_rows_int8_codes` gives int8 dot
-  operands, on the GPU optionally rounded + clamped by one PTX cvt (`round_saturate_int8_asm`).
+  operands, on the GPU optionally rounded + clamped by one PTX cvt (`round_saturate_int8_asm`) and
+  divided by one reciprocal per row (`reciprocal_approx_asm`, the same bits as the GPU's division).
+- `exp`: jnp.exp or the flash-attention form exp2(x log2 e) (one MUFU.EX2 + one FMUL on the GPU).
 - Online softmax: `merge_state` (one part into the running state, NaN-safe for masked parts) or its
   two halves `merge_weights` + `merge_acc`,
   `merge_streams` (row blocks of one program), `lse_combine` (split-K partials, plain jnp).
@@ -129,6 +131,30 @@ def plane_int8_asm(tile: jax.Array, j: int) -> jax.Array:
     return out
 
 
+# "int8" masked planes: plane j as code * 4**PLANE_SHIFT_EXP[j] <= 48 (int8-safe), the weight 4**-e undone on
+# the dot result (`plane_weights(..., masked=True)`); plane 3 needs one shift (code * 64 = 192 > 127).
+_MASKED_PLANE = {0: (0, 0x03), 1: (0, 0x0C), 2: (0, 0x30), 3: (2, 0x30)}  # j -> (right shift, byte mask)
+MASKED_PLANE_EXP = (0, 1, 2, 2)  # plane j holds code_j * 4**MASKED_PLANE_EXP[j]
+
+
+def plane_int8_masked(tile: jax.Array, j: int, *, asm: bool) -> jax.Array:
+    """"int8" plane j of a u8 code tile as code_j * 4**MASKED_PLANE_EXP[j] (values <= 48): planes 0-2 are
+    `byte & (3 << 2j)` (one AND per 4 codes with inline PTX, no shift), plane 3 `(byte >> 2) & 0x30`;
+    the dot results are exact integers (|dot| <= 127 * 48 * inner dim < 2**24) and the caller
+    multiplies them by 4**-MASKED_PLANE_EXP[j] (exact). asm (GPU only): on 4 packed bytes per 32-bit
+    register by `elementwise_inline_asm`, else jnp (interpret mode; same bits)."""
+    shift, mask = _MASKED_PLANE[j]
+    if not asm:
+        x = tile >> jnp.uint8(shift) if shift else tile
+        return (x & jnp.uint8(mask)).astype(jnp.int8)
+    mask4 = f"0x{mask:02X}{mask:02X}{mask:02X}{mask:02X}"
+    body = (f"shr.b32 t, $1, {shift}; and.b32 $0, t, {mask4};" if shift else f"and.b32 $0, $1, {mask4};")
+    [out] = pltriton.elementwise_inline_asm(
+        "{ .reg .b32 t; " + body + " }", args=[tile], constraints="=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.int8)])
+    return out
+
+
 def unbias(dot: jax.Array, codes: jax.Array, dot_dtype: str) -> jax.Array:
     """Removes the f16 operands' 1024 offset: dot - 1024 * sum(codes, axis=1), exact (integers
     < 2**24); identity for the other dot dtypes. codes: the [rows, k] left operand, as float32."""
@@ -199,14 +225,51 @@ def round_saturate_int8_asm(t: jax.Array) -> jax.Array:
     return out
 
 
-def _int8_row_transform(x: jax.Array):
-    """The float32 part of `quantize_rows_int8`: (t = (x - mf) / s unrounded, s, mf)."""
+def reciprocal_approx_asm(d: jax.Array) -> jax.Array:
+    """f32 1/d by one `rcp.approx.ftz.f32` (MUFU.RCP) per element. GPU only.
+
+    Why: Triton lowers float32 `x / d` to PTX `div.full.f32`, which ptxas compiles (sm_90, checked in
+    the SASS of the decode kernel) to MUFU.RCP of d (hoisted per distinct d) and, per element, one
+    FMUL by it plus two predicated range FMULs (x, d scaled by 0.25 when |d| > 2**126, by 2**24
+    when |d| < 2**-126). For d in [2**-126, 2**126] that is exactly x * rcp.approx.ftz(d), so
+    `x * reciprocal_approx_asm(d)` with the reciprocal taken once per row gives the same bits as
+    `x / d` on the GPU at 1 instead of 3 instructions per element (`quantize_rows_int8_codes`,
+    fast_div). d: f32[...], any shape; returns f32 of the same shape."""
+    [out] = pltriton.elementwise_inline_asm(
+        "rcp.approx.ftz.f32 $0, $1;", args=[d], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, jnp.float32)])
+    return out
+
+
+LOG2E = 1.4426950408889634
+
+
+def exp(x: jax.Array, *, fast: bool = False) -> jax.Array:
+    """f32 exp(x): jnp.exp (libdevice __nv_expf on the GPU: ~9 instructions per element, range
+    reduction with two FFMAs and an exponent fix-up around one MUFU.EX2), or with fast=True
+    exp2(x * log2(e)), the form flash attention uses: on the GPU one FMUL + one MUFU.EX2
+    (Triton lowers f32 exp2 to ex2.approx.ftz.f32; checked in the decode kernel's PTX/SASS), in
+    interpret mode XLA's exp2. Error of the fast form: ex2.approx's 2**-22 relative (PTX ISA) plus
+    the rounding of x * log2(e), relative |x| 2**-24 in the result; for softmax weights w = exp(x),
+    x <= 0, the absolute error is <= |x| e**x 2**-24 <= 2**-24 / e. exp(-inf) = 0 in both."""
+    return jnp.exp2(x * LOG2E) if fast else jnp.exp(x)
+
+
+def _int8_row_transform(x: jax.Array, *, fast_div: bool = False):
+    """The float32 part of `quantize_rows_int8`: (t = (x - mf) / s unrounded, s, mf).
+
+    fast_div (GPU only; the callers pass False in interpret mode): the division as a multiply by the
+    row's `reciprocal_approx_asm` (the same bits as Triton's div.full.f32 division: s is 0 -> 1 or
+    >= 2**-126 (tiny), and s <= (2**128 / 2) * (2 / 255) < 2**126 for finite float32 x)."""
     lo = jnp.min(x, axis=1)
     hi = jnp.max(x, axis=1)
     raw = (0.5 * hi - 0.5 * lo) * (2.0 / 255)
     s = jnp.where(hi > lo, jnp.maximum(raw, jnp.finfo(jnp.float32).tiny), 0.0)
     mf = lo + 128.0 * s
-    return (x - mf[:, None]) / jnp.where(s > 0, s, 1.0)[:, None], s, mf
+    d = jnp.where(s > 0, s, 1.0)
+    if fast_div:
+        return (x - mf[:, None]) * reciprocal_approx_asm(d)[:, None], s, mf
+    return (x - mf[:, None]) / d[:, None], s, mf
 
 
 def quantize_rows_int8(x: jax.Array, *, interpret: bool):
@@ -224,16 +287,20 @@ def quantize_rows_int8(x: jax.Array, *, interpret: bool):
     return jnp.clip(round_half_even(t, interpret=interpret), -128.0, 127.0), s, mf
 
 
-def quantize_rows_int8_codes(x: jax.Array, *, interpret: bool, fast: bool):
+def quantize_rows_int8_codes(x: jax.Array, *, interpret: bool, fast: bool, fast_div: bool = False):
     """`quantize_rows_int8` with the codes as int8 dot operands: (codes i8[rows, n], s, mf).
 
     fast (GPU only; ignored in interpret mode): round + clip + convert by one `cvt.rni.s8.f32` per
     element (`round_saturate_int8_asm`) instead of two adds, two min/max and two converts; the
-    same codes (both round half to even, then clamp to [-128, 127])."""
+    same codes (both round half to even, then clamp to [-128, 127]).
+    fast_div (GPU only; ignored in interpret mode): (x - mf) / s as (x - mf) * rcp(s) with one
+    reciprocal per row (`_int8_row_transform`): the same bits as the GPU's division."""
+    fast_div = fast_div and not interpret
     if not fast or interpret:
-        codes, s, mf = quantize_rows_int8(x, interpret=interpret)
+        t, s, mf = _int8_row_transform(x, fast_div=fast_div)
+        codes = jnp.clip(round_half_even(t, interpret=interpret), -128.0, 127.0)
         return codes.astype(jnp.int8), s, mf
-    t, s, mf = _int8_row_transform(x)
+    t, s, mf = _int8_row_transform(x, fast_div=fast_div)
     return round_saturate_int8_asm(t).astype(jnp.int8), s, mf
 
 
@@ -245,13 +312,15 @@ def select_rows(row_plane: jax.Array, parts) -> jax.Array:
     return out
 
 
-def plane_weights(row_plane: jax.Array, dot_dtype: str) -> jax.Array:
-    """f32[rows]: 4**-row_plane for "bf16"/"f16" operands (masked, unshifted planes), 1 for "int8"."""
-    if dot_dtype == "int8":
+def plane_weights(row_plane: jax.Array, dot_dtype: str, *, masked: bool = False) -> jax.Array:
+    """f32[rows]: 4**-row_plane for "bf16"/"f16" operands (masked, unshifted planes), 1 for "int8",
+    4**-MASKED_PLANE_EXP[row_plane] for "int8" masked planes (`plane_int8_masked`)."""
+    if dot_dtype == "int8" and not masked:
         return jnp.ones(row_plane.shape, jnp.float32)
+    exps = MASKED_PLANE_EXP if dot_dtype == "int8" else (0, 1, 2, 3)
     w = jnp.full(row_plane.shape, 1.0, jnp.float32)
     for j in range(1, 4):
-        w = jnp.where(row_plane == j, 4.0 ** (-j), w)
+        w = jnp.where(row_plane == j, 4.0 ** (-exps[j]), w)
     return w
 
 
@@ -273,15 +342,15 @@ def merge_state(m, l, accs, m_b, l_b, o_bs, valid):
     return m_new, l_new, accs
 
 
-def merge_weights(m, l, m_b, l_b, valid):
+def merge_weights(m, l, m_b, l_b, valid, *, exp=jnp.exp):
     """`merge_state` in two steps, so each accumulator can be updated as soon as its part is ready:
     returns (m_new, l_new, alpha, beta) with acc_new = acc * alpha[:, None] + o_b * beta[:, None]
-    (`merge_acc`); the same arithmetic as merge_state."""
+    (`merge_acc`); the same arithmetic as merge_state (exp: jnp.exp or e.g. `exp_approx_asm`)."""
     m_b = jnp.where(valid, m_b, -jnp.inf)
     m_new = jnp.maximum(m, m_b)
     base = jnp.where(m_new > -jnp.inf, m_new, 0.0)
-    alpha = jnp.exp(m - base)
-    beta = jnp.exp(m_b - base)
+    alpha = exp(m - base)
+    beta = exp(m_b - base)
     return m_new, l * alpha + jnp.where(valid, l_b, 0.0) * beta, alpha, beta
 
 

@@ -52,7 +52,13 @@ Offline-only options (SASS measured with pip Triton 3.6, not yet timed on the GP
 2026-12-01): KernelConfig.acc_in_memory (1-warp programs: accumulators in a per-program global block, q
 re-read per group: 255 registers with ~45 spill accesses per group instead of ~190, 8 programs per SM)
 and KernelConfig.groups_per_iter=2 (two packing groups per loop trip stacked in the rows, R = 32: at 4
-warps 38 instead of 60 barriers per group, 255 registers -> 2 programs per SM).
+warps 38 instead of 60 barriers per group, 255 registers -> 2 programs per SM); both were slower on the
+H200. Loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet", offline SASS, not yet timed):
+KernelConfig.fast_div (the quantizers' division as x * rcp(s), the GPU's div.full bits), fast_exp
+(exp2(x log2 e)), qmu_rowconst (q . mu added to the block max only), block_meta (per-token metadata as
+strided [4, P] tiles), masked_planes (int8 planes without shifts, 4**-e on the dot) and fma_order (running
+FMA sums): all six together 1823 -> 1502 instructions per warp and packing group at 168 registers (pip
+Triton 3.6); fast_exp or fma_order alone need 182-184 registers (2 programs per SM).
 
 Tested: CPU interpret mode (jax 0.10.2), tests/test_decode_kernels.py; H200 (jax 0.11.2): see
 bench/NOTES_decode.md. Caveats: partition_size and head_dim powers of two >= 32 with page_size a
@@ -97,7 +103,9 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
-                        unpack_asm, dedup, fast_quant, acc_in_memory=False, groups_per_iter=1, interpret):
+                        unpack_asm, dedup, fast_quant, acc_in_memory=False, groups_per_iter=1, fast_div=False,
+                        fast_exp=False, qmu_rowconst=False, block_meta=False, masked_planes=False,
+                        fma_order=False, interpret):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[S, Hq, D]
@@ -142,9 +150,12 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     q_all = q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale,
                             planes=gpi * NUM_PLANES)
     int8 = dot_dtype == "int8"
-    plane_w = common.plane_weights(row_plane, dot_dtype)  # [R]
+    plane_w = common.plane_weights(row_plane, dot_dtype, masked=masked_planes and int8)  # [R]
     op_dtype = common.operand_dtype(dot_dtype)
-    if unpack_asm and int8 and not interpret:
+    if masked_planes and int8:  # code_j * 4**e_j, no shift for planes 0-2; 4**-e_j in plane_w
+        asm = unpack_asm and not interpret
+        plane = lambda tile, j, _: common.plane_int8_masked(tile, j, asm=asm)  # noqa: E731
+    elif unpack_asm and int8 and not interpret:
         plane = lambda tile, j, _: common.plane_int8_asm(tile, j)  # noqa: E731
     else:
         plane = common.plane
@@ -154,14 +165,26 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
         plane of tile, f32[R, m]; scale [R]; minimum [R]). int8: the 4 plane dots are selected
         per row in int32 and converted once."""
         if int8:
-            xc, xs, xm = common.quantize_rows_int8_codes(x, interpret=interpret, fast=fast_quant)
+            xc, xs, xm = common.quantize_rows_int8_codes(x, interpret=interpret, fast=fast_quant,
+                                                                  fast_div=fast_div)
             dots = [jnp.dot(xc, plane(tile, j, dot_dtype).T if trans_b else plane(tile, j, dot_dtype),
                             preferred_element_type=jnp.int32) for j in range(NUM_PLANES)]
             return common.select_rows(row_plane, dots).astype(jnp.float32), xs, xm
-        xc, xs, xm = common.quantize_rows_int8(x, interpret=interpret)
+        xc, xs, xm = common.quantize_rows_int8(x, interpret=interpret)  # (bf16 / f16 operands: float codes)
         dots = [common.int_dot(xc.astype(op_dtype), plane(tile, j, dot_dtype), dot_dtype, trans_b=trans_b)
                 for j in range(NUM_PLANES)]
         return common.unbias(common.select_rows(row_plane, dots), xc, dot_dtype), xs, xm
+
+    exp = functools.partial(common.exp, fast=fast_exp)
+
+    def per_token(ref, pid, slot0, tok0, p):
+        """[4, P] per-token metadata (kappa, tau, nu) of the 4 blocks of a packing group, channel group p.
+        block_meta: ref is [N, H, bpp, P, NP] (the wrapper's free reshape) and the [4, P] tile is one
+        strided 2-D load in the layout its consumer wants; else a [4P] strided vector reshaped to
+        [4, P] (a register layout change through shared memory)."""
+        if block_meta:
+            return ref[pid, h, pl.ds(slot0, NUM_PLANES), :, p]
+        return ref[pid, h, pl.ds(tok0, NUM_PLANES * P), p].reshape(NUM_PLANES, P)
 
     init = jax.lax.cond(
         split == prologue_split,
@@ -186,7 +209,11 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
             return jnp.broadcast_to(x4[:, None, :], (NUM_PLANES, group_pad, x4.shape[1])).reshape(R, x4.shape[1])
 
         # QK^T: logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu
-        logits = jnp.zeros((R, P), jnp.float32)
+        # qmu_rowconst: q . mu is constant along the block's tokens, so it cancels in the block-local
+        # softmax weights exp(logit - max); it is summed over the channel groups first (one row
+        # reduction and one [R] layout change per group instead of NP) and added to the block max only
+        logits = None if qmu_rowconst else jnp.zeros((R, P), jnp.float32)
+        qmu_prod = None
         if acc_in_memory:  # q re-read per group (L1 hits); the tg-dependent 0 keeps LICM from hoisting it
             q = load_q_rows(q_ref, b, h + jnp.minimum(tg, 0), group=group, group_pad=group_pad, num_groups=NP,
                             sm_scale=sm_scale, planes=gpi * NUM_PLANES)
@@ -198,37 +225,50 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
             if dedup:
                 sigma = rows(k_scale_ref[pid, h, pl.ds(slot0, NUM_PLANES), channels])  # [R, Pc]
                 mu = rows(k_min_ref[pid, h, pl.ds(slot0, NUM_PLANES), channels])  # [R, Pc]
-                kappa = rows(k_sums_ref[pid, h, pl.ds(tok0, NUM_PLANES * P), p].reshape(NUM_PLANES, P))  # [R, P]
+                kappa = rows(per_token(k_sums_ref, pid, slot0, tok0, p))  # [R, P]
             else:
                 sigma = k_scale_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
                 mu = k_min_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
                 kappa = k_sums_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
             dot, qs, qm = int_part(q[p] * sigma, k_tile, True)  # [R, P], [R], [R]
-            logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
-                       + jnp.sum(q[p] * mu, axis=1)[:, None])
+            if qmu_rowconst:
+                if fma_order and logits is not None:  # 2 FFMAs per element onto the running sum
+                    logits = (logits + qm[:, None] * kappa) + (qs * plane_w)[:, None] * dot
+                else:
+                    part = (qs * plane_w)[:, None] * dot + qm[:, None] * kappa  # [R, P]
+                    logits = part if logits is None else logits + part
+                qmu_prod = q[p] * mu if qmu_prod is None else qmu_prod + q[p] * mu  # [R, Pc]
+            else:
+                logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
+                           + jnp.sum(q[p] * mu, axis=1)[:, None])
 
         mb = jnp.max(logits, axis=1)  # [R] block-local max (sealed blocks are full: no mask)
-        w = jnp.exp(logits - mb[:, None])  # [R, P]
+        w = exp(logits - mb[:, None])  # [R, P]
         lb = jnp.sum(w, axis=1)
+        if qmu_rowconst:
+            mb = mb + jnp.sum(qmu_prod, axis=1)  # the block max of the full logits
 
         # PV: o_c = s'_p sum_j wc_jp v_jc + m'_p omega_c + sum_j W_j nu_jp, c in p; each channel
         # group's accumulator is merged as soon as its block output is ready (same SASS as merging
         # all at the end, measured)
-        m_new, l_new, alpha, beta = common.merge_weights(m, l, mb, lb, valid)
+        m_new, l_new, alpha, beta = common.merge_weights(m, l, mb, lb, valid, exp=exp)
         new_accs = []
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
             v_tile = common.widen(v_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
             if dedup:
-                tau = rows(v_scale_ref[pid, h, pl.ds(tok0, NUM_PLANES * P), p].reshape(NUM_PLANES, P))  # [R, P]
-                nu = rows(v_min_ref[pid, h, pl.ds(tok0, NUM_PLANES * P), p].reshape(NUM_PLANES, P))  # [R, P]
+                tau = rows(per_token(v_scale_ref, pid, slot0, tok0, p))  # [R, P]
+                nu = rows(per_token(v_min_ref, pid, slot0, tok0, p))  # [R, P]
                 omega = rows(v_sums_ref[pid, h, pl.ds(slot0, NUM_PLANES), channels])  # [R, Pc]
             else:
                 tau = v_scale_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
                 nu = v_min_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
                 omega = v_sums_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
             pv, ws, wm = int_part(w * tau, v_tile, False)  # [R, Pc], [R], [R]
-            out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
+            if fma_order:  # wnu + wm omega + ws pv: 2 FFMAs per element instead of FMUL + FFMA + FADD
+                out = (jnp.sum(w * nu, axis=1)[:, None] + wm[:, None] * omega) + (ws * plane_w)[:, None] * pv
+            else:
+                out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
             if acc_in_memory:  # read, merge, write back: not carried in registers across the loop
                 stream_acc_ref[:, channels] = common.merge_acc(stream_acc_ref[:, channels], out, alpha, beta, valid)
             else:
@@ -248,7 +288,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
             (group i, plane j) dot."""
             pick = lambda t, j: plane(t, j, dot_dtype).T if trans_b else plane(t, j, dot_dtype)  # noqa: E731
             if int8:
-                xc, xs, xm = common.quantize_rows_int8_codes(x, interpret=interpret, fast=fast_quant)
+                xc, xs, xm = common.quantize_rows_int8_codes(x, interpret=interpret, fast=fast_quant,
+                                                                  fast_div=fast_div)
                 dots = [jnp.dot(xc, pick(t, j), preferred_element_type=jnp.int32)
                         for t in tiles for j in range(NUM_PLANES)]
                 return common.select_rows(row_stream, dots).astype(jnp.float32), xs, xm
@@ -288,25 +329,26 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                 k_tiles = [common.widen(k_codes_ref[pid, h, pl.ds(r0, P), ch], dot_dtype) for pid, r0, _, _ in groups]
                 sigma = rows(lambda pid, s0, t0: k_scale_ref[pid, h, pl.ds(s0, NUM_PLANES), ch])  # [R, Pc]
                 mu = rows(lambda pid, s0, t0: k_min_ref[pid, h, pl.ds(s0, NUM_PLANES), ch])  # [R, Pc]
-                kappa = rows(lambda pid, s0, t0: k_sums_ref[pid, h, pl.ds(t0, NUM_PLANES * P), p].reshape(
-                    NUM_PLANES, P))  # [R, P]
+                kappa = rows(lambda pid, s0, t0: per_token(k_sums_ref, pid, s0, t0, p))  # [R, P]
                 dot, qs, qm = int_part_multi(q[p] * sigma, k_tiles, True)  # [R, P], [R], [R]
                 logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
                            + jnp.sum(q[p] * mu, axis=1)[:, None])
             mb = jnp.max(logits, axis=1)
-            w = jnp.exp(logits - mb[:, None])
+            w = exp(logits - mb[:, None])
             lb = jnp.sum(w, axis=1)
-            m_new, l_new, alpha, beta = common.merge_weights(m, l, mb, lb, valid)
+            m_new, l_new, alpha, beta = common.merge_weights(m, l, mb, lb, valid, exp=exp)
             new_accs = []
             for p in range(NP):
                 ch = pl.ds(p * Pc, Pc)
                 v_tiles = [common.widen(v_codes_ref[pid, h, pl.ds(r0, P), ch], dot_dtype) for pid, r0, _, _ in groups]
-                tau = rows(lambda pid, s0, t0: v_scale_ref[pid, h, pl.ds(t0, NUM_PLANES * P), p].reshape(
-                    NUM_PLANES, P))  # [R, P]
-                nu = rows(lambda pid, s0, t0: v_min_ref[pid, h, pl.ds(t0, NUM_PLANES * P), p].reshape(NUM_PLANES, P))
+                tau = rows(lambda pid, s0, t0: per_token(v_scale_ref, pid, s0, t0, p))  # [R, P]
+                nu = rows(lambda pid, s0, t0: per_token(v_min_ref, pid, s0, t0, p))  # [R, P]
                 omega = rows(lambda pid, s0, t0: v_sums_ref[pid, h, pl.ds(s0, NUM_PLANES), ch])  # [R, Pc]
                 pv, ws, wm = int_part_multi(w * tau, v_tiles, False)  # [R, Pc], [R], [R]
-                out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
+                if fma_order:
+                    out = (jnp.sum(w * nu, axis=1)[:, None] + wm[:, None] * omega) + (ws * plane_w)[:, None] * pv
+                else:
+                    out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
                 if acc_in_memory:
                     stream_acc_ref[:, ch] = common.merge_acc(stream_acc_ref[:, ch], out, alpha, beta, valid)
                 else:
@@ -439,6 +481,26 @@ class KernelConfig:
     # packing groups per loop trip, stacked in the rows (R = groups_per_iter x 4 x G_pad; 1 or 2; needs
     # dedup): each row reduction / barrier step serves that many groups, at groups_per_iter x the dots
     groups_per_iter: int = 1
+    # Loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet"; GPU-only ones fall back to
+    # jnp in interpret mode): fast_div ("int8" dots): the INT8 quantizers' (x - mf) / s as x * rcp(s),
+    # one reciprocal per row (the same bits as Triton's div.full.f32 division); fast_exp: exp as
+    # exp2(x log2 e) (ex2.approx on the GPU, flash-attention style, a few ulp) in the block softmax
+    # and the merges;
+    # qmu_rowconst: q . mu (constant along a block's tokens, cancels in exp(logit - max)) summed
+    # over the channel groups and added to the block max only (groups_per_iter=1 only)
+    fast_div: bool = False
+    fast_exp: bool = False
+    qmu_rowconst: bool = False
+    # block_meta (needs dedup): kappa / tau / nu read as one strided [4, P] tile per group and channel
+    # group from a [N, H, bpp, P, NP] view of their arrays (free reshape in the wrapper) instead of a
+    # [4P] vector reshaped to [4, P] in registers (a shared-memory round trip with 2 barriers each)
+    block_meta: bool = False
+    # masked_planes ("int8"): planes 0-2 as byte & (3 << 2j) = code * 4**j (one AND per 4 codes, no shift),
+    # plane 3 as (byte >> 2) & 0x30 = code * 16 (int8-safe), 4**-e undone exactly on the dot result
+    masked_planes: bool = False
+    # fma_order: the per-element correction sums written as running FMAs (logits with qmu_rowconst:
+    # (acc + m kappa) + s dot; block output: (w.nu + m' omega) + s' pv), one instruction less each
+    fma_order: bool = False
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
@@ -519,6 +581,9 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     splits = config.num_splits
     programs = splits + config.open_split
 
+    if config.block_meta:  # per-token metadata as [N, H, bpp, P, NP]: a free (contiguous) reshape
+        k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size, partition_size,
+                                            num_groups) for x in (k_sums, v_scale, v_min))
     inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q, k_codes, k_scale, k_min,
               k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
     if num_sink_tokens:
@@ -531,7 +596,9 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         open_split=config.open_split,
         dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, dedup=config.dedup,
         fast_quant=config.fast_quant, acc_in_memory=config.acc_in_memory,
-        groups_per_iter=config.groups_per_iter, interpret=interpret)
+        groups_per_iter=config.groups_per_iter, fast_div=config.fast_div, fast_exp=config.fast_exp,
+        qmu_rowconst=config.qmu_rowconst, block_meta=config.block_meta, masked_planes=config.masked_planes,
+        fma_order=config.fma_order, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
@@ -688,6 +755,11 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
     if config.groups_per_iter not in (1, 2) or (config.groups_per_iter > 1 and not config.dedup):
         raise ValueError(f"groups_per_iter must be 1 or 2 (2 needs dedup=True), got "
                          f"groups_per_iter={config.groups_per_iter!r}, dedup={config.dedup}")
+    if config.block_meta and not config.dedup:
+        raise ValueError(f"block_meta needs dedup=True, got dedup={config.dedup!r}")
+    if config.qmu_rowconst and config.groups_per_iter != 1:
+        raise ValueError(f"qmu_rowconst is implemented for groups_per_iter=1 only, got "
+                         f"groups_per_iter={config.groups_per_iter!r}")
     if config.acc_in_memory and config.num_stages != 1:
         raise ValueError(f"acc_in_memory needs num_stages=1 (the pipeliner would prefetch the accumulator "
                          f"ahead of its store), got num_stages={config.num_stages}")

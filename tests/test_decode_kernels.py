@@ -338,13 +338,17 @@ PLAIN_INT8 = KernelConfig(dot_dtype="int8", unpack_asm=False, dedup=False, fast_
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [CASE["d128_P64_g4_int8_s1"], CASE["d128_P128_g8_int8_s2"]],
                          ids=lambda c: c.name)
-@pytest.mark.parametrize("flags", [dict(unpack_asm=True), dict(fast_quant=True),
+@pytest.mark.parametrize("flags", [dict(unpack_asm=True), dict(fast_quant=True), dict(fast_div=True),
+                                   dict(fast_quant=True, fast_div=True), dict(masked_planes=True),
+                                   dict(unpack_asm=True, masked_planes=True),
                                    dict(unpack_asm=True, dedup=True, fast_quant=True)],
                          ids=lambda f: "+".join(f))
 def test_hack_kernel_fast_paths_gpu(case, flags):
     """The GPU-only paths give the same result as the plain jnp kernel: KernelConfig.unpack_asm
     (inline PTX unpacking) and fast_quant (one cvt.rni.s8.f32 for round + clip + convert) produce
-    the same codes and the same dots, bit for bit; dedup (metadata read once per block) reads the
+    the same codes and the same dots, bit for bit; so does fast_div (x * rcp.approx(s) per row is
+    what Triton's div.full.f32 computes for s in [2**-126, 2**126]) and masked_planes (dots of
+    code * 4**e scaled back by 4**-e: exact); dedup (metadata read once per block) reads the
     same values (bit for bit too, unless the compiler contracts the float math differently: then
     within float32 order differences)."""
     q, c = build(case)
@@ -457,6 +461,79 @@ def test_hack_kernel_two_groups_bf16_g3():
     out = run_config(q, c, case, cfg, "interpret")
     ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
     assert np.abs(out - ref).max() <= TIGHT * v_scale_of(c)
+
+
+# KernelConfig loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet"): alone and combined.
+DIET = KernelConfig(dot_dtype="int8", unpack_asm=True, dedup=True, fast_quant=True)
+DIET_FLAGS = [dict(fast_div=True), dict(fast_exp=True), dict(qmu_rowconst=True), dict(block_meta=True),
+              dict(masked_planes=True), dict(fma_order=True), dict(fast_div=True, qmu_rowconst=True, block_meta=True),
+              dict(fast_div=True, fast_exp=True, qmu_rowconst=True, block_meta=True, masked_planes=True,
+                   fma_order=True)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits,open_split", [(1, False), (3, True)])
+@pytest.mark.parametrize("flags", DIET_FLAGS, ids=lambda f: "+".join(f))
+def test_hack_kernel_diet_flags(flags, splits, open_split, mode):
+    """fast_div, fast_exp, qmu_rowconst, block_meta, masked_planes, fma_order on the v3 default path vs the
+    float64 NumPy twin
+    (Llama-3 heads, lengths 1, 63, 64, 65 + sinks, 3 and 5 packing groups, shuffled pages; 1 split /
+    3 splits + open_split), and vs the same config without them (equal up to float32 order: fast_exp's
+    exp2(x log2 e), qmu_rowconst's logits without q.mu and fma_order's sums differ from the plain path in
+    the last bits;
+    masked_planes' scaled integer dots are exact)."""
+    case = dataclasses.replace(ACC_MEM_CASE, num_splits=splits)
+    q, c = build(case, seed=0)
+    base = dataclasses.replace(DIET, num_splits=splits, open_split=open_split)
+    out = run_config(q, c, case, dataclasses.replace(base, **flags), mode)
+    ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
+    assert np.isfinite(out).all()
+    tol = (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
+    assert np.abs(out - ref).max() <= tol, (np.abs(out - ref).max(), tol)
+    plain = run_config(q, c, case, base, mode)
+    assert np.abs(out - plain).max() <= (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", [CASE["d64_P64_g3_page8P_bf16_s4"], CASE["d128_P128_g8_int8_s2"],
+                                  CASE["d64_P32_g4_int8_s3"]], ids=lambda c: c.name)
+def test_hack_kernel_diet_flags_other_shapes(case, mode):
+    """All the flags together on other geometries vs the NumPy twin: G 3 (padded heads) with bf16 dots
+    and pages of 8P (2 packing groups per page: block_meta's [bpp, P] view), P 128 = d (NP 1, G 8:
+    32 rows), d 64 / P 32 (NP 2) with lengths 0..beyond capacity and 3 splits."""
+    q, c = build(case, seed=0)
+    cfg = KernelConfig(num_splits=case.num_splits, dot_dtype=case.dot_dtype, unpack_asm=case.dot_dtype == "int8",
+                       dedup=True, fast_quant=case.dot_dtype == "int8", fast_div=True, fast_exp=True,
+                       qmu_rowconst=True, block_meta=True, masked_planes=True, fma_order=True)
+    out = run_config(q, c, case, cfg, mode)
+    ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
+    assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
+    tol = (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
+    assert np.abs(out - ref).max() <= tol, (np.abs(out - ref).max(), tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hack_kernel_diet_flags_two_groups_per_iter(mode):
+    """block_meta, fast_div, fast_exp, masked_planes and fma_order with groups_per_iter=2 (odd group counts, 2 splits
+    + open_split) vs the NumPy twin."""
+    case = dataclasses.replace(ACC_MEM_CASE, num_splits=2)
+    q, c = build(case, seed=0)
+    cfg = dataclasses.replace(DIET, num_splits=2, open_split=True, num_warps=2, groups_per_iter=2, fast_div=True,
+                              fast_exp=True, block_meta=True, masked_planes=True, fma_order=True)
+    out = run_config(q, c, case, cfg, mode)
+    ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
+    tol = (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
+    assert np.abs(out - ref).max() <= tol, (np.abs(out - ref).max(), tol)
+
+
+def test_hack_kernel_diet_flags_bad_combinations():
+    case = ACC_MEM_CASE
+    q, c = build(case, seed=0)
+    with pytest.raises(ValueError, match="block_meta"):
+        run_config(q, c, case, KernelConfig(dot_dtype="int8", dedup=False, block_meta=True), "interpret")
+    with pytest.raises(ValueError, match="qmu_rowconst"):
+        run_config(q, c, case, KernelConfig(dot_dtype="int8", dedup=True, groups_per_iter=2, qmu_rowconst=True),
+                   "interpret")
 
 
 def test_hack_kernel_bad_groups_per_iter():
