@@ -65,15 +65,14 @@ def variants(batch, kv_len, specs):
     """specs: NAME=default (default_config), NAME=bf16paged (the bf16 paged kernel on a bf16 cache of
     the same length), or NAME=DOT:SPLITS:WARPS:STAGES[:FLAGS] with DOT int8|int8asm|bf16|f16|dequant,
     SPLITS a number, d (default_config's) or v2 (the v2 heuristic), FLAGS letters d (dedup metadata),
-    q (fast_quant), a (unpack_asm; int8asm implies it), m (acc_in_memory: accumulators in global memory
-    and q re-read per group, the 1-warp layout; STAGES must be 1), g (groups_per_iter=2: two packing
-    groups per loop trip stacked in the rows; needs d), r (fast_div: the INT8 quantizers' division as a
+    q (fast_quant), a (unpack_asm; int8asm implies it), r (fast_div: the INT8 quantizers' division as a
     multiply by one rcp.approx per row, same bits as the GPU's div.full), e (fast_exp: ex2.approx softmax
     and merge weights), c (qmu_rowconst: q.mu summed over channel groups, added to the block max only),
     b (block_meta: kappa/tau/nu as strided [4, P] tiles of a [N, H, bpp, P, NP] view; needs d),
     p (masked_planes: int8 planes 0-2 by one AND per 4 codes, plane 3 shift + AND, 4^-e on the dot),
     o (fma_order: correction sums as running FMAs),
-    e.g. w1=int8asm:16:1:1:dqm, g2=int8asm:d:2:2:dqg, diet=int8asm:d:4:2:dqrec."""
+    e.g. v2=int8asm:v2:4:2, diet=int8asm:d:4:2:dqrcbepo. (The 1-warp and two-groups options of
+    2026-12-01 were removed after the H200 run: bench/NOTES_decode.md.)"""
     pps = kv_len // PAGE
     base = default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=pps, page_size=PAGE, partition_size=P)
     out = []
@@ -92,8 +91,7 @@ def variants(batch, kv_len, specs):
         asm = dot == "int8asm" or "a" in flags
         dot = {"dequant": "bf16", "int8asm": "int8"}.get(dot, dot)
         out.append((name, fn, KernelConfig(splits, int(warps), int(stages), dot, asm, dedup="d" in flags,
-                                           fast_quant="q" in flags, acc_in_memory="m" in flags,
-                                           groups_per_iter=2 if "g" in flags else 1, fast_div="r" in flags,
+                                           fast_quant="q" in flags, fast_div="r" in flags,
                                            fast_exp="e" in flags, qmu_rowconst="c" in flags,
                                            block_meta="b" in flags, masked_planes="p" in flags,
                                            fma_order="o" in flags)))

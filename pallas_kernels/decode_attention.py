@@ -48,12 +48,9 @@ batch 1 / 32K, 85 us at batch 1 / 128K, 15 us at batch 1 / 1K (bf16: 14 us). Wha
 barriers and ~190 shared-memory instructions per warp and packing group (Triton's layout
 conversions and cross-warp row reductions of [16, 64] tiles), not HBM, not the MMAs.
 
-Offline-only options (SASS measured with pip Triton 3.6, not yet timed on the GPU; bench/NOTES_decode.md
-2026-12-01): KernelConfig.acc_in_memory (1-warp programs: accumulators in a per-program global block, q
-re-read per group: 255 registers with ~45 spill accesses per group instead of ~190, 8 programs per SM)
-and KernelConfig.groups_per_iter=2 (two packing groups per loop trip stacked in the rows, R = 32: at 4
-warps 38 instead of 60 barriers per group, 255 registers -> 2 programs per SM); both were slower on the
-H200. Loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet", offline SASS, not yet timed):
+Tried and removed (bench/NOTES_decode.md 2026-12-01, code in commits 1a904a9 / 7f20914): 1-warp programs
+with the accumulators in global memory and two packing groups per loop trip (fewer barriers, fewer
+resident programs): 1.3-1.7x slower on the H200. Loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet", offline SASS, not yet timed):
 KernelConfig.fast_div (the quantizers' division as x * rcp(s), the GPU's div.full bits), fast_exp
 (exp2(x log2 e)), qmu_rowconst (q . mu added to the block max only), block_meta (per-token metadata as
 strided [4, P] tiles), masked_planes (int8 planes without shifts, 4**-e on the dot) and fma_order (running
@@ -103,7 +100,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
-                        unpack_asm, dedup, fast_quant, acc_in_memory=False, groups_per_iter=1, fast_div=False,
+                        unpack_asm, dedup, fast_quant, fast_div=False,
                         fast_exp=False, qmu_rowconst=False, block_meta=False, masked_planes=False,
                         fma_order=False, interpret):
     # kv_lens_ref       i32[S]
@@ -118,17 +115,13 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     # open_k_ref, open_v_ref  bf16[S, H, P, D]
     # refs = (sink_k_ref, sink_v_ref  bf16[S, H, ns, D],)  if ns else ()
     #        + (acc_ref f32[G_pad, D], m_ref f32[G_pad], l_ref f32[G_pad])   outputs of this program
-    #        + (stream_acc_ref f32[4 G_pad, D],)  if acc_in_memory: the running accumulators
     ns, P, NP = num_sink_tokens, partition_size, num_groups
-    stream_acc_ref = refs[-1] if acc_in_memory else None
-    refs = refs[:-1] if acc_in_memory else refs
     if ns:
         sink_k_ref, sink_v_ref, acc_ref, m_ref, l_ref = refs
     else:
         acc_ref, m_ref, l_ref = refs
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    gpi = groups_per_iter
-    R = gpi * NUM_PLANES * group_pad  # rows (group i of the trip, plane j, head g)
+    R = NUM_PLANES * group_pad
     Pc = q_ref.shape[-1] // NP
 
     kv_len = kv_lens_ref[b]
@@ -143,12 +136,9 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     if open_split:
         g_hi = jnp.where(split < num_splits, g_hi, g_lo)
 
-    row_stream = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R] i * 4 + j
-    row_plane = row_stream % NUM_PLANES if gpi > 1 else row_stream  # [R] block j of the row
-    row_group = row_stream // NUM_PLANES  # [R] group i of the loop trip (groups_per_iter > 1)
+    row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R] block j of the row
     token = jax.lax.broadcasted_iota(jnp.int32, (P,), 0)  # [P]
-    q_all = q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale,
-                            planes=gpi * NUM_PLANES)
+    q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
     int8 = dot_dtype == "int8"
     plane_w = common.plane_weights(row_plane, dot_dtype, masked=masked_planes and int8)  # [R]
     op_dtype = common.operand_dtype(dot_dtype)
@@ -189,7 +179,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     init = jax.lax.cond(
         split == prologue_split,
         lambda: sinks_and_open_block_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), b, h, kv_len,
-                                           num_open, row_stream),
+                                           num_open, row_plane),
         lambda: empty_state(R, Pc, NP))
 
     def body(tg, carry):
@@ -214,11 +204,6 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
         # reduction and one [R] layout change per group instead of NP) and added to the block max only
         logits = None if qmu_rowconst else jnp.zeros((R, P), jnp.float32)
         qmu_prod = None
-        if acc_in_memory:  # q re-read per group (L1 hits); the tg-dependent 0 keeps LICM from hoisting it
-            q = load_q_rows(q_ref, b, h + jnp.minimum(tg, 0), group=group, group_pad=group_pad, num_groups=NP,
-                            sm_scale=sm_scale, planes=gpi * NUM_PLANES)
-        else:
-            q = q_all
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
             k_tile = common.widen(k_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
@@ -269,109 +254,11 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                 out = (jnp.sum(w * nu, axis=1)[:, None] + wm[:, None] * omega) + (ws * plane_w)[:, None] * pv
             else:
                 out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
-            if acc_in_memory:  # read, merge, write back: not carried in registers across the loop
-                stream_acc_ref[:, channels] = common.merge_acc(stream_acc_ref[:, channels], out, alpha, beta, valid)
-            else:
-                new_accs.append(common.merge_acc(accs[p], out, alpha, beta, valid))
+            new_accs.append(common.merge_acc(accs[p], out, alpha, beta, valid))
         return m_new, l_new, tuple(new_accs)
 
-    n_trips = g_hi - g_lo
-    if gpi > 1:
-        # KernelConfig.groups_per_iter: trip t serves packing groups g_lo + gpi t + i (i < gpi), stacked
-        # in the rows: row (i, j, g) handles block j of group i, so each row reduction / barrier step of
-        # the trip serves gpi groups; the per-row dots select (group, plane) out of gpi * 4 dots. The
-        # last trip's groups beyond g_hi (odd counts) are loaded from a clamped group and masked by valid.
-        n_trips = (g_hi - g_lo + gpi - 1) // gpi
-
-        def int_part_multi(x, tiles, trans_b):
-            """int_part with one code tile per group of the trip: row (i, j, g) keeps its own
-            (group i, plane j) dot."""
-            pick = lambda t, j: plane(t, j, dot_dtype).T if trans_b else plane(t, j, dot_dtype)  # noqa: E731
-            if int8:
-                xc, xs, xm = common.quantize_rows_int8_codes(x, interpret=interpret, fast=fast_quant,
-                                                                  fast_div=fast_div)
-                dots = [jnp.dot(xc, pick(t, j), preferred_element_type=jnp.int32)
-                        for t in tiles for j in range(NUM_PLANES)]
-                return common.select_rows(row_stream, dots).astype(jnp.float32), xs, xm
-            xc, xs, xm = common.quantize_rows_int8(x, interpret=interpret)
-            dots = [common.int_dot(xc.astype(op_dtype), plane(t, j, dot_dtype), dot_dtype, trans_b=trans_b)
-                    for t in tiles for j in range(NUM_PLANES)]
-            return common.unbias(common.select_rows(row_stream, dots), xc, dot_dtype), xs, xm
-
-        def body_multi(t, carry):
-            m, l, accs = carry
-            tg_rows = g_lo + gpi * t + row_group  # [R] packing group of the row
-            valid = (tg_rows < g_hi) & (NUM_PLANES * tg_rows + row_plane < num_blocks)  # [R]
-            groups = []  # per group of the trip: (pid, code_row0, slot0, tok0)
-            for i in range(gpi):
-                tg = jnp.minimum(g_lo + gpi * t + i, g_hi - 1)  # beyond g_hi: a clamped group, masked
-                page, gip = (tg, 0) if groups_per_page == 1 else (tg // groups_per_page, tg % groups_per_page)
-                pid = page_indices_ref[b, page]
-                pid = jnp.where((pid >= 0) & (pid < num_pages), pid, 0)
-                groups.append((pid, gip * P, gip * NUM_PLANES, gip * NUM_PLANES * P))
-
-            def rows(load):  # load(pid, slot0, tok0) -> [4, X] per group -> f32[R, X], row (i, j, g) = x_i[j]
-                parts = []
-                for pid, _, slot0, tok0 in groups:
-                    x4 = load(pid, slot0, tok0).astype(jnp.float32)
-                    X = x4.shape[1]
-                    parts.append(jnp.broadcast_to(x4[None, :, None, :], (gpi, NUM_PLANES, group_pad, X)).reshape(R, X))
-                return common.select_rows(row_group, parts)
-
-            logits = jnp.zeros((R, P), jnp.float32)
-            if acc_in_memory:
-                q = load_q_rows(q_ref, b, h + jnp.minimum(t, 0), group=group, group_pad=group_pad, num_groups=NP,
-                                sm_scale=sm_scale, planes=gpi * NUM_PLANES)
-            else:
-                q = q_all
-            for p in range(NP):
-                ch = pl.ds(p * Pc, Pc)
-                k_tiles = [common.widen(k_codes_ref[pid, h, pl.ds(r0, P), ch], dot_dtype) for pid, r0, _, _ in groups]
-                sigma = rows(lambda pid, s0, t0: k_scale_ref[pid, h, pl.ds(s0, NUM_PLANES), ch])  # [R, Pc]
-                mu = rows(lambda pid, s0, t0: k_min_ref[pid, h, pl.ds(s0, NUM_PLANES), ch])  # [R, Pc]
-                kappa = rows(lambda pid, s0, t0: per_token(k_sums_ref, pid, s0, t0, p))  # [R, P]
-                dot, qs, qm = int_part_multi(q[p] * sigma, k_tiles, True)  # [R, P], [R], [R]
-                logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
-                           + jnp.sum(q[p] * mu, axis=1)[:, None])
-            mb = jnp.max(logits, axis=1)
-            w = exp(logits - mb[:, None])
-            lb = jnp.sum(w, axis=1)
-            m_new, l_new, alpha, beta = common.merge_weights(m, l, mb, lb, valid, exp=exp)
-            new_accs = []
-            for p in range(NP):
-                ch = pl.ds(p * Pc, Pc)
-                v_tiles = [common.widen(v_codes_ref[pid, h, pl.ds(r0, P), ch], dot_dtype) for pid, r0, _, _ in groups]
-                tau = rows(lambda pid, s0, t0: per_token(v_scale_ref, pid, s0, t0, p))  # [R, P]
-                nu = rows(lambda pid, s0, t0: per_token(v_min_ref, pid, s0, t0, p))  # [R, P]
-                omega = rows(lambda pid, s0, t0: v_sums_ref[pid, h, pl.ds(s0, NUM_PLANES), ch])  # [R, Pc]
-                pv, ws, wm = int_part_multi(w * tau, v_tiles, False)  # [R, Pc], [R], [R]
-                if fma_order:
-                    out = (jnp.sum(w * nu, axis=1)[:, None] + wm[:, None] * omega) + (ws * plane_w)[:, None] * pv
-                else:
-                    out = (ws * plane_w)[:, None] * pv + wm[:, None] * omega + jnp.sum(w * nu, axis=1)[:, None]
-                if acc_in_memory:
-                    stream_acc_ref[:, ch] = common.merge_acc(stream_acc_ref[:, ch], out, alpha, beta, valid)
-                else:
-                    new_accs.append(common.merge_acc(accs[p], out, alpha, beta, valid))
-            return m_new, l_new, tuple(new_accs)
-
-        loop = lambda carry: jax.lax.fori_loop(0, n_trips, body_multi, carry)  # noqa: E731
-    else:
-        loop = lambda carry: jax.lax.fori_loop(g_lo, g_hi, body, carry)  # noqa: E731
-
-    if acc_in_memory:
-        # KernelConfig.acc_in_memory: the NP running [R, Pc] accumulators live in this program's own
-        # output block (global memory, L1/L2-resident), read and written once per packing group by
-        # the same threads in the same layout, instead of occupying 2 x 32 registers per thread
-        # across the loop at 1 warp (bench/NOTES_decode.md 2026-12-01).
-        m0, l0, accs0 = init
-        for p in range(NP):
-            stream_acc_ref[:, pl.ds(p * Pc, Pc)] = accs0[p]
-        m, l, _ = loop((m0, l0, ()))
-        accs = tuple(stream_acc_ref[:, pl.ds(p * Pc, Pc)] for p in range(NP))
-    else:
-        m, l, accs = loop(init)
-    m, l, accs = common.merge_streams(m, l, accs, gpi * NUM_PLANES)  # [G_pad], [G_pad], NP x [G_pad, Pc]
+    m, l, accs = jax.lax.fori_loop(g_lo, g_hi, body, init)
+    m, l, accs = common.merge_streams(m, l, accs, NUM_PLANES)  # [G_pad], [G_pad], NP x [G_pad, Pc]
     for p in range(NP):
         acc_ref[:, pl.ds(p * Pc, Pc)] = accs[p]
     m_ref[...] = m
@@ -386,11 +273,10 @@ def split_range(split, num_groups, num_splits):
     return split * num_groups // num_splits, (split + 1) * num_groups // num_splits
 
 
-def load_q_rows(q_ref, b, h, *, group, group_pad, num_groups, sm_scale, planes=NUM_PLANES):
-    """NP x f32[R, Pc]: q * sm_scale in the (stream, head g) row layout, gathered from q_ref
-    float[S, Hq, D] (row (stream, g) = query head h * G + g; rows g >= G are 0); R = planes * G_pad
-    streams (groups_per_iter x 4 planes)."""
-    R = planes * group_pad
+def load_q_rows(q_ref, b, h, *, group, group_pad, num_groups, sm_scale):
+    """NP x f32[R, Pc]: q * sm_scale in the (plane j, head g) row layout, gathered from q_ref
+    float[S, Hq, D] (row (j, g) = query head h * G + g; rows g >= G are 0)."""
+    R = NUM_PLANES * group_pad
     Pc = q_ref.shape[-1] // num_groups
     g = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) % group_pad
     head = h * group + jnp.minimum(g, group - 1)  # [R]
@@ -404,10 +290,9 @@ def empty_state(rows, width, num_groups):
             tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(num_groups)))
 
 
-def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_len, num_open, row_stream):
+def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_len, num_open, row_plane):
     """Float32 attention over the sinks and the open block's num_open tokens (DESIGN.md: plain
-    float attention on their 16-bit K/V), as one softmax part on the stream-0 rows (row_stream == 0: the
-    row's softmax stream, i * 4 + plane j);
+    float attention on their 16-bit K/V), as one softmax part on the stream-0 rows (row_plane == 0);
     other rows get the empty state. Rows/tokens beyond the lengths are selected away (NaN-safe).
 
     q: NP x f32[R, Pc] (q * sm_scale); open_k_ref, open_v_ref: [S, H, P, D]; sink_refs:
@@ -436,7 +321,7 @@ def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_le
     m = jnp.max(logits, axis=1)
     for s_t in sink_logits:
         m = jnp.maximum(m, s_t)
-    stream0 = row_stream == 0
+    stream0 = row_plane == 0
     m = jnp.where(stream0, m, -jnp.inf)
     base = jnp.where(m > -jnp.inf, m, 0.0)
     w = jnp.where(stream0[:, None] & open_ok[None, :], jnp.exp(logits - base[:, None]), 0.0)  # [R, P]
@@ -472,22 +357,13 @@ class KernelConfig:
     dedup: bool = False  # metadata read once per block ([4, X] tiles), broadcast to the rows in registers
     fast_quant: bool = False  # "int8" on GPU: INT8 round + clip + convert by one PTX cvt.rni.s8.f32
     open_split: bool = False  # sinks + open block in a program of their own (see above)
-    # 1-warp layout (bench/NOTES_decode.md 2026-12-01): the NP running [R, Pc] accumulators kept in the
-    # program's own global-memory block (read + written once per packing group, same pointers and
-    # layout, so each thread re-reads only what it wrote) and q re-read per group, instead of 2 x 32 +
-    # 2 x 32 registers per thread held across the loop at 1 warp; needs num_stages=1 (Triton's
-    # pipeliner would prefetch the accumulator load ahead of the previous group's store)
-    acc_in_memory: bool = False
-    # packing groups per loop trip, stacked in the rows (R = groups_per_iter x 4 x G_pad; 1 or 2; needs
-    # dedup): each row reduction / barrier step serves that many groups, at groups_per_iter x the dots
-    groups_per_iter: int = 1
     # Loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet"; GPU-only ones fall back to
     # jnp in interpret mode): fast_div ("int8" dots): the INT8 quantizers' (x - mf) / s as x * rcp(s),
     # one reciprocal per row (the same bits as Triton's div.full.f32 division); fast_exp: exp as
     # exp2(x log2 e) (ex2.approx on the GPU, flash-attention style, a few ulp) in the block softmax
     # and the merges;
     # qmu_rowconst: q . mu (constant along a block's tokens, cancels in exp(logit - max)) summed
-    # over the channel groups and added to the block max only (groups_per_iter=1 only)
+    # over the channel groups and added to the block max only
     fast_div: bool = False
     fast_exp: bool = False
     qmu_rowconst: bool = False
@@ -595,8 +471,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         max_blocks=pages_per_seq * (page_size // partition_size), num_splits=splits,
         open_split=config.open_split,
         dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, dedup=config.dedup,
-        fast_quant=config.fast_quant, acc_in_memory=config.acc_in_memory,
-        groups_per_iter=config.groups_per_iter, fast_div=config.fast_div, fast_exp=config.fast_exp,
+        fast_quant=config.fast_quant, fast_div=config.fast_div, fast_exp=config.fast_exp,
         qmu_rowconst=config.qmu_rowconst, block_meta=config.block_meta, masked_planes=config.masked_planes,
         fma_order=config.fma_order, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
@@ -605,11 +480,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     out_specs = [pl.BlockSpec((None, None, None, pad, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
                  pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0)),
                  pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0))]
-    if config.acc_in_memory:  # per-program running accumulators of the 4 plane streams (scratch)
-        rows = config.groups_per_iter * NUM_PLANES * pad
-        out_shape.append(jax.ShapeDtypeStruct((batch, num_kv_heads, programs, rows, head_dim), jnp.float32))
-        out_specs.append(pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)))
-    acc, m, l, *_ = common.pallas_call(
+    acc, m, l = common.pallas_call(
         kernel, out_shape=out_shape, grid=(batch, num_kv_heads, programs),
         in_specs=[_full_spec(x) for x in inputs], out_specs=out_specs,
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
@@ -752,17 +623,8 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
         if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int, got {num_splits=}")
         config = dataclasses.replace(config, num_splits=num_splits)
-    if config.groups_per_iter not in (1, 2) or (config.groups_per_iter > 1 and not config.dedup):
-        raise ValueError(f"groups_per_iter must be 1 or 2 (2 needs dedup=True), got "
-                         f"groups_per_iter={config.groups_per_iter!r}, dedup={config.dedup}")
     if config.block_meta and not config.dedup:
         raise ValueError(f"block_meta needs dedup=True, got dedup={config.dedup!r}")
-    if config.qmu_rowconst and config.groups_per_iter != 1:
-        raise ValueError(f"qmu_rowconst is implemented for groups_per_iter=1 only, got "
-                         f"groups_per_iter={config.groups_per_iter!r}")
-    if config.acc_in_memory and config.num_stages != 1:
-        raise ValueError(f"acc_in_memory needs num_stages=1 (the pipeliner would prefetch the accumulator "
-                         f"ahead of its store), got num_stages={config.num_stages}")
     if config.dot_dtype == "f16" and max(partition_size, min(partition_size, q.shape[-1])) > 64:
         raise ValueError(f"dot_dtype='f16' is exact only for inner dims <= 64 (1024-offset operands): "
                          f"got {partition_size=}, head_dim={q.shape[-1]}")
