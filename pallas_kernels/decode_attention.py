@@ -50,8 +50,8 @@ conversions and cross-warp row reductions of [16, 64] tiles), not HBM, not the M
 
 Tried and removed (bench/NOTES_decode.md 2026-12-01, code in commits 1a904a9 / 7f20914): 1-warp programs
 with the accumulators in global memory and two packing groups per loop trip (fewer barriers, fewer
-resident programs): 1.3-1.7x slower on the H200. Loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet", offline SASS, not yet timed):
-KernelConfig.fast_div (the quantizers' division as x * rcp(s), the GPU's div.full bits), fast_exp
+resident programs): 1.3-1.7x slower on the H200. Loop-instruction cuts (bench/NOTES_decode.md
+2026-12-01 "decode-diet", offline SASS, not yet timed): KernelConfig.fast_div (the quantizers' division as x * rcp(s), the GPU's div.full bits), fast_exp
 (exp2(x log2 e)), qmu_rowconst (q . mu added to the block max only), block_meta (per-token metadata as
 strided [4, P] tiles), masked_planes (int8 planes without shifts, 4**-e on the dot) and fma_order (running
 FMA sums): all six together 1823 -> 1502 instructions per warp and packing group at 168 registers (pip
@@ -156,7 +156,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
         per row in int32 and converted once."""
         if int8:
             xc, xs, xm = common.quantize_rows_int8_codes(x, interpret=interpret, fast=fast_quant,
-                                                                  fast_div=fast_div)
+                                                         fast_div=fast_div)
             dots = [jnp.dot(xc, plane(tile, j, dot_dtype).T if trans_b else plane(tile, j, dot_dtype),
                             preferred_element_type=jnp.int32) for j in range(NUM_PLANES)]
             return common.select_rows(row_plane, dots).astype(jnp.float32), xs, xm
