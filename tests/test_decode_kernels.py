@@ -422,9 +422,19 @@ DIET_FLAGS = [dict(fast_div=True), dict(fast_exp=True), dict(qmu_rowconst=True),
                    fma_order=True)]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("flags,splits,open_split", [(f, 3, True) for f in DIET_FLAGS] + [(DIET_FLAGS[-1], 1, False)],
-                         ids=lambda x: "+".join(x) if isinstance(x, dict) else str(x))
+# Interpret mode (CI time) runs all six flags together, which takes every flag's code path; the GPU also
+# runs each flag set of DIET_FLAGS alone (ptxas compiles each combination differently).
+def _diet_param(flags, splits, open_split, mode):
+    marks = [pytest.mark.gpu] if mode == "gpu" else []
+    return pytest.param(flags, splits, open_split, mode, marks=marks,
+                        id=f"{'+'.join(flags)}-{splits}-{open_split}-{mode}")
+
+
+DIET_PARAMS = ([_diet_param(DIET_FLAGS[-1], s, o, m) for s, o in ((3, True), (1, False)) for m in ("interpret", "gpu")]
+               + [_diet_param(f, 3, True, "gpu") for f in DIET_FLAGS[:-1]])
+
+
+@pytest.mark.parametrize("flags,splits,open_split,mode", DIET_PARAMS)
 def test_hack_kernel_diet_flags(flags, splits, open_split, mode):
     """fast_div, fast_exp, qmu_rowconst, block_meta, masked_planes, fma_order on the v3 default path vs the
     float64 NumPy twin
