@@ -260,11 +260,32 @@ def hack_variants(dots=("bf16", "int8"), p128=False):
     return out
 
 
+HACK_FLAGS: tuple[str, ...] = ()  # --hack-flags: KernelConfig booleans set on top of default_config
+
+
+def parse_hack_flags(text):
+    """--hack-flags "fast_div,fast_exp" -> ("fast_div", "fast_exp"); ValueError naming an unknown or
+    non-boolean KernelConfig field."""
+    from pallas_kernels.decode_attention import KernelConfig
+    names = tuple(f for f in (text or "").replace(" ", "").split(",") if f)
+    fields = {f.name: f for f in dataclasses.fields(KernelConfig)}
+    for f in names:
+        if f not in fields or not isinstance(getattr(KernelConfig(), f), bool):
+            raise ValueError(f"--hack-flags: {f!r} is not a boolean KernelConfig field "
+                             f"({sorted(k for k in fields if isinstance(getattr(KernelConfig(), k), bool))})")
+    return names
+
+
 def prep_hack(shape, key, *, interpret, variant_kwargs=None):
     from pallas_kernels import decode_attention as mod
     kwargs = dict(variant_kwargs or {})
     P = kwargs.pop("partition_size", 64)
     layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", partition_size=P)
+    if HACK_FLAGS:  # the default launch config with these flags on (a config overrides dot_dtype)
+        kc = mod.default_config(batch=shape.batch, num_kv_heads=shape.num_kv_heads, pages_per_seq=pps,
+                                page_size=config.page_size, partition_size=P,
+                                dot_dtype=kwargs.pop("dot_dtype", "int8"))
+        kwargs["config"] = dataclasses.replace(kc, **{f: True for f in HACK_FLAGS})
     arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
     per_copy = shape.batch * pps
 
@@ -433,6 +454,15 @@ def measure_roof(nbytes, reps=10):
 
 # ----------------------------------------------------------------------------- outputs
 
+def _note(r):
+    """L2-resident rows; for the formats whose timed write differs between harnesses (HACK's open block vs
+    all its arrays) the row's --touch (rows without the field predate it: "all")."""
+    notes = ["L2-resident"] if r.get("l2_resident") else []
+    if r["impl"].startswith(("hack", "dequant")):
+        notes.append(f"touch {r.get('touch', 'all')}")
+    return ", ".join(notes)
+
+
 def write_markdown(rows, path, header):
     # The copy/sum roofs are XLA kernels' rates, below what a good read-only kernel streams on the H200
     # (our bf16 kernel reads ~4.5 TB/s): "% best read" is relative to the best read rate in the table.
@@ -452,7 +482,7 @@ def write_markdown(rows, path, header):
                      f"{r.get('us_wall', float('nan')):.1f} | {r['bytes'] / 2**20:.1f} | {r['gbps']:.0f} | "
                      f"{r['pct_roof']:.1f} | {r.get('pct_read_roof', float('nan')):.1f} | "
                      f"{100 * r['gbps'] / best:.1f} | {ratio} | "
-                     f"{'L2-resident' if r.get('l2_resident') else ''} |")
+                     f"{_note(r)} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -527,12 +557,17 @@ def main(argv=None):
     ap.add_argument("--unroll", type=int, default=UNROLL, help="calls per loop iteration")
     ap.add_argument("--wall-calls", type=int, default=20, help="single calls timed for us_wall")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--hack-flags", default="",
+                    help="comma-separated boolean KernelConfig fields turned on over default_config for the hack "
+                         "rows, e.g. fast_div,fast_exp (bench/NOTES_decode.md 'decode-diet')")
     ap.add_argument("--touch", choices=("append", "all"), default="append",
                     help="cache arrays written per call: what a decode append writes (default) or every array "
                          ">= 1 MiB (the runs before 2026-12-01)")
     ap.add_argument("--append", action="store_true", help="keep the rows already in OUT/decode_attention.jsonl")
     args = ap.parse_args(argv)
     _set_limits(2 if args.smoke else MAX_COPIES, args.unroll, args.touch)
+    global HACK_FLAGS
+    HACK_FLAGS = parse_hack_flags(args.hack_flags)
 
     interpret = args.smoke
     if args.smoke:

@@ -51,11 +51,13 @@ conversions and cross-warp row reductions of [16, 64] tiles), not HBM, not the M
 Tried and removed (bench/NOTES_decode.md 2026-12-01, code in commits 1a904a9 / 7f20914): 1-warp programs
 with the accumulators in global memory and two packing groups per loop trip (fewer barriers, fewer
 resident programs): 1.3-1.7x slower on the H200. Loop-instruction cuts (bench/NOTES_decode.md
-2026-12-01 "decode-diet", offline SASS, not yet timed): KernelConfig.fast_div (the quantizers' division as x * rcp(s), the GPU's div.full bits), fast_exp
-(exp2(x log2 e)), qmu_rowconst (q . mu added to the block max only), block_meta (per-token metadata as
-strided [4, P] tiles), masked_planes (int8 planes without shifts, 4**-e on the dot) and fma_order (running
-FMA sums): all six together 1823 -> 1502 instructions per warp and packing group at 168 registers (pip
-Triton 3.6); fast_exp or fma_order alone need 182-184 registers (2 programs per SM).
+2026-12-01 "decode-diet"): KernelConfig.fast_div (the quantizers' division as x * rcp(s), the GPU's
+div.full bits), fast_exp (exp2(x log2 e)), block_meta (per-token metadata as strided [4, P] tiles),
+masked_planes (int8 planes without shifts, 4**-e on the dot) and fma_order (running FMA sums) are on by
+default for "int8" dots since the H200 run of 2026-12-01 (session 2): 3-8% faster at Llama-3.1-8B heads
+and >= 8K tokens (b8/32K 151 -> 146 us, b1/128K 87 -> 82 us, b32/128K 2169 -> 2038 us), SmolLM2 heads
+within +-8% either way (geometric mean 0.98). qmu_rowconst (q . mu added to the block max only) stays
+off: with it ptxas schedules some configs 1.6-1.8x slower (b8/32K 147 -> 272 us).
 
 Tested: CPU interpret mode (jax 0.10.2), tests/test_decode_kernels.py; H200 (jax 0.11.2): see
 bench/NOTES_decode.md. Caveats: partition_size and head_dim powers of two >= 32 with page_size a
@@ -387,12 +389,14 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     `choose_num_splits` minimizes that (a partial last wave costs a whole one; at batch 32 one split
     per (sequence, kv head) would leave a third of the slots empty). 4 warps, 2 stages; "int8" planes
     unpacked by inline PTX, metadata deduplicated, INT8 rounding by one cvt (GPU only; interpret mode
-    falls back to jnp with the same results)."""
+    falls back to jnp with the same results), and for "int8" the decode-diet flags fast_div, fast_exp,
+    block_meta, masked_planes, fma_order (3-8% faster on the H200 at >= 8K tokens; NOTES_decode.md)."""
     groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
     int8 = dot_dtype == "int8"
     splits, open_split = choose_num_splits(batch * num_kv_heads, groups, RESIDENT_PROGRAMS_PER_SM * num_sms)
     return KernelConfig(num_splits=splits, num_warps=4, num_stages=2, dot_dtype=dot_dtype,
-                        unpack_asm=int8, dedup=True, fast_quant=int8, open_split=open_split)
+                        unpack_asm=int8, dedup=True, fast_quant=int8, open_split=open_split,
+                        fast_div=int8, fast_exp=int8, block_meta=int8, masked_planes=int8, fma_order=int8)
 
 
 def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> tuple[int, bool]:

@@ -81,3 +81,34 @@ def test_touch_all_writes_every_array_of_a_mebibyte(bench):
 def test_touch_append_rejects_names_that_match_nothing(bench):
     with pytest.raises(ValueError, match="none of"):
         bench._touch(make_arrays(), jnp.ones((1,)), ("open_x",))
+
+
+def test_hack_flags_parse(bench):
+    """--hack-flags: boolean KernelConfig fields only, each named in the error."""
+    assert bench.parse_hack_flags("fast_div, fast_exp") == ("fast_div", "fast_exp")
+    assert bench.parse_hack_flags("") == ()
+    with pytest.raises(ValueError, match="'fast_dv'"):
+        bench.parse_hack_flags("fast_div,fast_dv")
+    with pytest.raises(ValueError, match="'num_splits'"):  # an int field, not a flag
+        bench.parse_hack_flags("num_splits")
+
+
+MERGE = os.path.join(os.path.dirname(BENCH), "merge_results.py")
+
+
+def test_merge_results_replaces_by_key():
+    """bench/merge_results.py: a new row replaces every kept row of its key (duplicates too), a row a
+    time budget skipped never replaces a measured one, other keys and run records are kept."""
+    spec = importlib.util.spec_from_file_location("merge_results_test", MERGE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    key = ("impl", "kv_len")
+    kept = [dict(impl="hack", kv_len=1, us=5.0), dict(impl="hack", kv_len=1, us=6.0),
+            dict(impl="bf16", kv_len=1, us=9.0), dict(impl="hack", kv_len=2, us=7.0),
+            dict(kind="run", command="a")]
+    new = [dict(impl="hack", kv_len=1, us=4.0), dict(impl="hack", kv_len=2, error="skipped: budget"),
+           dict(impl="xla", kv_len=1, error="skipped: budget"), dict(kind="run", command="b")]
+    got = mod.merge(kept, new, key)
+    assert sorted((r.get("impl"), r.get("kv_len"), r.get("us"), r.get("error")) for r in got if "impl" in r) == [
+        ("bf16", 1, 9.0, None), ("hack", 1, 4.0, None), ("hack", 2, 7.0, None), ("xla", 1, None, "skipped: budget")]
+    assert [r["command"] for r in got if r.get("kind") == "run"] == ["a", "b"]

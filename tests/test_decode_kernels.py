@@ -597,6 +597,9 @@ def test_default_config_and_rows():
     cfg = default_config(batch=8, num_kv_heads=8, pages_per_seq=128, page_size=256, partition_size=64)
     assert isinstance(cfg, KernelConfig) and cfg.dot_dtype == "int8"
     assert cfg.unpack_asm and cfg.dedup and cfg.fast_quant
+    # the decode-diet flags the H200 run of 2026-12-01 kept (qmu_rowconst off: ptxas cliffs)
+    assert cfg.fast_div and cfg.fast_exp and cfg.block_meta and cfg.masked_planes and cfg.fma_order
+    assert not cfg.qmu_rowconst
     slots = RESIDENT_PROGRAMS_PER_SM * 132  # programs resident at once on the H200
 
     def cost(pairs, groups, s, o):  # waves x (longest program's groups + one group of fixed cost)
@@ -619,6 +622,7 @@ def test_default_config_and_rows():
     bf16 = default_config(batch=8, num_kv_heads=8, pages_per_seq=128, page_size=256, partition_size=64,
                           dot_dtype="bf16")
     assert not bf16.unpack_asm and not bf16.fast_quant
+    assert not (bf16.fast_div or bf16.fast_exp or bf16.block_meta or bf16.masked_planes or bf16.fma_order)
     assert [group_pad(h * g, h) for h, g in ((8, 1), (8, 3), (8, 4), (8, 8))] == [4, 4, 4, 8]
 
 
