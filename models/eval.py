@@ -534,16 +534,19 @@ def austen_text(book: str = "persuasion") -> str:
 
 
 def load_text(spec: str) -> tuple[str, str]:
-  """--text value -> (label, text): "sotu2026" (or sotuYYYY), "austen:<book>", or a file path."""
-  if spec.startswith("sotu"):
+  """--text value -> (label, text): "sotu2026" (or sotuYYYY), "austen:<book>", or a file path (an
+  existing file wins). Raises FileNotFoundError for a missing file, package, speech or book."""
+  if os.path.isfile(spec):
+    with open(spec, encoding="utf-8") as f:
+      return os.path.basename(spec), f.read()
+  if spec.startswith("sotu") and spec[4:].isdigit() or spec == "sotu":
     path = sotu_path(int(spec[4:] or 2026))
     with open(path, encoding="utf-8") as f:
       return os.path.basename(path).removesuffix(".txt"), f.read()
   if spec.startswith("austen"):
     book = spec.partition(":")[2] or "persuasion"
     return f"austen-{book}", austen_text(book)
-  with open(spec, encoding="utf-8") as f:
-    return os.path.basename(spec), f.read()
+  raise FileNotFoundError(f"no file {spec!r} (and not sotuYYYY or austen:<book>)")
 
 
 # ---------------------------------------------------------------------------------- evaluate
@@ -722,8 +725,8 @@ def _eff_bits(r):
 
 
 def write_report(jsonl: str) -> None:
-  """accuracy.md beside jsonl (per model: a perplexity table format x (text, context) with the
-  commands that produced it, and a bytes table) and accuracy_gap.png (gap vs bits per element)."""
+  """NAME.md beside NAME.jsonl (per model: a perplexity table format x (text, context) with the
+  commands that produced it, and a bytes table) and NAME_gap.png (gap vs bits per element)."""
   rows = _latest_rows(jsonl)
   base = os.path.splitext(jsonl)[0]
   order = {n: i for i, n in enumerate(FORMATS)}
@@ -783,10 +786,10 @@ def write_report(jsonl: str) -> None:
                    f"{r0['bytes_per_token']:,.0f} | {r0['bytes_per_token'] / r0['bf16_bytes_per_token']:.3f} | "
                    + " | ".join(eff.get(c, "") for c in ctxs) + " |")
     lines.append("")
-  lines += ["![perplexity gap vs bits per element](accuracy_gap.png)", ""]
+  lines += [f"![perplexity gap vs bits per element]({os.path.basename(base)}_gap.png)", ""]
   with open(base + ".md", "w", encoding="utf-8") as f:
     f.write("\n".join(lines))
-  _plot(rows, os.path.join(os.path.dirname(jsonl) or ".", "accuracy_gap.png"))
+  _plot(rows, base + "_gap.png")
 
 
 def _plot(rows, path):

