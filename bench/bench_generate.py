@@ -650,7 +650,8 @@ def parse_args(argv):
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=sorted(PRESETS) + sorted(TOY))
     ap.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS,
+                    help="decode formats (none: prefill items only)")
     ap.add_argument("--prefill-contexts", nargs="*", type=int, default=None,
                     help="default: --contexts (batch 1); >= 64K runs once, last")
     ap.add_argument("--prefill-batches", nargs="*", type=int, default=[1])

@@ -4,7 +4,8 @@
     python bench/merge_results.py generate bench/results/generate.jsonl NEW.jsonl
 
 A new row replaces the kept row of the same key (decode: impl, heads, batch, kv_len; generate: model,
-kind, format, batch, context), except that a row a time budget skipped never replaces a measured one.
+kind, format, batch, context), except that a row a time budget skipped never replaces a measured one;
+generate's JCT rows are recomputed from the merged prefill and batch-1 decode rows.
 Rows of other keys are kept, so a table can hold shapes measured by different runs: each row carries
 its own gpu, jax_version, timing fields (decode rows: `touch`, absent for runs before 2026-12-01 = "all").
 The Markdown header names the merged files; the rendering is the benchmarks' own (write_markdown, plots).
@@ -61,9 +62,9 @@ def merge_decode(target, news):
     jaxes = sorted({r.get("jax_version", "?") for r in rows})
     methods = sorted({r.get("timing_method", "") for r in rows} - {""})
     header = (f"# Decode attention, one layer, one step ({', '.join(gpus)}, jax {', '.join(jaxes)})\n\n"
-              f"Rows merged from several runs by `python bench/merge_results.py decode {target} "
-              f"{' '.join(news)}` (each row keeps its own run's fields in the .jsonl: roof_gbps, timing_method, "
-              f"touch, config). Timing methods in this table:\n\n"
+              f"Rows merged from several runs by `python bench/merge_results.py decode` (raw runs: "
+              f"bench/results/h200_*/README.md; each row keeps its own run's fields in the .jsonl: roof_gbps, "
+              f"timing_method, touch, config). Timing methods in this table:\n\n"
               + "\n".join(f"- {m}" for m in methods) +
               "\n\nGB/s = bytes the impl must read / us; % copy roof against the roof its run measured. "
               "time / bf16 < 1: faster than our paged bf16 kernel.")
@@ -77,12 +78,21 @@ def merge_generate(target, news):
     rows = read_rows(target)
     for path in news:
         rows = merge(rows, read_rows(path), GENERATE_KEY)
+    # JCT rows are derived (prefill + batch-1 decode rows of a model): recomputed from the merged rows,
+    # so a run that measured only some of them cannot replace complete ones with partial ones
+    old_jct = [r for r in rows if r.get("kind") == "jct"]
+    output_tokens = old_jct[0].get("output_tokens", 256) if old_jct else 256
+    rows = [r for r in rows if r.get("kind") != "jct"]
+    for name in sorted({r["model"] for r in rows if r.get("kind") in ("prefill", "decode")}):
+        first = next(r for r in rows if r.get("model") == name and r.get("kind") in ("prefill", "decode"))
+        common = {k: first[k] for k in ("gpu", "platform", "jax_version", "python") if k in first}
+        rows += bg.jct_rows(rows, bg.model_config(name, "bf16", "pallas", False), name, output_tokens, common)
     runs = [r for r in rows if r.get("kind") == "run"]
     gpus = sorted({r.get("gpu", "?") for r in rows if r.get("gpu")})
     jaxes = sorted({r.get("jax_version", "?") for r in rows if r.get("jax_version")})
     header = (f"# End-to-end generation, random weights, real shapes ({', '.join(gpus)}, jax {', '.join(jaxes)})\n\n"
-              f"Rows merged from {len(runs)} runs by `python bench/merge_results.py generate {target} "
-              f"{' '.join(news)}` (a row skipped by one run's time budget is replaced by another run's "
+              f"Rows merged from {len(runs)} runs by `python bench/merge_results.py generate` (raw runs: "
+              f"bench/results/h200_*/README.md; a row skipped by one run's time budget is replaced by another run's "
               f"measurement; rows still marked skipped were not measured). Commands:\n\n"
               + "\n".join(f"- `{r.get('command', '?')}`" for r in runs)
               + (f"\n\nTiming: {runs[-1].get('timing')}. Cache: {runs[-1].get('fill')}." if runs else "")
