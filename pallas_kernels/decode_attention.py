@@ -42,11 +42,12 @@ the work around the MMAs, not the MMAs: on the H200 "int8" was 1.2-1.3x faster t
 converts) and "f16", unpacking 4 codes per instruction with inline PTX (KernelConfig.unpack_asm)
 another 1.33x, and the INT8 rounding of the transients by one PTX cvt (KernelConfig.fast_quant)
 1.05x; the default is "int8" + unpack_asm + dedup + fast_quant, one wave of programs
-(bench/NOTES_decode.md v3). H200, Llama-3.1-8B heads (bench/results/decode_attention.md, 2026-11-30):
-160 us at batch 8 / 32K (1.1 TB/s on the 170 MiB read; our bf16 paged kernel: 266 us), 41 us at
-batch 1 / 32K, 85 us at batch 1 / 128K, 15 us at batch 1 / 1K (bf16: 14 us). What limits it: ~1.8k SASS instructions, 60 CTA
-barriers and ~190 shared-memory instructions per warp and packing group (Triton's layout
-conversions and cross-warp row reductions of [16, 64] tiles), not HBM, not the MMAs.
+(bench/NOTES_decode.md v3). H200, Llama-3.1-8B heads (bench/results/decode_attention.md, 2026-12-01,
+default config with the decode-diet flags below): 146 us at batch 8 / 32K (1.2 TB/s on the 170 MiB read;
+our bf16 paged kernel: 266 us), 30.5 us at batch 1 / 32K, 82 us at batch 1 / 128K, 10.5 us at batch 1 /
+1K (bf16: 13.6 us). What limits it: ~1.55k SASS instructions, 54 CTA barriers and ~170 shared-memory
+instructions per warp and packing group (Triton's layout conversions and cross-warp row reductions of
+[16, 64] tiles), not HBM, not the MMAs; and not issue alone: 15% fewer instructions gave 5% less time.
 
 Tried and removed (bench/NOTES_decode.md 2026-12-01, code in commits 1a904a9 / 7f20914): 1-warp programs
 with the accumulators in global memory and two packing groups per loop trip (fewer barriers, fewer
