@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hack_jax import kv_cache, reference
+from hack_jax import kv_cache, paging, reference
 
 IMPLS = ("reference", "pallas", "pallas_dequant")
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -63,8 +63,12 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
       impl: "reference" | "pallas" | "pallas_dequant".
       kernel_options: passed to the Pallas kernel (e.g. interpret=True); only with a Pallas impl.
     Returns f32[max_seqs, num_q_heads, head_dim] (0 for kv_lens 0).
-    Raises ValueError on an unknown impl or inconsistent shapes; NotImplementedError when a Pallas
-    impl has no kernel for the layer's format.
+    Raises ValueError on an unknown impl or inconsistent shapes, and (concrete, non-traced inputs
+    only: inside jit the allocator is the check) on kv_lens outside [0, capacity], or a live
+    page-table column (one holding tokens < kv_len) at an id outside [0, num_pages), at the null page
+    or shared with another live column (paging.validate_page_indices; dead columns are never read);
+    TypeError for non-integer page_indices / kv_lens; NotImplementedError when a Pallas impl has no
+    kernel for the layer's format.
     """
     q = jnp.asarray(q)
     if q.ndim != 3:
@@ -89,15 +93,19 @@ def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q
       q_start: i32[max_seqs] position of query row 0 (the tokens cached before this chunk, the
         `start` given to write_prefill), or None = 0.
     Returns f32[max_seqs, T, num_q_heads, head_dim]; rows with q_start[s] + t >= kv_lens[s] are 0.
-    Raises as decode_attention (and ValueError for a q_start that is not [max_seqs]).
+    Raises as decode_attention (and ValueError for a q_start that is not [max_seqs] or, when
+    concrete, negative; TypeError for a non-integer q_start).
     """
     q = jnp.asarray(q)
     if q.ndim != 4:
         raise ValueError(f"prefill q must be [max_seqs, T, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens = _check(q, layer, page_indices, kv_lens, impl, kernel_options)
+    paging.check_index_dtype("prefill_attention", q_start=q_start)
     q_start = jnp.zeros_like(kv_lens) if q_start is None else jnp.asarray(q_start, jnp.int32)
     if q_start.shape != kv_lens.shape:
         raise ValueError(f"q_start must be i32[{kv_lens.shape[0]}], got {q_start.shape=}")
+    if not isinstance(q_start, jax.core.Tracer) and q_start.size and int(q_start.min()) < 0:
+        raise ValueError(f"q_start must be >= 0: q_start={np.asarray(q_start).tolist()}")
     if impl != "reference":
         return _pallas(impl, "prefill", layer)(q, *_kernel_cache(layer), page_indices, kv_lens,
                                                q_start=q_start, **kernel_options)
@@ -118,6 +126,7 @@ def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
     if head_dim != layer.head_dim or num_q_heads % layer.num_kv_heads:
         raise ValueError(f"q does not match the cache (num_kv_heads={layer.num_kv_heads}, "
                          f"head_dim={layer.head_dim}): {q.shape=}")
+    paging.check_index_dtype("attention", page_indices=page_indices, kv_lens=kv_lens)
     page_indices = jnp.asarray(page_indices, jnp.int32)
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
     if page_indices.ndim != 2 or page_indices.shape[0] != s or kv_lens.shape != (s,):
@@ -128,6 +137,10 @@ def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
         if bad.size:
             raise ValueError(f"kv_lens outside [0, capacity={capacity}] at slots {bad.tolist()}: "
                              f"kv_lens={np.asarray(kv_lens).tolist()}")
+        if not isinstance(page_indices, jax.core.Tracer):  # live columns: ids in range, not the null page
+            paging.validate_page_indices(page_indices, kv_lens, num_pages=layer.num_pages,
+                                         page_size=layer.config.page_size,
+                                         num_sink_tokens=kv_cache.sink_tokens(layer.config), live_only=True)
     return page_indices, kv_lens
 
 

@@ -358,6 +358,15 @@ def _check_kv(layer, k, v, ndim, what):
                          f"({layer.num_kv_heads}, {layer.head_dim}): {k.shape=}")
 
 
+def _check_finite(k, v, what):
+    """Concrete K/V only (a host sync; inside jit nothing can raise): ValueError on NaN or inf, which
+    no format can store (2-bit codes would hold garbage for the whole block)."""
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, jax.core.Tracer) and x.size and not bool(jnp.isfinite(x).all()):
+            n = int((~jnp.isfinite(x)).sum())
+            raise ValueError(f"{what}: {name} holds {n} NaN or inf value(s) in the rows to be written")
+
+
 # ----------------------------------------------------------------------------- prefill
 
 
@@ -383,11 +392,13 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
     page slots with code sums), the remainder into the open block, sinks in 16 bits; baselines:
     every token into its page row.
     Raises ValueError on shape mismatch, a length beyond T, a negative start, or (concrete inputs
-    only) bad page ids / over capacity; under jit, tokens beyond capacity or bound for unassigned
-    pages are dropped.
+    only) negative lengths, bad page ids / over capacity, NaN or inf in k / v; TypeError for
+    non-integer lengths / page_indices / start; under jit, tokens beyond capacity or bound for
+    unassigned pages are dropped.
     """
     k, v = jnp.asarray(k), jnp.asarray(v)
     _check_kv(layer, k, v, 4, "write_prefill")
+    paging.check_index_dtype("write_prefill", lengths=lengths, page_indices=page_indices, start=start)
     lengths = jnp.asarray(lengths, jnp.int32)
     page_indices = jnp.asarray(page_indices, jnp.int32)
     if lengths.shape != (k.shape[0],) or page_indices.shape[0] != k.shape[0]:
@@ -402,7 +413,12 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
             raise ValueError(f"write_prefill: {start.shape=} must be {lengths.shape}")
         if not isinstance(start, jax.core.Tracer) and start.size and int(start.min()) < 0:
             raise ValueError(f"write_prefill: start must be >= 0: start={np.asarray(start).tolist()}")
+    if not isinstance(lengths, jax.core.Tracer) and lengths.size and int(lengths.min()) < 0:
+        raise ValueError(f"write_prefill: lengths must be >= 0: lengths={np.asarray(lengths).tolist()}")
     _maybe_validate(layer, page_indices, lengths if start is None else start + lengths)
+    if not isinstance(lengths, jax.core.Tracer):  # rows t >= lengths[s] are ignored: not checked
+        rows = np.arange(k.shape[1])[None, :] < np.asarray(lengths)[:, None]
+        _check_finite(k[rows], v[rows], "write_prefill")
     if isinstance(layer, DensePages):
         return _prefill_dense(layer, k, v, lengths, page_indices, start)
     if isinstance(layer, Int8Pages):
@@ -618,12 +634,14 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None) 
     Every slot's sealed block is computed and the writes of the others dropped, so one compiled
     append serves a whole decode loop. seed: K quantized per token at once into the page; only V
     goes through the open block.
-    Raises ValueError on shape mismatch, or (concrete inputs only) bad page ids / over capacity.
-    Under jit nothing can raise: a token beyond capacity, or bound for the null page or an id
-    outside [0, num_pages), is dropped (never written elsewhere).
+    Raises ValueError on shape mismatch, or (concrete inputs only) a negative kv_len, bad page ids /
+    over capacity, NaN or inf in an active slot's k / v; TypeError for non-integer kv_lens /
+    page_indices. Under jit nothing can raise: a token at a negative position or beyond capacity,
+    or bound for the null page or an id outside [0, num_pages), is dropped (never written elsewhere).
     """
     k, v = jnp.asarray(k), jnp.asarray(v)
     _check_kv(layer, k, v, 3, "append")
+    paging.check_index_dtype("append", kv_lens=kv_lens, page_indices=page_indices)
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
     active = jnp.asarray(active, bool)
     page_indices = jnp.asarray(page_indices, jnp.int32)
@@ -631,8 +649,13 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None) 
             page_indices.shape[0] != k.shape[0]):
         raise ValueError(f"append: batch mismatch: {k.shape=} {kv_lens.shape=} {active.shape=} "
                          f"{page_indices.shape=}")
+    if not isinstance(kv_lens, jax.core.Tracer) and kv_lens.size and int(kv_lens.min()) < 0:
+        raise ValueError(f"append: kv_lens must be >= 0: kv_lens={np.asarray(kv_lens).tolist()}")
     if not isinstance(active, jax.core.Tracer):
         _maybe_validate(layer, page_indices, kv_lens + active.astype(jnp.int32))
+    _check_finite(k[np.asarray(active)] if not isinstance(active, jax.core.Tracer) else k,
+                  v[np.asarray(active)] if not isinstance(active, jax.core.Tracer) else v, "append")
+    active = active & (kv_lens >= 0)  # under jit: a negative position is dropped, never wrapped
     if isinstance(layer, (DensePages, Int8Pages)):
         ps = layer.config.page_size
         pages = _page_ids(page_indices, kv_lens // ps, active, layer.num_pages)  # [S]
@@ -863,6 +886,9 @@ def dequantize_cache(layer: LayerCache, page_indices, kv_lens, *, return_step: b
     unquantized.
     """
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
+    if kv_lens.shape != (jnp.shape(page_indices)[0],):
+        raise ValueError(f"dequantize_cache: kv_lens must be i32[{jnp.shape(page_indices)[0]}] (one per "
+                         f"page-table row), got {kv_lens.shape=}")
     if isinstance(layer, (KiviPages, SeedPages)):
         k, v, ks, vs = _hack_dense(layer, page_indices, kv_lens)
     else:

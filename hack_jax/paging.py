@@ -31,6 +31,26 @@ import numpy as np
 NULL_PAGE = 0
 
 
+def _require_int(name: str, value) -> int:
+    """value as a Python int; TypeError naming it for anything else (a float would be truncated)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def check_index_dtype(what: str, **arrays) -> None:
+    """TypeError naming the array when a length / page-id / position array is not of an integer
+    dtype (float lengths would be truncated silently). Accepts lists, NumPy and jax arrays and
+    tracers (their dtype is static); None entries are skipped."""
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        if not hasattr(x, "dtype"):
+            x = np.asarray(x)
+        if x.size and not np.issubdtype(x.dtype, np.integer):
+            raise TypeError(f"{what}: {name} must be integers, got dtype {x.dtype}")
+
+
 def pages_needed(num_tokens: int, *, page_size: int, num_sink_tokens: int) -> int:
     """Pages that hold a sequence of `num_tokens` tokens (sinks live outside pages)."""
     return -(-max(int(num_tokens) - num_sink_tokens, 0) // page_size)
@@ -53,6 +73,10 @@ class PageAllocator:
 
     def __init__(self, num_pages: int, max_seqs: int, pages_per_seq: int, page_size: int,
                  num_sink_tokens: int = 0):
+        num_pages, max_seqs, pages_per_seq, page_size, num_sink_tokens = (
+            _require_int(n, v) for n, v in (("num_pages", num_pages), ("max_seqs", max_seqs),
+                                            ("pages_per_seq", pages_per_seq), ("page_size", page_size),
+                                            ("num_sink_tokens", num_sink_tokens)))
         if num_pages < 2:
             raise ValueError(f"need the null page plus at least one usable page: {num_pages=}")
         if max_seqs < 1 or pages_per_seq < 1 or page_size < 1 or num_sink_tokens < 0:
@@ -129,6 +153,7 @@ class PageAllocator:
         return int(slot)
 
     def _grow(self, slot: int, num_tokens: int) -> None:
+        num_tokens = _require_int("num_tokens", num_tokens)
         if num_tokens < 0 or num_tokens > self.capacity:
             raise ValueError(
                 f"length beyond capacity {self.capacity} (num_sink_tokens={self.num_sink_tokens}, "
@@ -149,12 +174,14 @@ class PageAllocator:
 
 
 def validate_page_indices(page_indices, kv_lens, *, num_pages: int, page_size: int,
-                          num_sink_tokens: int) -> None:
+                          num_sink_tokens: int, live_only: bool = False) -> None:
     """Host-side check of a page table against the lengths it must serve.
 
     Args:
       page_indices: int[batch, pages_per_seq] (NumPy or concrete jax array).
       kv_lens: int[batch] tokens per sequence.
+      live_only: check page ids only in live columns (the readers' contract: columns past a
+        sequence's length are never read, whatever they hold); else every entry (the writers').
     Raises ValueError naming the value if a length is negative or beyond capacity, a page id is
     outside [0, num_pages), a live column (one holding tokens < kv_len) points at the null page, or
     one page is live in two places.
@@ -163,11 +190,6 @@ def validate_page_indices(page_indices, kv_lens, *, num_pages: int, page_size: i
     lens = np.asarray(kv_lens).reshape(-1)
     if table.ndim != 2 or lens.shape[0] != table.shape[0]:
         raise ValueError(f"page table / lengths shape mismatch: {table.shape=} {lens.shape=}")
-    bad = (table < 0) | (table >= num_pages)
-    if bad.any():
-        seq, col = np.argwhere(bad)[0]
-        raise ValueError(
-            f"page id out of range [0, {num_pages}): page_indices[{seq}, {col}]={table[seq, col]}")
     capacity = num_sink_tokens + table.shape[1] * page_size
     for seq, n in enumerate(lens):
         if n < 0 or n > capacity:
@@ -175,6 +197,11 @@ def validate_page_indices(page_indices, kv_lens, *, num_pages: int, page_size: i
     live = np.arange(table.shape[1])[None, :] < np.array(
         [pages_needed(n, page_size=page_size, num_sink_tokens=num_sink_tokens) for n in lens]
     )[:, None]
+    bad = ((table < 0) | (table >= num_pages)) & (live if live_only else True)
+    if bad.any():
+        seq, col = np.argwhere(bad)[0]
+        raise ValueError(
+            f"page id out of range [0, {num_pages}): page_indices[{seq}, {col}]={table[seq, col]}")
     null_live = live & (table == NULL_PAGE)
     if null_live.any():
         seq, col = np.argwhere(null_live)[0]

@@ -39,13 +39,21 @@ MIN_BUCKET = 64
 class Sampling:
   """temperature 0 = greedy (argmax); top_k 0 = off; top_p 1 = off (nucleus sampling otherwise).
 
-  Raises ValueError for temperature < 0, top_k < 0, or top_p outside (0, 1].
+  Raises ValueError for temperature < 0, top_k < 0, top_p outside (0, 1], or a non-finite value;
+  TypeError for a value of the wrong type (top_k an int, temperature and top_p numbers).
   """
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
 
   def __post_init__(self):
+    for name, kinds in (("temperature", (int, float)), ("top_k", (int,)), ("top_p", (int, float))):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, kinds + (np.integer,) + (
+          (np.floating,) if float in kinds else ())):
+        raise TypeError(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+      if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0 (0 = greedy): {self.temperature=}")
     if self.top_k < 0:
@@ -203,6 +211,18 @@ class Generator:
     return self.generate_ids(ids, max_new_tokens, sampling, seed=seed, stop_on_eos=stop_on_eos,
                              progress=progress)
 
+  def _check_ids(self, ids, what: str) -> None:
+    """TypeError for non-integer token ids, ValueError naming the first id outside [0, vocab_size)
+    (an embedding lookup would clamp it silently; a log-prob of it would be NaN)."""
+    a = np.asarray(ids)
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+      raise TypeError(f"{what}: token ids must be integers, got dtype {a.dtype}")
+    bad = np.argwhere((a < 0) | (a >= self.config.vocab_size))
+    if bad.size:
+      where = tuple(bad[0].tolist())
+      raise ValueError(f"{what}: token id {a[where]} at {list(where)} outside [0, vocab_size="
+                       f"{self.config.vocab_size})")
+
   def generate_ids(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
                    sampling: Sampling = Sampling(), *, seed: int = 0, stop_on_eos: bool = True,
                    forced: np.ndarray | None = None, progress: bool = False) -> GenerationResult:
@@ -216,14 +236,20 @@ class Generator:
         instead of the sampled token (no early stop); the sampled tokens are the predictions.
       progress: tqdm bar on stderr.
     Returns GenerationResult.
-    Raises ValueError: empty prompt, max_new_tokens < 1, prompt + max_new_tokens beyond the cache
-      capacity, or a forced array of the wrong shape.
+    Raises ValueError: no prompts, an empty prompt, max_new_tokens < 1, prompt + max_new_tokens beyond
+      the cache capacity, a forced array of the wrong shape, token ids outside [0, vocab_size);
+      TypeError: a non-int max_new_tokens or non-integer ids.
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+      raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1: {max_new_tokens=}")
+    if len(prompt_ids) == 0:
+      raise ValueError("no prompts: prompt_ids is empty")
     for i, p in enumerate(prompt_ids):
       if len(p) == 0:
         raise ValueError(f"empty prompt (no tokens) at index {i}")
+      self._check_ids(p, f"prompt {i}")
       if len(p) + max_new_tokens > self.capacity:
         raise ValueError(f"prompt {i} has {len(p)} tokens; with {max_new_tokens=} it needs "
                          f"{len(p) + max_new_tokens} > cache capacity {self.capacity}")
@@ -231,6 +257,7 @@ class Generator:
       forced = np.asarray(forced, np.int32)
       if forced.shape != (len(prompt_ids), max_new_tokens):
         raise ValueError(f"forced must be [{len(prompt_ids)}, {max_new_tokens}]: {forced.shape=}")
+      self._check_ids(forced, "forced")
     stats = dict(prompt_tokens=0, generated_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0,
                  compile_s=0.0, max_len=0)
     key = jax.random.key(seed)
@@ -342,11 +369,13 @@ class Generator:
     each query also sees its own, still-filling block as 2-bit codes, which decoding never does
     (there those tokens sit in the 16-bit open block): use decode_perplexity to measure what
     generation sees. Returns (perplexity, number of predictions = N - 1).
-    Raises ValueError for fewer than 2 tokens or more than the cache capacity.
+    Raises ValueError for fewer than 2 tokens, more than the cache capacity, or ids outside
+    [0, vocab_size).
     """
     n = len(token_ids)
     if n < 2 or n > self.capacity:
       raise ValueError(f"perplexity needs 2 <= tokens <= capacity {self.capacity}: got {n}")
+    self._check_ids(token_ids, "token_ids")
     s = self.max_seqs
     tokens = np.zeros((s, length_bucket(n)), np.int32)
     tokens[0, :n] = token_ids

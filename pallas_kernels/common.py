@@ -32,6 +32,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -270,6 +271,12 @@ def _int8_row_transform(x: jax.Array, *, fast_div: bool = False):
     if fast_div:
         return (x - mf[:, None]) * reciprocal_approx_asm(d)[:, None], s, mf
     return (x - mf[:, None]) / d[:, None], s, mf
+
+
+def as_index_arrays(*xs):
+    """Python lists / tuples / NumPy arrays of ints as jax arrays (dtype kept: validation then names
+    a float dtype); jax arrays and tracers pass through."""
+    return tuple(x if isinstance(x, jax.Array) or x is None else jnp.asarray(np.asarray(x)) for x in xs)
 
 
 def quantize_rows_int8(x: jax.Array, *, interpret: bool):

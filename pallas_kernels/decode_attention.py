@@ -601,6 +601,7 @@ def hack_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=None, v_c
     if partition_size is None or num_sink_tokens is None:
         raise ValueError(f"partition_size and num_sink_tokens are required, got {partition_size=}, "
                          f"{num_sink_tokens=}")
+    page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
     validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                     sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
                     num_sink_tokens=num_sink_tokens)

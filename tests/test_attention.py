@@ -255,9 +255,9 @@ def test_dispatch_errors():
         attention.decode_attention(q, layer, page_indices=table, kv_lens=lengths[:3])
     with pytest.raises(ValueError, match="LayerCache"):
         attention.decode_attention(q, object(), page_indices=table, kv_lens=lengths)
-    seed_layer = written("seed", "prefill")[0]
+    seed_layer, _, _, _, seed_table = written("seed", "prefill")
     with pytest.raises(NotImplementedError, match="seed"):
-        attention.decode_attention(q, seed_layer, page_indices=table, kv_lens=lengths, impl="pallas")
+        attention.decode_attention(q, seed_layer, page_indices=seed_table, kv_lens=lengths, impl="pallas")
     int8_layer, _, _, _, int8_table = written("int8", "prefill")
     with pytest.raises(NotImplementedError, match="int8"):
         attention.decode_attention(q, int8_layer, page_indices=int8_table, kv_lens=lengths,
@@ -276,3 +276,38 @@ def test_concrete_kv_lens_beyond_capacity_raise():
     for kv_lens in ([257, 1], [-1, 1]):
         with pytest.raises(ValueError, match="capacity=256"):
             attention.decode_attention(q, layer, page_indices=page_indices, kv_lens=np.array(kv_lens))
+
+
+def test_concrete_table_and_length_errors():
+    """Eager (concrete) inputs are checked like the write path's: ids outside the pool, a live
+    column at the null page, non-integer lengths / ids and a negative q_start each raise, naming
+    the value (inside jit these cannot raise: docstrings)."""
+    layer, _, _, lengths, table = written("kivi", "prefill")
+    q = make_q()
+    i = int(np.argmax(lengths))  # the longest sequence: its column 0 is live
+    bad = np.array(table)
+    bad[i, 0] = layer.num_pages  # one past the pool
+    with pytest.raises(ValueError, match=rf"page_indices\[{i}, 0\]={layer.num_pages}"):
+        attention.decode_attention(q, layer, page_indices=bad, kv_lens=lengths)
+    dead = int(np.argmin(lengths))  # 1 token: held by the sinks, its columns are never read
+    assert lengths[dead] <= kv_cache.sink_tokens(layer.config)
+    junk = np.array(table)
+    junk[dead, :] = 10 ** 6  # garbage in dead columns is allowed (never read)
+    np.testing.assert_array_equal(
+        np.asarray(attention.decode_attention(q, layer, page_indices=junk, kv_lens=lengths)),
+        np.asarray(attention.decode_attention(q, layer, page_indices=table, kv_lens=lengths)))
+    null = np.array(table)
+    null[i, 0] = 0
+    with pytest.raises(ValueError, match="null page"):
+        attention.decode_attention(q, layer, page_indices=null, kv_lens=lengths)
+    with pytest.raises(TypeError, match="kv_lens must be integers"):
+        attention.decode_attention(q, layer, page_indices=table, kv_lens=np.asarray(lengths) + 0.5)
+    with pytest.raises(TypeError, match="page_indices must be integers"):
+        attention.decode_attention(q, layer, page_indices=np.asarray(table) + 0.5, kv_lens=lengths)
+    start = np.zeros(len(lengths), np.int32)
+    start[1] = -5
+    with pytest.raises(ValueError, match="q_start must be >= 0"):
+        attention.prefill_attention(q[:, None], layer, page_indices=table, kv_lens=lengths, q_start=start)
+    with pytest.raises(TypeError, match="q_start must be integers"):
+        attention.prefill_attention(q[:, None], layer, page_indices=table, kv_lens=lengths,
+                                    q_start=start + 0.5)

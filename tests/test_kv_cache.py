@@ -508,3 +508,37 @@ def test_write_errors_name_the_problem():
     with pytest.raises(ValueError, match="floating"):
         kv_cache.append(layer, ok.astype(np.int32), ok.astype(np.int32), kv_lens=[0], active=[True],
                         page_indices=table)
+
+
+def test_bad_positions_and_values_never_reach_the_cache():
+    """A negative position raises eagerly and is dropped under jit (it used to wrap into the last
+    sink row); NaN / inf in the rows to be written and float lengths / positions raise, naming them."""
+    config = QuantConfig()  # kivi, 4 sinks
+    layer = kv_cache.init_layer(config, num_kv_heads=1, head_dim=64, num_pages=3, max_seqs=2)
+    table = np.array([[1], [2]], np.int32)
+    k = np.ones((2, 1, 64), np.float32)
+    with pytest.raises(ValueError, match=r"kv_lens must be >= 0: kv_lens=\[-1, 0\]"):
+        kv_cache.append(layer, k, k, kv_lens=[-1, 0], active=[True, False], page_indices=table)
+    out = jax.jit(kv_cache.append)(layer, k, k, kv_lens=jnp.array([-1, 0]), active=jnp.array([True, False]),
+                                   page_indices=table)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(layer)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # nothing written anywhere
+    with pytest.raises(TypeError, match="kv_lens must be integers"):
+        kv_cache.append(layer, k, k, kv_lens=[0.5, 0.0], active=[True, False], page_indices=table)
+    nan = k.copy()
+    nan[0, 0, 3] = np.nan
+    with pytest.raises(ValueError, match="v holds 1 NaN or inf"):
+        kv_cache.append(layer, k, nan, kv_lens=[0, 0], active=[True, False], page_indices=table)
+    # the same NaN in an inactive slot's row is ignored, as the row is
+    kv_cache.append(layer, k, nan, kv_lens=[0, 0], active=[False, True], page_indices=table)
+    kp = np.ones((2, 8, 1, 64), np.float32)
+    kp[1, 5, 0, 0] = np.inf
+    with pytest.raises(ValueError, match="k holds 1 NaN or inf"):
+        kv_cache.write_prefill(layer, kp, np.ones_like(kp), lengths=[8, 6], page_indices=table)
+    kv_cache.write_prefill(layer, kp, np.ones_like(kp), lengths=[8, 5], page_indices=table)  # row 5 unused
+    with pytest.raises(TypeError, match="lengths must be integers"):
+        kv_cache.write_prefill(layer, kp, kp, lengths=[8.0, 5.0], page_indices=table)
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        kv_cache.write_prefill(layer, kp, np.ones_like(kp), lengths=[8, -1], page_indices=table)
+    with pytest.raises(ValueError, match=r"kv_lens must be i32\[2\]"):
+        kv_cache.dequantize_cache(layer, table, [1, 2, 3])

@@ -185,6 +185,27 @@ def test_errors(model, ckpt):
   assert gen.capacity == 256
   with pytest.raises(ValueError, match="capacity"):
     gen.generate_ids([[1] * 250], 8)
+  vocab = model.config.vocab_size
+  with pytest.raises(ValueError, match=f"token id {vocab} at \\[1\\] outside \\[0, vocab_size={vocab}\\)"):
+    gen.generate_ids([[1, vocab, 3]], 2)
+  with pytest.raises(ValueError, match="token id -1"):
+    gen.generate_ids([[1, -1]], 2)
+  with pytest.raises(TypeError, match="token ids must be integers"):
+    gen.generate_ids([[1, 2.5]], 2)
+  with pytest.raises(ValueError, match="forced: token id"):
+    gen.generate_ids([[1, 2]], 2, forced=np.full((1, 2), vocab))
+  with pytest.raises(ValueError, match="token_ids: token id"):
+    gen.perplexity([1, vocab, 3])
+  with pytest.raises(ValueError, match="no prompts"):
+    gen.generate_ids([], 2)
+  with pytest.raises(TypeError, match="max_new_tokens must be an int"):
+    gen.generate_ids([[1, 2]], 2.5)
+  with pytest.raises(ValueError, match="temperature must be finite"):
+    Sampling(temperature=float("nan"))
+  with pytest.raises(TypeError, match="top_k must be int"):
+    Sampling(top_k=2.5)
+  with pytest.raises(TypeError, match="temperature must be int or float"):
+    Sampling(temperature="1")
   with pytest.raises(ValueError, match="empty prompt"):
     gen.generate([" "], 4)
   with pytest.raises(ValueError, match="empty prompt"):

@@ -136,3 +136,16 @@ def test_random_churn_keeps_the_invariants():
         need = [paging.pages_needed(n, page_size=256, num_sink_tokens=4) for n in lengths]
         assert ((table > 0).sum(1) == need).all()
         paging.validate_page_indices(table, lengths, num_pages=20, page_size=256, num_sink_tokens=4)
+
+
+def test_non_int_sizes_and_lengths_are_type_errors():
+    """Floats would be truncated (3.5 pages, 70.5 tokens): TypeError naming the argument."""
+    with pytest.raises(TypeError, match="num_pages must be an int, got 3.5"):
+        paging.PageAllocator(3.5, 2, 2, 64, 4)
+    alloc = paging.PageAllocator(5, 2, 2, 64, 4)
+    with pytest.raises(TypeError, match="num_tokens must be an int, got 70.5"):
+        alloc.admit(0, 70.5)
+    assert not alloc.is_admitted(0) and alloc.num_free_pages == 4  # nothing changed
+    with pytest.raises(TypeError, match="lengths must be integers"):
+        paging.check_index_dtype("here", lengths=[1.0, 2.0])
+    paging.check_index_dtype("here", lengths=np.array([1, 2], np.int64), ids=[], start=None)
