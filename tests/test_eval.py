@@ -139,3 +139,21 @@ def test_load_text_specs(tmp_path):
     load_text("sotux")
   with pytest.raises(FileNotFoundError, match="1700"):
     load_text("sotu1700")
+
+
+def test_report_is_named_after_its_jsonl(tmp_path):
+  """write_report: NAME.md and NAME_gap.png beside NAME.jsonl (a run with --out elsewhere must not
+  touch bench/results/accuracy_gap.png); the table holds the rows' formats and perplexities."""
+  import json
+  import os
+  src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",
+                     "accuracy.jsonl")
+  rows = [json.loads(line) for line in open(src)][:12]
+  out = tmp_path / "mine.jsonl"
+  out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  ev.write_report(str(out))
+  md = (tmp_path / "mine.md").read_text()
+  assert "(mine_gap.png)" in md and (tmp_path / "mine_gap.png").stat().st_size > 0
+  assert not (tmp_path / "accuracy_gap.png").exists()
+  r = next(r for r in rows if r["format"] == "float32")
+  assert f"| {r['format']} |" in md and f"{r['ppl']:.2f}" in md
