@@ -67,12 +67,13 @@ def variants(batch, kv_len, specs):
     SPLITS a number, d (default_config's) or v2 (the v2 heuristic), FLAGS letters d (dedup metadata),
     q (fast_quant), a (unpack_asm; int8asm implies it), r (fast_div: the INT8 quantizers' division as a
     multiply by one rcp.approx per row, same bits as the GPU's div.full), e (fast_exp: ex2.approx softmax
-    and merge weights), c (qmu_rowconst: q.mu summed over channel groups, added to the block max only),
+    and merge weights),
     b (block_meta: kappa/tau/nu as strided [4, P] tiles of a [N, H, bpp, P, NP] view; needs d),
     p (masked_planes: int8 planes 0-2 by one AND per 4 codes, plane 3 shift + AND, 4^-e on the dot),
     o (fma_order: correction sums as running FMAs),
-    e.g. v2=int8asm:v2:4:2, diet=int8asm:d:4:2:dqrcbepo. (The 1-warp and two-groups options of
-    2026-12-01 were removed after the H200 run: bench/NOTES_decode.md.)"""
+    e.g. v2=int8asm:v2:4:2, diet=int8asm:d:4:2:dqrbepo. SPLITS d also takes default_config's
+    open_split. (The 1-warp and two-groups options and flag c, qmu_rowconst, of 2026-12-01 were
+    removed after the H200 runs: bench/NOTES_decode.md.)"""
     pps = kv_len // PAGE
     base = default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=pps, page_size=PAGE, partition_size=P)
     out = []
@@ -86,13 +87,14 @@ def variants(batch, kv_len, specs):
             continue
         dot, splits, warps, stages, *flags = rest.split(":")
         flags = flags[0] if flags else ""
+        open_split = base.open_split if splits == "d" else False
         splits = {"d": base.num_splits, "v2": v2_splits(batch, pps)}.get(splits) or min(int(splits), pps * PAGE // (4 * P))
         fn = dequant_decode_attention if dot == "dequant" else hack_decode_attention
         asm = dot == "int8asm" or "a" in flags
         dot = {"dequant": "bf16", "int8asm": "int8"}.get(dot, dot)
         out.append((name, fn, KernelConfig(splits, int(warps), int(stages), dot, asm, dedup="d" in flags,
-                                           fast_quant="q" in flags, fast_div="r" in flags,
-                                           fast_exp="e" in flags, qmu_rowconst="c" in flags,
+                                           fast_quant="q" in flags, open_split=open_split, fast_div="r" in flags,
+                                           fast_exp="e" in flags,
                                            block_meta="b" in flags, masked_planes="p" in flags,
                                            fma_order="o" in flags)))
     return out

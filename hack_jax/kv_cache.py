@@ -231,8 +231,7 @@ def _sums_dtype(group: int):
 
 def _check_ints(**sizes) -> None:
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        paging.require_int(name, value)
 
 
 def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pages: int,

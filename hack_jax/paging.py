@@ -31,7 +31,7 @@ import numpy as np
 NULL_PAGE = 0
 
 
-def _require_int(name: str, value) -> int:
+def require_int(name: str, value) -> int:
     """value as a Python int; TypeError naming it for anything else (a float would be truncated)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -74,7 +74,7 @@ class PageAllocator:
     def __init__(self, num_pages: int, max_seqs: int, pages_per_seq: int, page_size: int,
                  num_sink_tokens: int = 0):
         num_pages, max_seqs, pages_per_seq, page_size, num_sink_tokens = (
-            _require_int(n, v) for n, v in (("num_pages", num_pages), ("max_seqs", max_seqs),
+            require_int(n, v) for n, v in (("num_pages", num_pages), ("max_seqs", max_seqs),
                                             ("pages_per_seq", pages_per_seq), ("page_size", page_size),
                                             ("num_sink_tokens", num_sink_tokens)))
         if num_pages < 2:
@@ -153,7 +153,7 @@ class PageAllocator:
         return int(slot)
 
     def _grow(self, slot: int, num_tokens: int) -> None:
-        num_tokens = _require_int("num_tokens", num_tokens)
+        num_tokens = require_int("num_tokens", num_tokens)
         if num_tokens < 0 or num_tokens > self.capacity:
             raise ValueError(
                 f"length beyond capacity {self.capacity} (num_sink_tokens={self.num_sink_tokens}, "

@@ -47,11 +47,11 @@ class Sampling:
   top_p: float = 1.0
 
   def __post_init__(self):
-    for name, kinds in (("temperature", (int, float)), ("top_k", (int,)), ("top_p", (int, float))):
+    ints, numbers = (int, np.integer), (int, float, np.integer, np.floating)
+    for name, kinds in (("temperature", numbers), ("top_k", ints), ("top_p", numbers)):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, kinds + (np.integer,) + (
-          (np.floating,) if float in kinds else ())):
-        raise TypeError(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+      if isinstance(value, bool) or not isinstance(value, kinds):
+        raise TypeError(f"{name} must be {'an int' if kinds is ints else 'a number'}, got {value!r}")
       if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     if self.temperature < 0:

@@ -352,7 +352,7 @@ def merge_state(m, l, accs, m_b, l_b, o_bs, valid):
 def merge_weights(m, l, m_b, l_b, valid, *, exp=jnp.exp):
     """`merge_state` in two steps, so each accumulator can be updated as soon as its part is ready:
     returns (m_new, l_new, alpha, beta) with acc_new = acc * alpha[:, None] + o_b * beta[:, None]
-    (`merge_acc`); the same arithmetic as merge_state (exp: jnp.exp or e.g. `exp_approx_asm`)."""
+    (`merge_acc`); the same arithmetic as merge_state (exp: jnp.exp or `exp` with fast=True)."""
     m_b = jnp.where(valid, m_b, -jnp.inf)
     m_new = jnp.maximum(m, m_b)
     base = jnp.where(m_new > -jnp.inf, m_new, 0.0)

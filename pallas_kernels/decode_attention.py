@@ -45,7 +45,7 @@ another 1.33x, and the INT8 rounding of the transients by one PTX cvt (KernelCon
 (bench/NOTES_decode.md v3). H200, Llama-3.1-8B heads (bench/results/decode_attention.md, 2026-12-01,
 default config with the decode-diet flags below): 146 us at batch 8 / 32K (1.2 TB/s on the 170 MiB read;
 our bf16 paged kernel: 266 us), 30.5 us at batch 1 / 32K, 82 us at batch 1 / 128K, 10.5 us at batch 1 /
-1K (bf16: 13.6 us). What limits it: ~1.55k SASS instructions, 54 CTA barriers and ~170 shared-memory
+1K (bf16: 13.6 us). What limits it: ~1.55k SASS instructions, 54 CTA barriers and ~160 shared-memory
 instructions per warp and packing group (Triton's layout conversions and cross-warp row reductions of
 [16, 64] tiles), not HBM, not the MMAs; and not issue alone: 15% fewer instructions gave 5% less time.
 
@@ -57,8 +57,9 @@ div.full bits), fast_exp (exp2(x log2 e)), block_meta (per-token metadata as str
 masked_planes (int8 planes without shifts, 4**-e on the dot) and fma_order (running FMA sums) are on by
 default for "int8" dots since the H200 run of 2026-12-01 (session 2): 3-8% faster at Llama-3.1-8B heads
 and >= 8K tokens (b8/32K 151 -> 146 us, b1/128K 87 -> 82 us, b32/128K 2169 -> 2038 us), SmolLM2 heads
-within +-8% either way (geometric mean 0.98). qmu_rowconst (q . mu added to the block max only) stays
-off: with it ptxas schedules some configs 1.6-1.8x slower (b8/32K 147 -> 272 us).
+within +-8% either way (geometric mean 0.98). A sixth cut, q . mu added to the block max only
+(qmu_rowconst), was removed after that run: every flag set with it compiled 1.5-1.8x slower (b8/32K
+147 -> 272 us; code in commit c4e62c3).
 
 Tested: CPU interpret mode (jax 0.10.2), tests/test_decode_kernels.py; H200 (jax 0.11.2): see
 bench/NOTES_decode.md. Caveats: partition_size and head_dim powers of two >= 32 with page_size a
@@ -104,7 +105,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                         open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
                         unpack_asm, dedup, fast_quant, fast_div=False,
-                        fast_exp=False, qmu_rowconst=False, block_meta=False, masked_planes=False,
+                        fast_exp=False, block_meta=False, masked_planes=False,
                         fma_order=False, interpret):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
@@ -202,11 +203,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
             return jnp.broadcast_to(x4[:, None, :], (NUM_PLANES, group_pad, x4.shape[1])).reshape(R, x4.shape[1])
 
         # QK^T: logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu
-        # qmu_rowconst: q . mu is constant along the block's tokens, so it cancels in the block-local
-        # softmax weights exp(logit - max); it is summed over the channel groups first (one row
-        # reduction and one [R] layout change per group instead of NP) and added to the block max only
-        logits = None if qmu_rowconst else jnp.zeros((R, P), jnp.float32)
-        qmu_prod = None
+        logits = jnp.zeros((R, P), jnp.float32)
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
             k_tile = common.widen(k_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
@@ -219,22 +216,12 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                 mu = k_min_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
                 kappa = k_sums_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
             dot, qs, qm = int_part(q[p] * sigma, k_tile, True)  # [R, P], [R], [R]
-            if qmu_rowconst:
-                if fma_order and logits is not None:  # 2 FFMAs per element onto the running sum
-                    logits = (logits + qm[:, None] * kappa) + (qs * plane_w)[:, None] * dot
-                else:
-                    part = (qs * plane_w)[:, None] * dot + qm[:, None] * kappa  # [R, P]
-                    logits = part if logits is None else logits + part
-                qmu_prod = q[p] * mu if qmu_prod is None else qmu_prod + q[p] * mu  # [R, Pc]
-            else:
-                logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
-                           + jnp.sum(q[p] * mu, axis=1)[:, None])
+            logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
+                       + jnp.sum(q[p] * mu, axis=1)[:, None])
 
         mb = jnp.max(logits, axis=1)  # [R] block-local max (sealed blocks are full: no mask)
         w = exp(logits - mb[:, None])  # [R, P]
         lb = jnp.sum(w, axis=1)
-        if qmu_rowconst:
-            mb = mb + jnp.sum(qmu_prod, axis=1)  # the block max of the full logits
 
         # PV: o_c = s'_p sum_j wc_jp v_jc + m'_p omega_c + sum_j W_j nu_jp, c in p; each channel
         # group's accumulator is merged as soon as its block output is ready (same SASS as merging
@@ -364,12 +351,9 @@ class KernelConfig:
     # jnp in interpret mode): fast_div ("int8" dots): the INT8 quantizers' (x - mf) / s as x * rcp(s),
     # one reciprocal per row (the same bits as Triton's div.full.f32 division); fast_exp: exp as
     # exp2(x log2 e) (ex2.approx on the GPU, flash-attention style, a few ulp) in the block softmax
-    # and the merges;
-    # qmu_rowconst: q . mu (constant along a block's tokens, cancels in exp(logit - max)) summed
-    # over the channel groups and added to the block max only
+    # and the merges
     fast_div: bool = False
     fast_exp: bool = False
-    qmu_rowconst: bool = False
     # block_meta (needs dedup): kappa / tau / nu read as one strided [4, P] tile per group and channel
     # group from a [N, H, bpp, P, NP] view of their arrays (free reshape in the wrapper) instead of a
     # [4P] vector reshaped to [4, P] in registers (a shared-memory round trip with 2 barriers each)
@@ -377,8 +361,8 @@ class KernelConfig:
     # masked_planes ("int8"): planes 0-2 as byte & (3 << 2j) = code * 4**j (one AND per 4 codes, no shift),
     # plane 3 as (byte >> 2) & 0x30 = code * 16 (int8-safe), 4**-e undone exactly on the dot result
     masked_planes: bool = False
-    # fma_order: the per-element correction sums written as running FMAs (logits with qmu_rowconst:
-    # (acc + m kappa) + s dot; block output: (w.nu + m' omega) + s' pv), one instruction less each
+    # fma_order: the block output's correction sum written as running FMAs, (w.nu + m' omega) + s' pv:
+    # one instruction less per element
     fma_order: bool = False
 
 
@@ -477,7 +461,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         open_split=config.open_split,
         dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, dedup=config.dedup,
         fast_quant=config.fast_quant, fast_div=config.fast_div, fast_exp=config.fast_exp,
-        qmu_rowconst=config.qmu_rowconst, block_meta=config.block_meta, masked_planes=config.masked_planes,
+        block_meta=config.block_meta, masked_planes=config.masked_planes,
         fma_order=config.fma_order, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),

@@ -416,9 +416,9 @@ ODD_CASE = Case("d128_P64_g4_int8_odd", 128, 64, 256, 1, 4, 6, (1, 4 + 63, 4 + 6
 
 # KernelConfig loop-instruction cuts (bench/NOTES_decode.md 2026-12-01 "decode-diet"): alone and combined.
 DIET = KernelConfig(dot_dtype="int8", unpack_asm=True, dedup=True, fast_quant=True)
-DIET_FLAGS = [dict(fast_div=True), dict(fast_exp=True), dict(qmu_rowconst=True), dict(block_meta=True),
-              dict(masked_planes=True), dict(fma_order=True), dict(fast_div=True, qmu_rowconst=True, block_meta=True),
-              dict(fast_div=True, fast_exp=True, qmu_rowconst=True, block_meta=True, masked_planes=True,
+DIET_FLAGS = [dict(fast_div=True), dict(fast_exp=True), dict(block_meta=True),
+              dict(masked_planes=True), dict(fma_order=True), dict(fast_div=True, block_meta=True),
+              dict(fast_div=True, fast_exp=True, block_meta=True, masked_planes=True,
                    fma_order=True)]
 
 
@@ -436,11 +436,11 @@ DIET_PARAMS = ([_diet_param(DIET_FLAGS[-1], s, o, m) for s, o in ((3, True), (1,
 
 @pytest.mark.parametrize("flags,splits,open_split,mode", DIET_PARAMS)
 def test_hack_kernel_diet_flags(flags, splits, open_split, mode):
-    """fast_div, fast_exp, qmu_rowconst, block_meta, masked_planes, fma_order on the v3 default path vs the
+    """fast_div, fast_exp, block_meta, masked_planes, fma_order on the v3 default path vs the
     float64 NumPy twin
     (Llama-3 heads, lengths 1, 63, 64, 65 + sinks, 3 and 5 packing groups, shuffled pages; 1 split /
     3 splits + open_split; all six also with 1 split). The twin's TIGHT bound also bounds the distance to
-    the plain path (fast_exp's exp2(x log2 e), qmu_rowconst's logits without q.mu and fma_order's sums
+    the plain path (fast_exp's exp2(x log2 e) and fma_order's sums
     differ from it in the last bits; masked_planes' scaled integer dots are exact)."""
     case = dataclasses.replace(ODD_CASE, num_splits=splits)
     q, c = build(case, seed=0)
@@ -462,7 +462,7 @@ def test_hack_kernel_diet_flags_other_shapes(case, mode):
     q, c = build(case, seed=0)
     cfg = KernelConfig(num_splits=case.num_splits, dot_dtype=case.dot_dtype, unpack_asm=case.dot_dtype == "int8",
                        dedup=True, fast_quant=case.dot_dtype == "int8", fast_div=True, fast_exp=True,
-                       qmu_rowconst=True, block_meta=True, masked_planes=True, fma_order=True)
+                       block_meta=True, masked_planes=True, fma_order=True)
     out = run_config(q, c, case, cfg, mode)
     ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
     assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
@@ -597,9 +597,8 @@ def test_default_config_and_rows():
     cfg = default_config(batch=8, num_kv_heads=8, pages_per_seq=128, page_size=256, partition_size=64)
     assert isinstance(cfg, KernelConfig) and cfg.dot_dtype == "int8"
     assert cfg.unpack_asm and cfg.dedup and cfg.fast_quant
-    # the decode-diet flags the H200 run of 2026-12-01 kept (qmu_rowconst off: ptxas cliffs)
+    # the decode-diet flags the H200 run of 2026-12-01 kept
     assert cfg.fast_div and cfg.fast_exp and cfg.block_meta and cfg.masked_planes and cfg.fma_order
-    assert not cfg.qmu_rowconst
     slots = RESIDENT_PROGRAMS_PER_SM * 132  # programs resident at once on the H200
 
     def cost(pairs, groups, s, o):  # waves x (longest program's groups + one group of fixed cost)

@@ -202,9 +202,9 @@ def test_errors(model, ckpt):
     gen.generate_ids([[1, 2]], 2.5)
   with pytest.raises(ValueError, match="temperature must be finite"):
     Sampling(temperature=float("nan"))
-  with pytest.raises(TypeError, match="top_k must be int"):
+  with pytest.raises(TypeError, match="top_k must be an int"):
     Sampling(top_k=2.5)
-  with pytest.raises(TypeError, match="temperature must be int or float"):
+  with pytest.raises(TypeError, match="temperature must be a number"):
     Sampling(temperature="1")
   with pytest.raises(ValueError, match="empty prompt"):
     gen.generate([" "], 4)
