@@ -65,9 +65,11 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
+import glob  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -346,6 +348,36 @@ def max_batch(quant, cfg, context, free):
 
 # ----------------------------------------------------------------------------- timed items
 
+def profile_kernels(run_steps, steps, trace_dir, top=30):
+    """Trace `run_steps()` (`steps` decode steps) with jax.profiler (perfetto trace) and sum the
+    device-side events per name: {gpu_us_per_step, gpu_kernels: [[name, us per step, calls per
+    step], ...] (the `top` dearest)}. The trace directory is removed afterwards."""
+    import gzip
+    import shutil
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        run_steps()
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        return dict(profile_error=f"no perfetto trace under {trace_dir}")
+    with gzip.open(paths[0]) as fh:
+        trace = json.load(fh)
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in procs.items() if "host" not in name.lower()}
+    total, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device:
+            total[e["name"]] += float(e.get("dur", 0.0))
+            calls[e["name"]] += 1
+    return dict(gpu_us_per_step=round(sum(total.values()) / steps, 1),
+                gpu_processes=sorted(procs[p] for p in device),
+                gpu_kernels=[[name, round(us / steps, 2), round(calls[name] / steps, 2)]
+                             for name, us in total.most_common(top)])
+
+
 def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
     """One cache + one compiled decode step per (model, format, batch); a row per context."""
     quant = quant_config(fmt)
@@ -391,6 +423,9 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
                 raise FloatingPointError("sampled tokens out of range (non-finite logits?)")
             row.update(tpot_ms=tpot * 1e3, tokens_per_s=batch / tpot,
                        region_s=[round(t, 5) for t in times])
+            if args.profile_steps:
+                row.update(profile_kernels(lambda: run(args.profile_steps, ctx), args.profile_steps,
+                                           os.path.join(args.out, "trace_tmp")))
         except Exception as e:  # noqa: BLE001
             row.update(error=f"{type(e).__name__}: {str(e)[:1500]}",
                        traceback=traceback.format_exc()[-2000:])
@@ -673,6 +708,9 @@ def parse_args(argv):
                     help="random weights: Llama's initializer, or a cheap integer hash (CPU tests)")
     ap.add_argument("--quick", action="store_true", help="llama only, batches 1 and 8")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing each decode context, trace this many more steps with jax.profiler "
+                         "and add the GPU time per step by kernel name to the row (gpu_kernels)")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.batches = ["llama-3.1-8b"], [b for b in args.batches if b in (1, 8)] or [1]

@@ -71,6 +71,7 @@ def variants(batch, kv_len, specs):
     b (block_meta: kappa/tau/nu as strided [4, P] tiles of a [N, H, bpp, P, NP] view; needs d),
     p (masked_planes: int8 planes 0-2 by one AND per 4 codes, plane 3 shift + AND, 4^-e on the dot),
     o (fma_order: correction sums as running FMAs),
+    t (v_token_major: the V codes transposed to [N, H, D, PAGE // 4], no byte transpose for the PV dot),
     e.g. v2=int8asm:v2:4:2, diet=int8asm:d:4:2:dqrbepo. SPLITS d also takes default_config's
     open_split. (The 1-warp and two-groups options and flag c, qmu_rowconst, of 2026-12-01 were
     removed after the H200 runs: bench/NOTES_decode.md.)"""
@@ -96,7 +97,7 @@ def variants(batch, kv_len, specs):
                                            fast_quant="q" in flags, open_split=open_split, fast_div="r" in flags,
                                            fast_exp="e" in flags,
                                            block_meta="b" in flags, masked_planes="p" in flags,
-                                           fma_order="o" in flags)))
+                                           fma_order="o" in flags, v_token_major="t" in flags)))
     return out
 
 
@@ -199,7 +200,10 @@ def bench(args, log):
                     del k, v
                     nbytes_row = nb
                 else:
-                    us, comp, n = time_variant(fn, config, c, table, lens, ppc, n_copies, batch, args.reps,
+                    cv = c
+                    if getattr(config, "v_token_major", False):  # the same bytes, token-major
+                        cv = dict(c, v_codes=jnp.swapaxes(c["v_codes"], 2, 3))
+                    us, comp, n = time_variant(fn, config, cv, table, lens, ppc, n_copies, batch, args.reps,
                                                args.target_ms, args.interpret, args.calls_per_iter)
                     nbytes_row = nbytes
                 row.update(us=round(us, 2), gbps=round(nbytes_row / us / 1e3, 1),
@@ -339,8 +343,11 @@ def sass(out_dir, log, specs):
     for name, fn, cfg in variants(batch, kv_len, specs):
         if fn == "bf16paged":
             continue
+        xs = list(args)
+        if getattr(cfg, "v_token_major", False):
+            xs[5] = S((N, HKV, D, PAGE // 4), jnp.uint8)
         ttir = triton_offline.lower_ttir(
-            lambda *xs: fn(*xs, partition_size=P, num_sink_tokens=NS, config=cfg), *args)
+            lambda *xs: fn(*xs, partition_size=P, num_sink_tokens=NS, config=cfg), *xs)
         c = triton_offline.compile_sm90(ttir, out_dir, name, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         loops = triton_offline.loops(c["sass"], innermost=False)  # the widest loop, as before
         lo, hi, _ = max(loops, key=lambda x: x[1] - x[0]) if loops else (0, -1, 0)

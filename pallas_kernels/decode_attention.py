@@ -106,7 +106,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
                         unpack_asm, dedup, fast_quant, fast_div=False,
                         fast_exp=False, block_meta=False, masked_planes=False,
-                        fma_order=False, interpret):
+                        fma_order=False, v_token_major=False, interpret):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[S, Hq, D]
@@ -230,7 +230,10 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
         new_accs = []
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
-            v_tile = common.widen(v_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
+            if v_token_major:  # u8[Pc, P]: 4 consecutive tokens per 32-bit word, the int8 MMA's B layout
+                v_tile = common.widen(v_codes_ref[pid, h, channels, pl.ds(code_row0, P)], dot_dtype)
+            else:
+                v_tile = common.widen(v_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
             if dedup:
                 tau = rows(per_token(v_scale_ref, pid, slot0, tok0, p))  # [R, P]
                 nu = rows(per_token(v_min_ref, pid, slot0, tok0, p))  # [R, P]
@@ -239,7 +242,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                 tau = v_scale_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
                 nu = v_min_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
                 omega = v_sums_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
-            pv, ws, wm = int_part(w * tau, v_tile, False)  # [R, Pc], [R], [R]
+            pv, ws, wm = int_part(w * tau, v_tile, v_token_major)  # [R, Pc], [R], [R]
             if fma_order:  # wnu + wm omega + ws pv: 2 FFMAs per element instead of FMUL + FFMA + FADD
                 out = (jnp.sum(w * nu, axis=1)[:, None] + wm[:, None] * omega) + (ws * plane_w)[:, None] * pv
             else:
@@ -364,6 +367,9 @@ class KernelConfig:
     # fma_order: the block output's correction sum written as running FMAs, (w.nu + m' omega) + s' pv:
     # one instruction less per element
     fma_order: bool = False
+    # v_token_major: v_codes given as u8[num_pages, num_kv_heads, head_dim, page_size // 4] (the cache's
+    # [.., page_size // 4, head_dim] transposed), so the PV dot's B operand needs no byte transpose
+    v_token_major: bool = False
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
@@ -462,7 +468,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, dedup=config.dedup,
         fast_quant=config.fast_quant, fast_div=config.fast_div, fast_exp=config.fast_exp,
         block_meta=config.block_meta, masked_planes=config.masked_planes,
-        fma_order=config.fma_order, interpret=interpret)
+        fma_order=config.fma_order, v_token_major=config.v_token_major, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
@@ -586,7 +592,10 @@ def hack_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=None, v_c
         raise ValueError(f"partition_size and num_sink_tokens are required, got {partition_size=}, "
                          f"{num_sink_tokens=}")
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
-    validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+    v_layout = v_codes  # v_token_major: checked as the cache layout it transposes
+    if config is not None and config.v_token_major and getattr(v_codes, "ndim", 0) == 4:
+        v_layout = jax.ShapeDtypeStruct(v_codes.shape[:2] + v_codes.shape[:1:-1], v_codes.dtype)
+    validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_layout, v_scale, v_min, v_sums, open_k, open_v,
                     sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
                     num_sink_tokens=num_sink_tokens)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size,

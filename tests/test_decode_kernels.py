@@ -470,6 +470,31 @@ def test_hack_kernel_diet_flags_other_shapes(case, mode):
     assert np.abs(out - ref).max() <= tol, (np.abs(out - ref).max(), tol)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case,warps", [(ODD_CASE, 4), (ODD_CASE, 8), (CASE["d64_P64_g3_page8P_bf16_s4"], 4)],
+                         ids=["llama_w4", "llama_w8", "g3_page8P_bf16_w4"])
+def test_hack_kernel_v_token_major(case, warps, mode):
+    """KernelConfig.v_token_major: the same V codes handed over transposed ([N, H, D, page_size // 4])
+    give the twin's result (Llama heads with the default flags at 4 and 8 warps; G 3, bf16 dots, pages
+    of 8P: the code rows of the second packing group of a page are the second quarter of the row)."""
+    case = dataclasses.replace(case, num_splits=3)
+    q, c = build(case, seed=0)
+    int8 = case.dot_dtype == "int8"
+    cfg = KernelConfig(num_splits=3, num_warps=warps, dot_dtype=case.dot_dtype, unpack_asm=int8, dedup=True,
+                       fast_quant=int8, fast_div=int8, fast_exp=int8, block_meta=int8, masked_planes=int8,
+                       fma_order=int8, v_token_major=True)
+    args = [jnp.asarray(np.swapaxes(c[f], 2, 3) if f == "v_codes" else c[f]) for f in FIELDS]
+    out = np.asarray(hack_decode_attention(jnp.asarray(q), *args, partition_size=case.P, num_sink_tokens=case.ns,
+                                           config=cfg, interpret=(mode == "interpret")))
+    ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
+    assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
+    tol = (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
+    assert np.abs(out - ref).max() <= tol, (np.abs(out - ref).max(), tol)
+    with pytest.raises(ValueError, match="v_codes"):  # the cache layout is not the token-major one
+        hack_decode_attention(jnp.asarray(q), *[jnp.asarray(c[f]) for f in FIELDS], partition_size=case.P,
+                              num_sink_tokens=case.ns, config=cfg, interpret=True)
+
+
 def test_hack_kernel_diet_flags_bad_combinations():
     case = ODD_CASE
     q, c = build(case, seed=0)
