@@ -394,9 +394,20 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
     targets = jnp.zeros((batch,), jnp.int32)
     sampling = mgen.Sampling()
     t0 = time.perf_counter()
-    step = mgen._decode_step.lower(state, tokens, active, table, cache, key, targets,
-                                   graphdef=graphdef, sampling=sampling).compile()
+    compiled = {}
+    # --seal host: as models.generate.Generator, the step without the sealing path wherever the host
+    # knows that no slot fills its open block (kv_cache.seals_block); else one mode for every step
+    modes = ["always", "never"] if args.seal == "host" and fmt == "hack" else [
+        "always" if args.seal == "host" else args.seal]
+    for mode in modes:
+        compiled[mode] = mgen._decode_step.lower(state, tokens, active, table, cache, key, targets,
+                                                 graphdef=graphdef, sampling=sampling, seal=mode).compile()
     compile_s = time.perf_counter() - t0
+
+    def step_for(lens):
+        if len(compiled) == 1:
+            return next(iter(compiled.values()))
+        return compiled["always" if kv_cache.seals_block(quant, lens, np.ones(batch, bool)) else "never"]
     print(f"    compiled decode in {compile_s:.1f} s (cache {cache_bytes / 2**30:.2f} GiB, "
           f"filled in {fill_s:.1f} s)", flush=True)
 
@@ -404,8 +415,9 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
         nonlocal cache, tokens
         cache = dataclasses.replace(cache, kv_lens=jnp.full((batch,), ctx, jnp.int32))
         jax.block_until_ready(cache.kv_lens)
+        steps = [step_for(np.full(batch, ctx + i)) for i in range(n)]  # host-side, before timing
         t = time.perf_counter()
-        for _ in range(n):
+        for step in steps:
             cache, tokens, _ = step(state, tokens, active, table, cache, key, targets)
         jax.block_until_ready((cache, tokens))
         return time.perf_counter() - t
@@ -414,7 +426,10 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
         row = dict(base, kind="decode", context=ctx, capacity=capacity, pages_per_seq=pps,
                    compile_s=round(compile_s, 3), fill_s=round(fill_s, 3),
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
-                   kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps)
+                   kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps,
+                   seal=args.seal if fmt == "hack" else None,
+                   seal_steps=sum(kv_cache.seals_block(quant, np.full(batch, ctx + i), np.ones(batch, bool))
+                                  for i in range(args.steps)) if fmt == "hack" else None)
         try:
             row["warmup_s"] = round(run(args.warmup, ctx), 4)  # first one: incl. any lazy kernel compile
             times = [run(args.steps, ctx) for _ in range(args.reps)]
@@ -430,7 +445,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
             row.update(error=f"{type(e).__name__}: {str(e)[:1500]}",
                        traceback=traceback.format_exc()[-2000:])
         emit(row)
-    del cache, step
+    del cache, compiled
 
 
 def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
@@ -708,6 +723,10 @@ def parse_args(argv):
                     help="random weights: Llama's initializer, or a cheap integer hash (CPU tests)")
     ap.add_argument("--quick", action="store_true", help="llama only, batches 1 and 8")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--seal", default="host", choices=("host", "always", "cond", "never"),
+                    help="hack decode steps: host = as the Generator (a step without the block-sealing "
+                         "path where no slot fills its open block, chosen on the host per step), or one "
+                         "kv_cache.append seal mode for every step (never: timing only, blocks not sealed)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing each decode context, trace this many more steps with jax.profiler "
                          "and add the GPU time per step by kernel name to the row (gpu_kernels)")

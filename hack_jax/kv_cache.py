@@ -617,7 +617,26 @@ def _prefill_hack(layer, k, v, lengths, page_indices, start, key):
 # ----------------------------------------------------------------------------- append
 
 
-def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None) -> LayerCache:
+SEAL_MODES = ("always", "cond", "never")
+
+
+def seals_block(config: QuantConfig, kv_lens, active) -> bool:
+    """Host-side: does an `append` at positions kv_lens (int[S], tokens held before the new one)
+    fill some active slot's open block, so that the block must be sealed this step? True iff
+    config.kv_format == "hack" and some active slot s has kv_lens[s] >= num_sink_tokens and
+    (kv_lens[s] - num_sink_tokens) % partition_size == partition_size - 1. A decode loop that
+    knows its lengths on the host (models.generate.Generator) passes seal="never" to `append` on
+    the other steps (P - 1 of every P tokens at batch 1). NumPy only (no device sync)."""
+    if config.kv_format != "hack":
+        return False
+    lens = np.asarray(kv_lens, np.int64)
+    on = np.asarray(active, bool) & (lens >= config.num_sink_tokens)
+    return bool(np.any(on & ((lens - config.num_sink_tokens) % config.partition_size
+                             == config.partition_size - 1)))
+
+
+def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
+           seal: str = "always") -> LayerCache:
     """Writes one token per active sequence: token number kv_lens[s] of slot s.
 
     Args:
@@ -627,17 +646,28 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None) 
       active: bool[S] which slots take a token this step.
       page_indices: i32[S, pages_per_seq]; the new token's page must be assigned.
       key: PRNG key for rounding="stochastic" (ValueError if None then); pass a fresh key per step.
+      seal: (hack only; ignored by the other formats) how the sealing of full open blocks is
+        compiled. "always" (default): every slot's sealed block is computed and the writes of the
+        slots that do not seal are dropped (one compiled append serves a whole decode loop; ~10
+        page-pool scatters per layer and step). "cond": the same under a `lax.cond` on "some slot
+        seals" (device-side predicate). "never": the caller promises that no active slot fills its
+        open block this step (`seals_block(config, kv_lens, active)` is False): the seal path is
+        left out. Concrete inputs: a broken promise raises ValueError; under jit it cannot be
+        checked, and a slot that fills its block anyway keeps it unsealed while kv_lens count it
+        as sealed (attention then reads a stale page slot), so pass "never" only from host-side
+        knowledge of the lengths, as models.generate.Generator does.
     Returns the new LayerCache. hack: the token goes into its sink or open-block row; a slot whose
     open block becomes full is sealed (quantized into its page slot with code sums: the block's
     packing-group plane is cleared, then OR-ed, since pages are reused) and its open block zeroed.
-    Every slot's sealed block is computed and the writes of the others dropped, so one compiled
-    append serves a whole decode loop. seed: K quantized per token at once into the page; only V
-    goes through the open block.
-    Raises ValueError on shape mismatch, or (concrete inputs only) a negative kv_len, bad page ids /
-    over capacity, NaN or inf in an active slot's k / v; TypeError for non-integer kv_lens /
-    page_indices. Under jit nothing can raise: a token at a negative position or beyond capacity,
-    or bound for the null page or an id outside [0, num_pages), is dropped (never written elsewhere).
+    seed: K quantized per token at once into the page; only V goes through the open block.
+    Raises ValueError on shape mismatch, an unknown `seal`, or (concrete inputs only) a negative
+    kv_len, bad page ids / over capacity, NaN or inf in an active slot's k / v, seal="never" with a
+    slot that seals; TypeError for non-integer kv_lens / page_indices. Under jit nothing can raise:
+    a token at a negative position or beyond capacity, or bound for the null page or an id outside
+    [0, num_pages), is dropped (never written elsewhere).
     """
+    if seal not in SEAL_MODES:
+        raise ValueError(f"append: seal must be one of {SEAL_MODES}, got {seal!r}")
     k, v = jnp.asarray(k), jnp.asarray(v)
     _check_kv(layer, k, v, 3, "append")
     paging.check_index_dtype("append", kv_lens=kv_lens, page_indices=page_indices)
@@ -654,6 +684,12 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None) 
         _maybe_validate(layer, page_indices, kv_lens + active.astype(jnp.int32))
     _check_finite(k[np.asarray(active)] if not isinstance(active, jax.core.Tracer) else k,
                   v[np.asarray(active)] if not isinstance(active, jax.core.Tracer) else v, "append")
+    if (seal == "never" and not isinstance(kv_lens, jax.core.Tracer) and not isinstance(active, jax.core.Tracer)
+            and seals_block(layer.config, kv_lens, active)):
+        lens = np.asarray(kv_lens)
+        raise ValueError(f"append: seal='never' but an active slot fills its open block at this step "
+                         f"(kv_lens={lens.tolist()}, partition_size={layer.config.partition_size}, "
+                         f"num_sink_tokens={layer.config.num_sink_tokens}); use seal='always'")
     active = active & (kv_lens >= 0)  # under jit: a negative position is dropped, never wrapped
     if isinstance(layer, (DensePages, Int8Pages)):
         ps = layer.config.page_size
@@ -666,10 +702,10 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None) 
             layer, k_codes=put(layer.k_codes, kc), k_scale=put(layer.k_scale, ks),
             k_min=put(layer.k_min, km), v_codes=put(layer.v_codes, vc),
             v_scale=put(layer.v_scale, vs), v_min=put(layer.v_min, vm))
-    return _append_hack(layer, k, v, kv_lens, active, page_indices, key)
+    return _append_hack(layer, k, v, kv_lens, active, page_indices, key, seal)
 
 
-def _append_hack(layer, k, v, kv_lens, active, page_indices, key):
+def _append_hack(layer, k, v, kv_lens, active, page_indices, key, seal_mode="always"):
     cfg = layer.config
     p, pc, np_, bpp = _groups(cfg, layer.head_dim)
     ps, ns, n = cfg.page_size, cfg.num_sink_tokens, layer.num_pages
@@ -704,41 +740,54 @@ def _append_hack(layer, k, v, kv_lens, active, page_indices, key):
         return _put(a, (seal_pages[:, None], _ALL, blk_rows), new_bytes)
 
     put_block = lambda a, x: _put(a, (seal_pages, _ALL, slot), x)  # x [S, H, X]
+    zero_sealed = lambda x: jnp.where(seal[:, None, None, None], 0, x).astype(x.dtype)  # open blocks
     put_block_tokens = lambda a, x: _put(a, (seal_pages[:, None], _ALL, tok_rows),
                                          jnp.swapaxes(x, 1, 2))  # x [S, H, P, X]
 
-    vblock = open_v.astype(jnp.float32)  # [S, H, P, D], the block as it is sealed
     if seed:
-        # K: quantized now, written into its row and plane of the page.
+        # K: quantized now, written into its row and plane of the page (every step).
         kc, ksc, kmn, ksum = _quant_tokens_over_channels(k.astype(jnp.float32), cfg, pc, key_k)
         tok_pages = _page_ids(page_indices, u // ps, in_pages, n)  # [S]
         prow = (slot // 4) * p + pos
         old = layer.k_codes[jnp.minimum(tok_pages, n - 1), :, prow]  # [S, H, D]
         kbytes = _set_plane(old, kc, (slot % 4)[:, None, None])
         put_tok = lambda a, x: _put(a, (tok_pages, _ALL, u % ps), x)
-        vc, vsc, vmn, vsum = _quant_blocks_over_tokens(vblock[:, :, None], cfg, key_v)
-        new.update(
-            k_codes=_put(layer.k_codes, (tok_pages, _ALL, prow), kbytes),
-            k_scale=put_tok(layer.k_scale, ksc), k_min=put_tok(layer.k_min, kmn),
-            k_sums=put_tok(layer.k_sums, ksum),
-            v_codes=put_block_codes(layer.v_codes, vc[:, :, 0]),
-            v_scale=put_block(layer.v_scale, vsc[:, :, 0]), v_min=put_block(layer.v_min, vmn[:, :, 0]),
-            v_sums=put_block(layer.v_sums, vsum[:, :, 0]))
+        new.update(k_codes=_put(layer.k_codes, (tok_pages, _ALL, prow), kbytes),
+                   k_scale=put_tok(layer.k_scale, ksc), k_min=put_tok(layer.k_min, kmn),
+                   k_sums=put_tok(layer.k_sums, ksum))
+        sealed = dict(v_codes=layer.v_codes, v_scale=layer.v_scale, v_min=layer.v_min, v_sums=layer.v_sums,
+                      open_v=open_v)
+
+        def seal_blocks(a):  # V: the open block quantized per channel over its tokens
+            vc, vsc, vmn, vsum = _quant_blocks_over_tokens(a["open_v"].astype(jnp.float32)[:, :, None], cfg, key_v)
+            return dict(v_codes=put_block_codes(a["v_codes"], vc[:, :, 0]),
+                        v_scale=put_block(a["v_scale"], vsc[:, :, 0]), v_min=put_block(a["v_min"], vmn[:, :, 0]),
+                        v_sums=put_block(a["v_sums"], vsum[:, :, 0]), open_v=zero_sealed(a["open_v"]))
     else:
         open_k = put_row(layer.open_k, k, in_pages, pos)
-        kc, ksc, kmn, _ = _quant_blocks_over_tokens(open_k.astype(jnp.float32)[:, :, None], cfg, key_k)
-        kc = kc[:, :, 0]  # [S, H, P, D]
-        ksum = kc.reshape(kc.shape[:-1] + (np_, pc)).astype(jnp.int32).sum(-1)  # [S, H, P, NP]
-        vc, vsc, vmn, _ = _quant_tokens_over_channels(vblock, cfg, pc, key_v)
-        new.update(
-            k_codes=put_block_codes(layer.k_codes, kc),
-            k_scale=put_block(layer.k_scale, ksc[:, :, 0]), k_min=put_block(layer.k_min, kmn[:, :, 0]),
-            k_sums=put_block_tokens(layer.k_sums, ksum),
-            v_codes=put_block_codes(layer.v_codes, vc),
-            v_scale=put_block_tokens(layer.v_scale, vsc), v_min=put_block_tokens(layer.v_min, vmn),
-            v_sums=put_block(layer.v_sums, vc.astype(jnp.int32).sum(2)),
-            open_k=jnp.where(seal[:, None, None, None], 0, open_k).astype(open_k.dtype))
-    new.update(open_v=jnp.where(seal[:, None, None, None], 0, open_v).astype(open_v.dtype))
+        sealed = dict(k_codes=layer.k_codes, k_scale=layer.k_scale, k_min=layer.k_min, k_sums=layer.k_sums,
+                      v_codes=layer.v_codes, v_scale=layer.v_scale, v_min=layer.v_min, v_sums=layer.v_sums,
+                      open_k=open_k, open_v=open_v)
+
+        def seal_blocks(a):  # K per channel over the block's tokens, V per token over channel groups
+            kc, ksc, kmn, _ = _quant_blocks_over_tokens(a["open_k"].astype(jnp.float32)[:, :, None], cfg, key_k)
+            kc = kc[:, :, 0]  # [S, H, P, D]
+            ksum = kc.reshape(kc.shape[:-1] + (np_, pc)).astype(jnp.int32).sum(-1)  # [S, H, P, NP]
+            vc, vsc, vmn, _ = _quant_tokens_over_channels(a["open_v"].astype(jnp.float32), cfg, pc, key_v)
+            return dict(
+                k_codes=put_block_codes(a["k_codes"], kc),
+                k_scale=put_block(a["k_scale"], ksc[:, :, 0]), k_min=put_block(a["k_min"], kmn[:, :, 0]),
+                k_sums=put_block_tokens(a["k_sums"], ksum),
+                v_codes=put_block_codes(a["v_codes"], vc),
+                v_scale=put_block_tokens(a["v_scale"], vsc), v_min=put_block_tokens(a["v_min"], vmn),
+                v_sums=put_block(a["v_sums"], vc.astype(jnp.int32).sum(2)),
+                open_k=zero_sealed(a["open_k"]), open_v=zero_sealed(a["open_v"]))
+
+    if seal_mode == "always":
+        sealed = seal_blocks(sealed)
+    elif seal_mode == "cond":
+        sealed = jax.lax.cond(jnp.any(seal), seal_blocks, lambda a: a, sealed)
+    new.update(sealed)  # "never": the open-block rows written above, nothing sealed
     return dataclasses.replace(layer, **new)
 
 

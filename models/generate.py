@@ -113,14 +113,16 @@ def _prefill_step(state, tokens, lengths, page_indices, cache, key, targets, *, 
   return cache, *_sample_and_score(model.logits(last), sample_key, sampling, targets)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
-def _decode_step(state, tokens, active, page_indices, cache, key, targets, *, graphdef, sampling):
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "seal"), donate_argnames=("cache",))
+def _decode_step(state, tokens, active, page_indices, cache, key, targets, *, graphdef, sampling,
+                 seal="always"):
   """tokens i32[S] (the token fed per slot), active bool[S], targets i32[S] -> (cache,
-  next sampled i32[S], log p(targets) f32[S])."""
+  next sampled i32[S], log p(targets) f32[S]). seal: kv_cache.append's (static: "never" compiles
+  a step without the block-sealing path, for the steps where no slot fills its open block)."""
   model = nnx.merge(graphdef, state)
   round_key, sample_key = jax.random.split(key)
   write = active.astype(jnp.int32)
-  step = CacheStep("decode", page_indices, write, cache.kv_lens + write, round_key)
+  step = CacheStep("decode", page_indices, write, cache.kv_lens + write, round_key, seal)
   cache, hidden = model.run(tokens[:, None], cache.kv_lens[:, None], cache, step)
   return cache, *_sample_and_score(model.logits(hidden[:, 0]), sample_key, sampling, targets)
 
@@ -330,9 +332,11 @@ class Generator:
         break
       for j in np.nonzero(active)[0]:
         alloc.reserve(int(j), int(kv_lens[j]) + 1)
+      # no slot fills its open block this step (known here): the step without the sealing path
+      seal = "always" if kv_cache.seals_block(self.quant, kv_lens, active) else "never"
       cache, nxt, logp = self._run(
           _decode_step, (self.state, feed, active.copy(), alloc.page_indices, cache, keys[i + 1],
-                         targets[:, i + 1]), stats, sampling=sampling)
+                         targets[:, i + 1]), stats, sampling=sampling, seal=seal)
       kv_lens += active
       stats["decode_tokens"] += int(active.sum())
       sampled = np.asarray(nxt)

@@ -49,12 +49,15 @@ class CacheStep:
     write_lens: i32[max_seqs] tokens each slot writes this step (0 = slot untouched / inactive).
     kv_lens: i32[max_seqs] tokens each slot holds after this step (includes the written ones).
     key: PRNG key for stochastic rounding (None with rounding="nearest").
+    seal: decode only, hack_jax.kv_cache.append's `seal` ("always" | "cond" | "never": "never" when
+      the host knows no slot fills its open block this step, kv_cache.seals_block).
   """
   mode: Literal["prefill", "decode"]
   page_indices: jax.Array
   write_lens: jax.Array
   kv_lens: jax.Array
   key: jax.Array | None = None
+  seal: str = "always"
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -139,7 +142,7 @@ class Attention(nnx.Module):
       else:
         cache = kv_cache.append(cache, k[:, 0], v[:, 0], kv_lens=step.kv_lens - step.write_lens,
                                 active=step.write_lens > 0, page_indices=step.page_indices,
-                                key=key)
+                                key=key, seal=step.seal)
         out = hack_attention.decode_attention(q[:, 0], cache, page_indices=step.page_indices,
                                               kv_lens=step.kv_lens, impl=c.impl,
                                               **dict(c.kernel_options))[:, None]

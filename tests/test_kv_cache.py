@@ -154,6 +154,69 @@ def test_prefill_and_appends_store_identical_bytes(fmt):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_seals_block_against_its_definition():
+    """seals_block: an active hack slot at or past the sinks whose new token is the last of its
+    block (kv_len - ns = P - 1 mod P); never for the baselines or inactive slots."""
+    kivi, seed, bf16 = FORMATS["kivi"], FORMATS["seed"], FORMATS["bf16"]  # ns 4 / 0, P 64
+    for n in range(0, 300):
+        want = n >= 4 and (n - 4) % 64 == 63
+        assert kv_cache.seals_block(kivi, [n], [True]) == want, n
+        assert not kv_cache.seals_block(kivi, [n], [False])
+        assert kv_cache.seals_block(seed, [n], [True]) == (n % 64 == 63)
+        assert not kv_cache.seals_block(bf16, [n], [True])
+    assert kv_cache.seals_block(kivi, [5, 67, 9], [True, True, False])
+    assert not kv_cache.seals_block(kivi, [5, 67, 131], [True, False, False])
+
+
+APPEND_BY_SEAL = {mode: jax.jit(functools.partial(kv_cache.append, seal=mode), donate_argnums=0)
+                  for mode in kv_cache.SEAL_MODES}
+
+
+@pytest.mark.parametrize("fmt", ["kivi", "seed"])
+def test_append_seal_modes_store_identical_bytes(fmt):
+    """A decode loop over block boundaries (lengths off and on block, ragged starts) written with
+    seal="never" on the steps where seals_block is False and "always" elsewhere (the Generator's
+    choice), or with seal="cond" on every step, stores every byte of the seal="always" loop."""
+    config = FORMATS[fmt]
+    lengths = np.array([70, 130, 200, 3, 66], np.int32)
+    start = np.array([60, 0, 120, 0, 65], np.int32)
+    table, num_pages = shuffled_table(config, lengths)
+    k, v = make_kv(seed=3, exact=True, num_seqs=len(lengths), t_len=256)
+    rows = np.arange(len(lengths))
+
+    def loop(choose):
+        layer = prefill_jit(empty_layer(config, num_pages, len(lengths)), k, v, lengths=start, page_indices=table)
+        cur = start.copy()
+        while (cur < lengths).any():
+            active = cur < lengths
+            layer = APPEND_BY_SEAL[choose(cur, active)](layer, k[rows, cur], v[rows, cur], kv_lens=cur, active=active, page_indices=table)
+            cur = cur + active
+        return layer
+
+    ref = loop(lambda cur, active: "always")
+    host = loop(lambda cur, active: "always" if kv_cache.seals_block(config, cur, active) else "never")
+    cond = loop(lambda cur, active: "cond")
+    for other in (host, cond):
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(other)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_contents(config, ref, k, v, lengths, table)
+
+
+def test_append_seal_never_refuses_a_sealing_step():
+    config = FORMATS["kivi"]
+    table, num_pages = shuffled_table(config, (80, 80))
+    layer = empty_layer(config, num_pages, 2)
+    x = jnp.ones((2, NUM_KV_HEADS, HEAD_DIM), jnp.float32)
+    with pytest.raises(ValueError, match="seal='never'"):  # slot 1's token 67 = ns + 63 fills its block
+        kv_cache.append(layer, x, x, kv_lens=np.array([10, 67], np.int32), active=np.array([True, True]),
+                        page_indices=table, seal="never")
+    kv_cache.append(layer, x, x, kv_lens=np.array([10, 67], np.int32), active=np.array([True, False]),
+                    page_indices=table, seal="never")  # the sealing slot is inactive: fine
+    with pytest.raises(ValueError, match="seal must be one of"):
+        kv_cache.append(layer, x, x, kv_lens=np.array([10, 11], np.int32), active=np.array([True, True]),
+                        page_indices=table, seal="sometimes")
+
+
 # Chunk boundaries per sequence of LENGTHS (a second chunk ends at SPLITS_2, a third at the length):
 # 0 (a chunked write into an empty slot), inside the sinks (2), at the sinks' end (4), right after
 # (5), at a block boundary (68 = 4 + 64), inside blocks of the first, second and third packing group,
