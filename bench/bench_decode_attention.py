@@ -198,8 +198,8 @@ def _cache_bytes(layer_shapes, shape, config, pps, skip_fields=()):
             total += open_rows * row * shape.num_kv_heads
         elif f.name.startswith("sink"):
             total += ns * row * shape.num_kv_heads
-        else:  # [num_pages, kv heads, rows proportional to tokens, ...]
-            per_token = s.shape[2] * row / config.page_size
+        else:  # [num_pages, kv heads, ...]: a page's bytes per kv head cover page_size tokens (any axis order)
+            per_token = math.prod(s.shape[2:]) * jnp.dtype(s.dtype).itemsize / config.page_size
             total += sealed * per_token * shape.num_kv_heads
     return int(total * shape.batch + shape.batch * pps * 4)
 

@@ -71,10 +71,10 @@ def variants(batch, kv_len, specs):
     b (block_meta: kappa/tau/nu as strided [4, P] tiles of a [N, H, bpp, P, NP] view; needs d),
     p (masked_planes: int8 planes 0-2 by one AND per 4 codes, plane 3 shift + AND, 4^-e on the dot),
     o (fma_order: correction sums as running FMAs),
-    t (v_token_major: the V codes transposed to [N, H, D, PAGE // 4], no byte transpose for the PV dot),
     e.g. v2=int8asm:v2:4:2, diet=int8asm:d:4:2:dqrbepo. SPLITS d also takes default_config's
     open_split. (The 1-warp and two-groups options and flag c, qmu_rowconst, of 2026-12-01 were
-    removed after the H200 runs: bench/NOTES_decode.md.)"""
+    removed after the H200 runs: bench/NOTES_decode.md; flag t, V codes token-major, became the cache
+    layout after session 3.)"""
     pps = kv_len // PAGE
     base = default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=pps, page_size=PAGE, partition_size=P)
     out = []
@@ -97,7 +97,7 @@ def variants(batch, kv_len, specs):
                                            fast_quant="q" in flags, open_split=open_split, fast_div="r" in flags,
                                            fast_exp="e" in flags,
                                            block_meta="b" in flags, masked_planes="p" in flags,
-                                           fma_order="o" in flags, v_token_major="t" in flags)))
+                                           fma_order="o" in flags)))
     return out
 
 
@@ -118,7 +118,7 @@ def make_inputs(batch, kv_len, n_copies, seed=0):
     f16 = lambda k, shape, lo, hi: jax.random.uniform(k, shape, jnp.float32, lo, hi).astype(jnp.float16)
     bf = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16)
     c = dict(
-        k_codes=u8(ks[0], (num_pages, HKV, PAGE // 4, D)), v_codes=u8(ks[1], (num_pages, HKV, PAGE // 4, D)),
+        k_codes=u8(ks[0], (num_pages, HKV, PAGE // 4, D)), v_codes=u8(ks[1], (num_pages, HKV, D, PAGE // 4)),
         k_scale=f16(ks[2], (num_pages, HKV, bpp, D), 0.01, 0.3), k_min=f16(ks[3], (num_pages, HKV, bpp, D), -1, 0),
         k_sums=u8(ks[4], (num_pages, HKV, PAGE, NP), 193),
         v_scale=f16(ks[5], (num_pages, HKV, PAGE, NP), 0.01, 0.3), v_min=f16(ks[6], (num_pages, HKV, PAGE, NP), -1, 0),
@@ -200,10 +200,7 @@ def bench(args, log):
                     del k, v
                     nbytes_row = nb
                 else:
-                    cv = c
-                    if getattr(config, "v_token_major", False):  # the same bytes, token-major
-                        cv = dict(c, v_codes=jnp.swapaxes(c["v_codes"], 2, 3))
-                    us, comp, n = time_variant(fn, config, cv, table, lens, ppc, n_copies, batch, args.reps,
+                    us, comp, n = time_variant(fn, config, c, table, lens, ppc, n_copies, batch, args.reps,
                                                args.target_ms, args.interpret, args.calls_per_iter)
                     nbytes_row = nbytes
                 row.update(us=round(us, 2), gbps=round(nbytes_row / us / 1e3, 1),
@@ -336,18 +333,15 @@ def sass(out_dir, log, specs):
     N, NP, bpp = batch * pps + 1, D // min(P, D), PAGE // P
     S = jax.ShapeDtypeStruct
     args = [S((batch, HQ, D), jnp.float32), S((N, HKV, PAGE // 4, D), jnp.uint8), S((N, HKV, bpp, D), jnp.float16),
-            S((N, HKV, bpp, D), jnp.float16), S((N, HKV, PAGE, NP), jnp.uint8), S((N, HKV, PAGE // 4, D), jnp.uint8),
+            S((N, HKV, bpp, D), jnp.float16), S((N, HKV, PAGE, NP), jnp.uint8), S((N, HKV, D, PAGE // 4), jnp.uint8),
             S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, bpp, D), jnp.uint8),
             S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, NS, D), jnp.bfloat16),
             S((batch, HKV, NS, D), jnp.bfloat16), S((batch, pps), jnp.int32), S((batch,), jnp.int32)]
     for name, fn, cfg in variants(batch, kv_len, specs):
         if fn == "bf16paged":
             continue
-        xs = list(args)
-        if getattr(cfg, "v_token_major", False):
-            xs[5] = S((N, HKV, D, PAGE // 4), jnp.uint8)
         ttir = triton_offline.lower_ttir(
-            lambda *xs: fn(*xs, partition_size=P, num_sink_tokens=NS, config=cfg), *xs)
+            lambda *xs: fn(*xs, partition_size=P, num_sink_tokens=NS, config=cfg), *args)
         c = triton_offline.compile_sm90(ttir, out_dir, name, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         loops = triton_offline.loops(c["sass"], innermost=False)  # the widest loop, as before
         lo, hi, _ = max(loops, key=lambda x: x[1] - x[0]) if loops else (0, -1, 0)

@@ -61,7 +61,8 @@ QUICK_SWEEP_SEQ = 16384
 HACK_SWEEP = [  # NOTES_prefill.md v2: the offline SASS ranking's candidates (the default is in the matrix)
     ("bf16", dict(block_q=32, num_warps=8)),  # 128 rows: 3539 vs 3461 loop instructions per 16 rows
     ("bf16", dict(q_reload=True)),  # q re-read per block: fewer spills (106 vs 123), 3607 instructions
-    ("int8", dict()),  # int8 dots with the same fast paths (IGMMA; V transposed through shared memory)
+    ("int8", dict()),  # int8 dots with the same fast paths (IGMMA; V codes token-major since v_codes went
+    #                    [N, H, D, page // 4]: offline 3379 loop instructions, 3504 with the V tile transposed)
     ("bf16", dict(fast_quant=False, unpack_asm=False, meta_tiles=False)),  # v1's kernel: v2's gain, same run
 ]
 BF16_SWEEP = [dict(block_q=16, block_k=64, num_warps=4), dict(block_q=32, block_k=128, num_warps=8),
@@ -470,7 +471,7 @@ def sass_report(args):
     u8, f16, bf = jnp.uint8, jnp.float16, jnp.bfloat16
     H, D, PG = num_kv_heads, head_dim, PAGE_SIZE
     xs = [S((B, seq, num_q_heads, D), bf), S((N, H, PG // 4, D), u8), S((N, H, bpp, D), f16), S((N, H, bpp, D), f16),
-          S((N, H, PG, NP), u8), S((N, H, PG // 4, D), u8), S((N, H, PG, NP), f16), S((N, H, PG, NP), f16),
+          S((N, H, PG, NP), u8), S((N, H, D, PG // 4), u8), S((N, H, PG, NP), f16), S((N, H, PG, NP), f16),
           S((N, H, bpp, D), u8), S((B, H, P, D), bf), S((B, H, P, D), bf), S((B, H, NS, D), bf), S((B, H, NS, D), bf),
           S((B, pps), jnp.int32), S((B,), jnp.int32), S((B,), jnp.int32)]
     configs = []

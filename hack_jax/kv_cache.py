@@ -13,7 +13,12 @@ Page layout (DESIGN.md "Paged cache layout"; axes [num_pages, num_kv_heads, ...]
   (one 64-token block of one head) and 1.3-1.75 TB/s for 8-64 KiB tiles, and several small loads
   did not behave like one large one. So page_size defaults to 256 = 4 * partition_size: one page is
   one packing group (4 blocks of P=64 tokens packed 4 codes per byte along tokens, DESIGN.md
-  "2-bit packing"), a kernel loads one [P, head_dim] uint8 tile and gets 4 full blocks.
+  "2-bit packing"), a kernel loads one [P, head_dim] uint8 tile of K codes (one [head_dim, P] tile
+  of V codes in the kivi layout) and gets 4 full blocks.
+- kivi V codes are stored token-major, [.., head_dim, page_size // 4]: the same bytes as the
+  channel-major [.., page_size // 4, head_dim] of K (and of the seed layout), transposed, so 4
+  consecutive tokens of a channel are one 32-bit word, the int8 MMA's B operand layout for the PV
+  dot (DESIGN.md "Paged cache layout").
 - Token t < num_sink_tokens is a sink (residual_dtype, per sequence). Token t >= num_sink_tokens has
   block position u = t - num_sink_tokens, lives in page column u // page_size, row u % page_size.
   The newest incomplete block (hack format) is the 16-bit open block; it is sealed (quantized into
@@ -91,7 +96,9 @@ class KiviPages(_Pages):
       k_codes  u8[num_pages, num_kv_heads, page_size // 4, head_dim]  packed per group of 4 blocks
       k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]      per (block, channel)
       k_sums   u8[num_pages, num_kv_heads, page_size, NP]              kappa, per (token, channel group)
-      v_codes  u8[num_pages, num_kv_heads, page_size // 4, head_dim]  packed per group along tokens
+      v_codes  u8[num_pages, num_kv_heads, head_dim, page_size // 4]  token-major: bits 2j..2j+1
+               of byte [page, h, c, g * P + r] hold the code of page row (4g + j) P + r (in-block
+               token r of block slot 4g + j: block j of packing group g), channel c, j = 0..3
       v_scale, v_min  f16[num_pages, num_kv_heads, page_size, NP]      per (token, channel group)
       v_sums   u8[num_pages, num_kv_heads, bpp, head_dim]              omega, per (block, channel)
       open_k, open_v  bf16[S, num_kv_heads, P, head_dim]               open block, per sequence
@@ -118,7 +125,8 @@ class SeedPages(_Pages):
     """kv_format="hack", layout="seed": K per (token, channel group), V per (block, channel).
 
     K is quantized as soon as a token arrives (written straight into its page row); only V goes
-    through the 16-bit open block (the "V tail", HACK.md §4). Names as in KiviPages:
+    through the 16-bit open block (the "V tail", HACK.md §4). Names as in KiviPages, but both code
+    arrays channel-major ([.., page_size // 4, head_dim], as KiviPages.k_codes):
       k_codes  u8[num_pages, num_kv_heads, page_size // 4, head_dim]
       k_scale, k_min  f16[num_pages, num_kv_heads, page_size, NP]
       k_sums   u8[num_pages, num_kv_heads, page_size, NP]
@@ -266,7 +274,8 @@ def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pag
     if d % pc:
         raise ValueError(f"head_dim must be a multiple of min(partition_size, head_dim)={pc}: {head_dim=}")
     res, ns = config.residual_dtype, config.num_sink_tokens
-    codes = lambda: z((n, h, ps // 4, d), jnp.uint8)
+    codes = lambda: z((n, h, ps // 4, d), jnp.uint8)  # channel-major
+    codes_token_major = lambda: z((n, h, d, ps // 4), jnp.uint8)  # kivi v_codes
     per_block = lambda dt: z((n, h, bpp, d), dt)
     per_token = lambda dt: z((n, h, ps, np_), dt)
     open_ = lambda: z((s, h, p, d), res)
@@ -275,7 +284,7 @@ def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pag
         return KiviPages(
             k_codes=codes(), k_scale=per_block(meta), k_min=per_block(meta),
             k_sums=per_token(_sums_dtype(pc)),
-            v_codes=codes(), v_scale=per_token(meta), v_min=per_token(meta),
+            v_codes=codes_token_major(), v_scale=per_token(meta), v_min=per_token(meta),
             v_sums=per_block(_sums_dtype(p)),
             open_k=open_(), open_v=open_(), sink_k=sinks(), sink_v=sinks(), config=config)
     return SeedPages(
@@ -323,6 +332,14 @@ _ALL = slice(None)
 def _put(a, index, x):
     """a.at[index].set(x), out-of-bounds entries dropped: how every write here is masked."""
     return a.at[index].set(x.astype(a.dtype), mode="drop")
+
+
+def _code_index(pages, rows, token_major):
+    """Index of packed code rows `rows` (int, broadcast with `pages`) of pages `pages` in a code array:
+    channel-major u8[N, H, page_size // 4, D] or token-major u8[N, H, D, page_size // 4] (kivi V).
+    Either way a[index] is [*broadcast(pages, rows).shape, H, D] (the advanced axes first) and
+    _put(a, index, x) takes x of that shape: one in-place scatter, no transpose of the pool."""
+    return (pages, _ALL, _ALL, rows) if token_major else (pages, _ALL, rows)
 
 
 def _set_plane(old, codes, plane):
@@ -536,10 +553,11 @@ def _prefill_hack(layer, k, v, lengths, page_indices, start, key):
     put_tokens = lambda a, x, ok: _put(a, (tok_pages(ok), _ALL, u % ps),
                                        jnp.swapaxes(x, 1, 2))  # x [S, H, NU, X]
 
-    def put_codes(a, codes, ok, u_keep):
+    def put_codes(a, codes, ok, u_keep, token_major=False):
         """Packs codes u8[S, H, NU, D] per group (zero where not ok) and writes every group
-        holding an ok token; planes of tokens u < u_keep (stored before) are kept (None: the
-        slot was empty, no old plane needs keeping)."""
+        holding an ok token into `a` (token_major: kivi v_codes, else channel-major); planes of
+        tokens u < u_keep (stored before) are kept (None: the slot was empty, no old plane needs
+        keeping)."""
         codes = jnp.where(ok[:, None, :, None], codes, 0).reshape(s, h, ng, 4 * p, d)
         packed = jnp.moveaxis(packing.pack_2bit(codes, axis=3), 1, 3)  # [S, NG, P, H, D]
         gg = (ustart // (4 * p))[:, None] + jnp.arange(ng)[None, :]  # [S, NG] group in the sequence
@@ -551,9 +569,9 @@ def _prefill_hack(layer, k, v, lengths, page_indices, start, key):
             uu = (gg * 4 * p)[:, :, None, None] + j * p + jnp.arange(p)  # [S, NG, 4, P]
             keep = uu < u_keep[:, None, None, None]
             mask = jnp.sum(jnp.where(keep, packing.plane_mask(j), 0), axis=2).astype(jnp.uint8)
-            old = a[jnp.minimum(pages, n - 1)[:, :, None], :, rows]  # [S, NG, P, H, D]
+            old = a[_code_index(jnp.minimum(pages, n - 1)[:, :, None], rows, token_major)]  # [S, NG, P, H, D]
             packed = (old & mask[..., None, None]) | packed
-        return _put(a, (pages[:, :, None], _ALL, rows), packed)
+        return _put(a, _code_index(pages[:, :, None], rows, token_major), packed)
 
     keep = lambda x: x if chunked else None
 
@@ -581,7 +599,7 @@ def _prefill_hack(layer, k, v, lengths, page_indices, start, key):
             k_scale=put_blocks(layer.k_scale, ksc, blk_sealed),
             k_min=put_blocks(layer.k_min, kmn, blk_sealed),
             k_sums=put_tokens(layer.k_sums, channel_sums(kc), tok_sealed),
-            v_codes=put_codes(layer.v_codes, vc, tok_sealed, keep(b0 * p)),
+            v_codes=put_codes(layer.v_codes, vc, tok_sealed, keep(b0 * p), token_major=True),
             v_scale=put_tokens(layer.v_scale, vsc, tok_sealed),
             v_min=put_tokens(layer.v_min, vmn, tok_sealed),
             v_sums=put_blocks(layer.v_sums, vc.reshape(s, h, nb, p, d).astype(jnp.int32).sum(3),
@@ -733,11 +751,12 @@ def _append_hack(layer, k, v, kv_lens, active, page_indices, key, seal_mode="alw
     blk_rows = (slot // 4)[:, None] * p + i[None, :]  # [S, P] packed rows of the block
     tok_rows = slot[:, None] * p + i[None, :]  # [S, P] token rows of the block
 
-    def put_block_codes(a, codes):
-        """Clears the block's plane in its packing group and ORs the new codes u8[S, H, P, D]."""
-        old = a[jnp.minimum(seal_pages, n - 1)[:, None], :, blk_rows]  # [S, P, H, D]
+    def put_block_codes(a, codes, token_major=False):
+        """Clears the block's plane in its packing group and ORs the new codes u8[S, H, P, D]
+        (token_major: kivi v_codes, else channel-major)."""
+        old = a[_code_index(jnp.minimum(seal_pages, n - 1)[:, None], blk_rows, token_major)]  # [S, P, H, D]
         new_bytes = _set_plane(old, jnp.swapaxes(codes, 1, 2), (slot % 4)[:, None, None, None])
-        return _put(a, (seal_pages[:, None], _ALL, blk_rows), new_bytes)
+        return _put(a, _code_index(seal_pages[:, None], blk_rows, token_major), new_bytes)
 
     put_block = lambda a, x: _put(a, (seal_pages, _ALL, slot), x)  # x [S, H, X]
     zero_sealed = lambda x: jnp.where(seal[:, None, None, None], 0, x).astype(x.dtype)  # open blocks
@@ -778,7 +797,7 @@ def _append_hack(layer, k, v, kv_lens, active, page_indices, key, seal_mode="alw
                 k_codes=put_block_codes(a["k_codes"], kc),
                 k_scale=put_block(a["k_scale"], ksc[:, :, 0]), k_min=put_block(a["k_min"], kmn[:, :, 0]),
                 k_sums=put_block_tokens(a["k_sums"], ksum),
-                v_codes=put_block_codes(a["v_codes"], vc),
+                v_codes=put_block_codes(a["v_codes"], vc, token_major=True),
                 v_scale=put_block_tokens(a["v_scale"], vsc), v_min=put_block_tokens(a["v_min"], vmn),
                 v_sums=put_block(a["v_sums"], vc.astype(jnp.int32).sum(2)),
                 open_k=zero_sealed(a["open_k"]), open_v=zero_sealed(a["open_v"]))
@@ -840,8 +859,10 @@ def read_blocks(layer: KiviPages | SeedPages, page_indices, kv_lens) -> HackBloc
     blk_ok = jnp.arange(nb)[None, :] < num_sealed[:, None]  # [S, NB]
     tok_ok = (jnp.arange(nb * p) < n_u[:, None]).reshape(s, nb, p)  # [S, NB, P]
 
-    def codes(a):  # u8[N, H, ps//4, D] -> u8[S, NB, H, P, D]
-        g = a[ids]  # [S, pps, H, ps//4, D]
+    def codes(a, token_major=False):  # u8[N, H, ps//4, D] (token_major [N, H, D, ps//4]) -> u8[S, NB, H, P, D]
+        g = a[ids]  # [S, pps, H, ps//4, D] (token_major: [S, pps, H, D, ps//4])
+        if token_major:
+            g = jnp.swapaxes(g, 3, 4)  # the gathered pages only, never the pool
         g = g.reshape(s, pps, g.shape[2], bpp // 4, p, g.shape[-1])
         g = packing.unpack_2bit(g, axis=4).reshape(s, pps, g.shape[2], bpp // 4, 4, p, g.shape[-1])
         return jnp.moveaxis(g, 2, 4).reshape(s, nb, g.shape[2], p, g.shape[-1])
@@ -865,7 +886,7 @@ def read_blocks(layer: KiviPages | SeedPages, page_indices, kv_lens) -> HackBloc
     else:
         k_parts = (blk_mask(codes(layer.k_codes)), blk_mask(per_block(layer.k_scale)),
                    blk_mask(per_block(layer.k_min)), i32(blk_mask(per_token(layer.k_sums))))
-        v_parts = (blk_mask(codes(layer.v_codes)), blk_mask(per_token(layer.v_scale)),
+        v_parts = (blk_mask(codes(layer.v_codes, token_major=True)), blk_mask(per_token(layer.v_scale)),
                    blk_mask(per_token(layer.v_min)), i32(blk_mask(per_block(layer.v_sums))))
     return HackBlocks(*k_parts, *v_parts, num_sealed=num_sealed, num_open=num_open,
                       num_sinks=jnp.minimum(kv_lens, ns))

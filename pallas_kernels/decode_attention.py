@@ -13,19 +13,19 @@ NP = head_dim // Pc, bpp = page_size // P, S = max_seqs = batch, ns = num_sink_t
   k_codes    u8[num_pages, num_kv_heads, page_size // 4, head_dim]   (planar per group of 4 blocks)
   k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]
   k_sums     u8|u16[num_pages, num_kv_heads, page_size, NP]
-  v_codes    u8[num_pages, num_kv_heads, page_size // 4, head_dim]
+  v_codes    u8[num_pages, num_kv_heads, head_dim, page_size // 4]   (token-major: k_codes' bytes transposed)
   v_scale, v_min  f16[num_pages, num_kv_heads, page_size, NP]
   v_sums     u8|u16[num_pages, num_kv_heads, bpp, head_dim]
   open_k, open_v  bf16[S, num_kv_heads, P, head_dim];  sink_k, sink_v  bf16[S, num_kv_heads, ns, head_dim]
   page_indices i32[S, pages_per_seq];  kv_lens i32[S] (sinks + sealed + open tokens)
 
 Kernel structure. Grid (batch, num_kv_heads, num_splits): one program serves all G query heads of a
-kv head over a contiguous range of packing groups (4 blocks = one [P, head_dim] u8 tile of K and of
-V codes; `split_range`: the sequence's groups balanced over the splits to within one, split 0 the
-smallest). Its R = 4 * G_pad rows are (plane j, head g), G_pad = max(4, next_pow2(G)): row (j, g)
-handles block j of every packing group, so the 4 blocks of a tile are processed in one [R, ...]
-pass with every row doing useful work when G = 4 (Llama-3 8B), and R >= 16 satisfies the dot's M.
-Row (j, g) carries its own online softmax (stream j); the 4 streams are merged at the end of the
+kv head over a contiguous range of packing groups (4 blocks = one [P, head_dim] u8 tile of K codes and
+one [head_dim, P] u8 tile of V codes; `split_range`: the sequence's groups balanced over the splits to
+within one, split 0 the smallest). Its R = 4 * G_pad rows are (plane j, head g), G_pad = max(4,
+next_pow2(G)): row (j, g) handles block j of every packing group, so the 4 blocks of a tile are processed
+in one [R, ...] pass with every row doing useful work when G = 4 (Llama-3 8B), and R >= 16 satisfies the
+dot's M. Row (j, g) carries its own online softmax (stream j); the 4 streams are merged at the end of the
 program, the splits by log-sum-exp outside the kernel. Per packing group and channel group p, 4 dots
 (one per plane; each row keeps its own plane's result, selected in int32) give the QK^T and PV integer
 parts. The block metadata (sigma, mu, omega: one [4, Pc] tile; kappa, tau, nu: one strided [4P]
@@ -44,10 +44,14 @@ another 1.33x, and the INT8 rounding of the transients by one PTX cvt (KernelCon
 1.05x; the default is "int8" + unpack_asm + dedup + fast_quant, one wave of programs
 (bench/NOTES_decode.md v3). H200, Llama-3.1-8B heads (bench/results/decode_attention.md, 2026-12-01,
 default config with the decode-diet flags below): 146 us at batch 8 / 32K (1.2 TB/s on the 170 MiB read;
-our bf16 paged kernel: 266 us), 30.5 us at batch 1 / 32K, 82 us at batch 1 / 128K, 10.5 us at batch 1 /
-1K (bf16: 13.6 us). What limits it: ~1.55k SASS instructions, 54 CTA barriers and ~160 shared-memory
-instructions per warp and packing group (Triton's layout conversions and cross-warp row reductions of
-[16, 64] tiles), not HBM, not the MMAs; and not issue alone: 15% fewer instructions gave 5% less time.
+our bf16 paged kernel: 266 us), 30.5 us at batch 1 / 32K, 82 us at batch 1 / 128K, 10.5 us at batch 1 / 1K
+(bf16: 13.6 us), with V codes channel-major; reading them token-major (the cache's layout since, DESIGN.md
+"2-bit packing") was 3-6% faster at >= 8K tokens in one later run (2026-12-01, session 3: b8/32K 149.5 ->
+140.9 us, b1/128K 81.6 -> 78.2 us). What limits it: ~1.42k SASS instructions (1.54k with channel-major V),
+54 CTA barriers and ~110 shared-memory instructions (~170) per warp and packing group (offline SASS of the
+default config, bench_hack_decode.py --stages sass; Triton's layout conversions and cross-warp row
+reductions of [16, 64] tiles), not HBM, not the MMAs; and not issue alone: 15% fewer instructions gave 5%
+less time.
 
 Tried and removed (bench/NOTES_decode.md 2026-12-01, code in commits 1a904a9 / 7f20914): 1-warp programs
 with the accumulators in global memory and two packing groups per loop trip (fewer barriers, fewer
@@ -106,14 +110,14 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
                         unpack_asm, dedup, fast_quant, fast_div=False,
                         fast_exp=False, block_meta=False, masked_planes=False,
-                        fma_order=False, v_token_major=False, interpret):
+                        fma_order=False, interpret):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[S, Hq, D]
     # k_codes_ref       u8[N, H, page_size // 4, D]
     # k_scale_ref, k_min_ref  f16[N, H, bpp, D]
     # k_sums_ref        u8|u16[N, H, page_size, NP]
-    # v_codes_ref       u8[N, H, page_size // 4, D]
+    # v_codes_ref       u8[N, H, D, page_size // 4]   (token-major)
     # v_scale_ref, v_min_ref  f16[N, H, page_size, NP]
     # v_sums_ref        u8|u16[N, H, bpp, D]
     # open_k_ref, open_v_ref  bf16[S, H, P, D]
@@ -154,18 +158,19 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     else:
         plane = common.plane
 
-    def int_part(x, tile, trans_b):
+    def int_part(x, tile):
         """x f32[R, n] quantized INT8 per row -> (per-row-plane dot of the codes with the row's
-        plane of tile, f32[R, m]; scale [R]; minimum [R]). int8: the 4 plane dots are selected
-        per row in int32 and converted once."""
+        plane of tile [m, n] (K codes [P, Pc], token-major V codes [Pc, P]: the inner dim n is the
+        tile's contiguous axis either way), f32[R, m]; scale [R]; minimum [R]). int8: the 4 plane dots
+        are selected per row in int32 and converted once."""
         if int8:
             xc, xs, xm = common.quantize_rows_int8_codes(x, interpret=interpret, fast=fast_quant,
                                                          fast_div=fast_div)
-            dots = [jnp.dot(xc, plane(tile, j, dot_dtype).T if trans_b else plane(tile, j, dot_dtype),
-                            preferred_element_type=jnp.int32) for j in range(NUM_PLANES)]
+            dots = [jnp.dot(xc, plane(tile, j, dot_dtype).T, preferred_element_type=jnp.int32)
+                    for j in range(NUM_PLANES)]
             return common.select_rows(row_plane, dots).astype(jnp.float32), xs, xm
         xc, xs, xm = common.quantize_rows_int8(x, interpret=interpret)  # (bf16 / f16 operands: float codes)
-        dots = [common.int_dot(xc.astype(op_dtype), plane(tile, j, dot_dtype), dot_dtype, trans_b=trans_b)
+        dots = [common.int_dot(xc.astype(op_dtype), plane(tile, j, dot_dtype), dot_dtype, trans_b=True)
                 for j in range(NUM_PLANES)]
         return common.unbias(common.select_rows(row_plane, dots), xc, dot_dtype), xs, xm
 
@@ -215,7 +220,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                 sigma = k_scale_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
                 mu = k_min_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
                 kappa = k_sums_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
-            dot, qs, qm = int_part(q[p] * sigma, k_tile, True)  # [R, P], [R], [R]
+            dot, qs, qm = int_part(q[p] * sigma, k_tile)  # [R, P], [R], [R]
             logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
                        + jnp.sum(q[p] * mu, axis=1)[:, None])
 
@@ -230,10 +235,9 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
         new_accs = []
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
-            if v_token_major:  # u8[Pc, P]: 4 consecutive tokens per 32-bit word, the int8 MMA's B layout
-                v_tile = common.widen(v_codes_ref[pid, h, channels, pl.ds(code_row0, P)], dot_dtype)
-            else:
-                v_tile = common.widen(v_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
+            # u8[Pc, P], token-major: 4 consecutive tokens per 32-bit word, the int8 MMA's B layout (a
+            # channel-major [P, Pc] tile was transposed byte by byte through shared memory)
+            v_tile = common.widen(v_codes_ref[pid, h, channels, pl.ds(code_row0, P)], dot_dtype)
             if dedup:
                 tau = rows(per_token(v_scale_ref, pid, slot0, tok0, p))  # [R, P]
                 nu = rows(per_token(v_min_ref, pid, slot0, tok0, p))  # [R, P]
@@ -242,7 +246,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                 tau = v_scale_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
                 nu = v_min_ref[pid, h, tok, p].astype(jnp.float32)  # [R, P]
                 omega = v_sums_ref[pid, h, slot, channels].astype(jnp.float32)  # [R, Pc]
-            pv, ws, wm = int_part(w * tau, v_tile, v_token_major)  # [R, Pc], [R], [R]
+            pv, ws, wm = int_part(w * tau, v_tile)  # [R, Pc], [R], [R]
             if fma_order:  # wnu + wm omega + ws pv: 2 FFMAs per element instead of FMUL + FFMA + FADD
                 out = (jnp.sum(w * nu, axis=1)[:, None] + wm[:, None] * omega) + (ws * plane_w)[:, None] * pv
             else:
@@ -367,9 +371,6 @@ class KernelConfig:
     # fma_order: the block output's correction sum written as running FMAs, (w.nu + m' omega) + s' pv:
     # one instruction less per element
     fma_order: bool = False
-    # v_token_major: v_codes given as u8[num_pages, num_kv_heads, head_dim, page_size // 4] (the cache's
-    # [.., page_size // 4, head_dim] transposed), so the PV dot's B operand needs no byte transpose
-    v_token_major: bool = False
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
@@ -468,7 +469,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         dot_dtype=config.dot_dtype, unpack_asm=config.unpack_asm, dedup=config.dedup,
         fast_quant=config.fast_quant, fast_div=config.fast_div, fast_exp=config.fast_exp,
         block_meta=config.block_meta, masked_planes=config.masked_planes,
-        fma_order=config.fma_order, v_token_major=config.v_token_major, interpret=interpret)
+        fma_order=config.fma_order, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
@@ -508,7 +509,7 @@ def validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min,
     NP = head_dim // Pc
     expect = {
         "k_codes": ((num_pages, num_kv_heads, page_size // 4, head_dim), (jnp.uint8,)),
-        "v_codes": ((num_pages, num_kv_heads, page_size // 4, head_dim), (jnp.uint8,)),
+        "v_codes": ((num_pages, num_kv_heads, head_dim, page_size // 4), (jnp.uint8,)),  # token-major
         "k_scale": ((num_pages, num_kv_heads, bpp, head_dim), None),
         "k_min": ((num_pages, num_kv_heads, bpp, head_dim), None),
         "k_sums": ((num_pages, num_kv_heads, page_size, NP), (jnp.uint8, jnp.uint16)),
@@ -592,10 +593,7 @@ def hack_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=None, v_c
         raise ValueError(f"partition_size and num_sink_tokens are required, got {partition_size=}, "
                          f"{num_sink_tokens=}")
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
-    v_layout = v_codes  # v_token_major: checked as the cache layout it transposes
-    if config is not None and config.v_token_major and getattr(v_codes, "ndim", 0) == 4:
-        v_layout = jax.ShapeDtypeStruct(v_codes.shape[:2] + v_codes.shape[:1:-1], v_codes.dtype)
-    validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_layout, v_scale, v_min, v_sums, open_k, open_v,
+    validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                     sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
                     num_sink_tokens=num_sink_tokens)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size,

@@ -13,7 +13,8 @@ Shapes (DESIGN.md "Paged cache layout"; P = partition_size, Pc = min(P, head_dim
 NP = head_dim // Pc, bpp = page_size // P, S = max_seqs, ns = num_sink_tokens, G = num_q_heads //
 num_kv_heads):
   q          float[S, T, num_q_heads, head_dim]     -> out f32[S, T, num_q_heads, head_dim]
-  layer      hack_jax.kv_cache.KiviPages: k_codes/v_codes u8[num_pages, H, page_size // 4, D],
+  layer      hack_jax.kv_cache.KiviPages: k_codes u8[num_pages, H, page_size // 4, D], v_codes
+             u8[num_pages, H, D, page_size // 4] (token-major: the same packing, transposed),
              k_scale/k_min f16[num_pages, H, bpp, D], k_sums u8|u16[num_pages, H, page_size, NP],
              v_scale/v_min f16[num_pages, H, page_size, NP], v_sums u8|u16[num_pages, H, bpp, D],
              open_k/open_v bf16[S, H, P, D], sink_k/sink_v bf16[S, H, ns, D]
@@ -27,10 +28,11 @@ holds block_q query positions of all G query heads of one kv head: R = block_q *
 once per G heads), q * (1 / sqrt(head_dim)) kept in registers as NP [R, Pc] float32 tiles. It
 walks the sealed blocks the tile can see: the ones every row sees whole without a mask, then the
 diagonal ones with the causal mask. Per block and channel group: the block's plane of the packed
-[P, Pc] code tile (plane = block % 4 of its packing group, a dynamic shift), its metadata rows,
-two integer dots ([R, Pc] x [Pc, P] and [R, P] x [P, Pc]), the INT8 quantizations and the
-corrections, one online-softmax merge per block. Sinks (per token, elementwise) before, the open
-block (float32 through `common.f32_bf16_dot`, 3 bf16 MMAs) after, as the reference orders them.
+[P, Pc] K code tile and [Pc, P] V code tile (plane = block % 4 of its packing group, a dynamic
+shift), its metadata rows, two integer dots ([R, Pc] x [P, Pc]^T and [R, P] x [Pc, P]^T), the INT8
+quantizations and the corrections, one online-softmax merge per block. Sinks (per token, elementwise)
+before, the open block (float32 through `common.f32_bf16_dot`, 3 bf16 MMAs) after, as the reference
+orders them.
 
 Dot variants (KernelConfig.dot_dtype): "bf16" (bf16 operands holding the integer codes, float32
 accumulation: exact, products <= 128 * 3, sums < 2**24) and "int8" (int8 x int8 -> int32, the
@@ -94,7 +96,7 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
     # k_codes_ref       u8[N, H, page_size // 4, D]
     # k_scale_ref, k_min_ref  f16[N, H, bpp, D]
     # k_sums_ref        u8|u16[N, H, page_size, NP]
-    # v_codes_ref       u8[N, H, page_size // 4, D]
+    # v_codes_ref       u8[N, H, D, page_size // 4]   (token-major)
     # v_scale_ref, v_min_ref  f16[N, H, page_size, NP]
     # v_sums_ref        u8|u16[N, H, bpp, D]
     # open_k_ref, open_v_ref  bf16[S, H, P, D]
@@ -135,7 +137,7 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
         codes, s, mf = common.quantize_rows_int8(x, interpret=interpret)
         return codes.astype(op_dtype), s, mf
 
-    def plane(tile_u8, shift):  # u8[P, Pc] packed -> this block's codes [P, Pc] as dot operands
+    def plane(tile_u8, shift):  # packed u8 tile -> this block's codes as dot operands, same shape
         if unpack_asm and not interpret:
             return plane_asm(tile_u8, shift, op_dtype)
         return ((tile_u8 >> shift.astype(jnp.uint8)) & jnp.uint8(3)).astype(op_dtype)
@@ -146,7 +148,7 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
         pid = page_indices_ref[b, _div(k, bpp)]
         pid = jnp.where((pid >= 0) & (pid < num_pages), pid, 0)
         slot = _mod(k, bpp)
-        code_rows = pl.ds(_div(slot, NUM_PLANES) * P, P)  # the packed rows of the block's group
+        code_rows = pl.ds(_div(slot, NUM_PLANES) * P, P)  # the block group's packed K rows / V columns
         shift = 2 * _mod(slot, NUM_PLANES)  # i32
         tokens = pl.ds(slot * P, P)
         if q_reload:  # q re-read per block (an opaque zero offset keeps the load in the loop)
@@ -195,7 +197,7 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
         outs = []
         for p in range(NP):
             ch = pl.ds(p * Pc, Pc)
-            vc = plane(v_codes_ref[pid, h, code_rows, ch], shift)  # [P, Pc]
+            vc = plane(v_codes_ref[pid, h, ch, code_rows], shift)  # [Pc, P] (token-major)
             if meta_tiles:
                 tau, nu = taus[p], nus[p]
             else:
@@ -203,7 +205,7 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
                 nu = v_min_ref[pid, h, tokens, p].astype(jnp.float32)  # [P]
             omega = _u_to_f32(v_sums_ref[pid, h, slot, ch])  # [Pc]
             wc, ws, wm = quantize(w * tau[None, :])  # [R, P], [R], [R]
-            pv = common.int_dot(wc, vc, dot_dtype)  # [R, Pc]
+            pv = common.int_dot(wc, vc, dot_dtype, trans_b=True)  # [R, Pc]
             o_p = ws[:, None] * pv + wm[:, None] * omega[None, :] + jnp.sum(w * nu[None, :], axis=1)[:, None]
             outs.append(common.merge_acc(accs[p], o_p, alpha, beta, valid))
         return m_new, l_new, tuple(outs)
@@ -478,7 +480,7 @@ def validate_inputs(q, layer, page_indices, kv_lens, q_start, config):
     NP, bpp = head_dim // Pc, page_size // P
     expect = {
         "k_codes": (num_pages, num_kv_heads, page_size // 4, head_dim),
-        "v_codes": (num_pages, num_kv_heads, page_size // 4, head_dim),
+        "v_codes": (num_pages, num_kv_heads, head_dim, page_size // 4),  # token-major
         "k_scale": (num_pages, num_kv_heads, bpp, head_dim), "k_min": (num_pages, num_kv_heads, bpp, head_dim),
         "k_sums": (num_pages, num_kv_heads, page_size, NP),
         "v_scale": (num_pages, num_kv_heads, page_size, NP), "v_min": (num_pages, num_kv_heads, page_size, NP),

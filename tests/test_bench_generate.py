@@ -34,7 +34,7 @@ def bytes_per_token_oracle(kv_format, *, num_layers, num_kv_heads, head_dim, par
         page = ((ps / 4) * d                                   # k_codes u8[ps/4, D]
                 + 2 * (ps / p) * d * 2                         # k_scale, k_min f16[ps/P, D]
                 + ps * n_groups * k_sum_bytes                  # k_sums [ps, NP]
-                + (ps / 4) * d                                 # v_codes u8[ps/4, D]
+                + (ps / 4) * d                                 # v_codes u8[D, ps/4] (token-major)
                 + 2 * ps * n_groups * 2                        # v_scale, v_min f16[ps, NP]
                 + (ps / p) * d * v_sum_bytes)                  # v_sums [ps/P, D]
         per_head = page / ps

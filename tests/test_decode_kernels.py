@@ -2,10 +2,11 @@
 codes) and pallas_kernels.dequant_decode_attention (fused-dequant baseline).
 
 Each kernel runs on a synthetic paged kivi cache built here in the DESIGN.md layout (independently
-of hack_jax: own packing, shuffled page ids, garbage ids in unused page-table entries, NaN in the
-metadata of every unsealed block slot and in the unused open-block / sink rows) and is compared with
-an independent NumPy twin of DESIGN.md's semantics over the same codes (`numpy_kivi_decode`,
-`numpy_dequant_decode`), plus once against hack_jax's paged reference through the dispatch.
+of hack_jax: own packing, K codes channel-major and V codes token-major, shuffled page ids, garbage
+ids in unused page-table entries, NaN in the metadata of every unsealed block slot and in the unused
+open-block / sink rows) and is compared with an independent NumPy twin of DESIGN.md's semantics over
+the same codes (`numpy_kivi_decode`, `numpy_dequant_decode`), plus once against hack_jax's paged
+reference through the dispatch.
 
 Modes: "interpret" (Pallas interpret mode on the CPU, CI) and "gpu" (compiled, `gpu` marker,
 auto-skipped without a GPU). Interpret mode recompiles per shape and config (~5-10 s each), so the
@@ -73,8 +74,19 @@ def pack_group(codes):
     return out
 
 
+def pack_group_token_major(codes):
+    """u8[4P, d] codes of one packing group -> u8[d, P]: byte (c, r) holds the codes of tokens
+    jP + r (block j, in-block token r) at channel c in bits 2j..2j+1, j = 0..3 (kivi v_codes)."""
+    P = codes.shape[0] // 4
+    out = np.zeros((codes.shape[1], P), np.uint8)
+    for j in range(4):
+        out |= (codes[j * P:(j + 1) * P].T << (2 * j)).astype(np.uint8)
+    return out
+
+
 def make_cache(rng, *, batch, num_kv_heads, head_dim, P, page_size, pages_per_seq, ns, kv_lens):
-    """Random codes and metadata in the kivi page layout; code sums are the true sums of the codes.
+    """Random codes and metadata in the kivi page layout (k_codes u8[N, H, page_size // 4, d],
+    v_codes u8[N, H, d, page_size // 4]); code sums are the true sums of the codes.
 
     Every block slot not sealed by some sequence has NaN metadata; open-block and sink rows beyond a
     sequence's length are NaN; page-table entries beyond a sequence's pages hold garbage ids, some
@@ -121,9 +133,12 @@ def make_cache(rng, *, batch, num_kv_heads, head_dim, P, page_size, pages_per_se
         for name in ("sink_k", "sink_v"):
             c[name][b, :, min(L, ns):] = np.nan
     groups = page_size // (4 * P)
-    for name, codes in (("k_codes", kc), ("v_codes", vc)):
-        c[name] = np.stack([np.concatenate([pack_group(codes[n, h, g * 4 * P:(g + 1) * 4 * P]) for g in range(groups)])
-                            for n in range(num_pages) for h in range(H)]).reshape(num_pages, H, page_size // 4, d)
+    tokens = lambda g: slice(g * 4 * P, (g + 1) * 4 * P)  # noqa: E731
+    c["k_codes"] = np.stack([np.concatenate([pack_group(kc[n, h, tokens(g)]) for g in range(groups)])
+                             for n in range(num_pages) for h in range(H)]).reshape(num_pages, H, page_size // 4, d)
+    c["v_codes"] = np.stack([np.concatenate([pack_group_token_major(vc[n, h, tokens(g)]) for g in range(groups)],
+                                            axis=1)
+                             for n in range(num_pages) for h in range(H)]).reshape(num_pages, H, d, page_size // 4)
     return c
 
 
@@ -146,7 +161,7 @@ def _sealed_blocks(c, b, h, P, ns):
         page, slot = int(c["page_indices"][b, k // bpp]), k % bpp
         gi, j = divmod(slot, 4)
         rows, toks = slice(gi * P, (gi + 1) * P), slice(slot * P, (slot + 1) * P)
-        yield ((c["k_codes"][page, h, rows] >> (2 * j)) & 3, (c["v_codes"][page, h, rows] >> (2 * j)) & 3,
+        yield ((c["k_codes"][page, h, rows] >> (2 * j)) & 3, ((c["v_codes"][page, h, :, rows] >> (2 * j)) & 3).T,
                c["k_scale"][page, h, slot], c["k_min"][page, h, slot], c["k_sums"][page, h, toks],
                c["v_scale"][page, h, toks], c["v_min"][page, h, toks], c["v_sums"][page, h, slot])
 
@@ -470,29 +485,35 @@ def test_hack_kernel_diet_flags_other_shapes(case, mode):
     assert np.abs(out - ref).max() <= tol, (np.abs(out - ref).max(), tol)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.gpu
 @pytest.mark.parametrize("case,warps", [(ODD_CASE, 4), (ODD_CASE, 8), (CASE["d64_P64_g3_page8P_bf16_s4"], 4)],
                          ids=["llama_w4", "llama_w8", "g3_page8P_bf16_w4"])
-def test_hack_kernel_v_token_major(case, warps, mode):
-    """KernelConfig.v_token_major: the same V codes handed over transposed ([N, H, D, page_size // 4])
-    give the twin's result (Llama heads with the default flags at 4 and 8 warps; G 3, bf16 dots, pages
-    of 8P: the code rows of the second packing group of a page are the second quarter of the row)."""
+def test_hack_kernel_token_major_v_warps_gpu(case, warps):
+    """The token-major V tile ([Pc, P], the PV dot's B operand transposed) compiled at 4 and 8 warps
+    (Triton picks other register layouts for it) with the default flags vs the twin: Llama heads, and
+    G 3 with bf16 dots and pages of 8P (the second packing group of a page is the second quarter of
+    each channel's byte row)."""
     case = dataclasses.replace(case, num_splits=3)
     q, c = build(case, seed=0)
     int8 = case.dot_dtype == "int8"
     cfg = KernelConfig(num_splits=3, num_warps=warps, dot_dtype=case.dot_dtype, unpack_asm=int8, dedup=True,
                        fast_quant=int8, fast_div=int8, fast_exp=int8, block_meta=int8, masked_planes=int8,
-                       fma_order=int8, v_token_major=True)
-    args = [jnp.asarray(np.swapaxes(c[f], 2, 3) if f == "v_codes" else c[f]) for f in FIELDS]
-    out = np.asarray(hack_decode_attention(jnp.asarray(q), *args, partition_size=case.P, num_sink_tokens=case.ns,
-                                           config=cfg, interpret=(mode == "interpret")))
+                       fma_order=int8)
+    out = run_config(q, c, case, cfg, "gpu")
     ref = numpy_kivi_decode(q, c, P=case.P, ns=case.ns)
     assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
-    tol = (TIGHT if mode == "interpret" else FLIP_BOUND) * v_scale_of(c)
-    assert np.abs(out - ref).max() <= tol, (np.abs(out - ref).max(), tol)
-    with pytest.raises(ValueError, match="v_codes"):  # the cache layout is not the token-major one
-        hack_decode_attention(jnp.asarray(q), *[jnp.asarray(c[f]) for f in FIELDS], partition_size=case.P,
-                              num_sink_tokens=case.ns, config=cfg, interpret=True)
+    assert np.abs(out - ref).max() <= FLIP_BOUND * v_scale_of(c)
+
+
+@pytest.mark.parametrize("fn", [hack_decode_attention, dequant_decode_attention], ids=["hack", "dequant"])
+def test_kernels_reject_channel_major_v_codes(fn):
+    """v_codes are token-major, u8[N, H, d, page_size // 4]: the same bytes in k_codes' channel-major order
+    ([N, H, page_size // 4, d]) are refused, naming v_codes (here d = 128, page_size // 4 = 64)."""
+    case = ODD_CASE
+    q, c = build(case, seed=0)
+    args = [jnp.asarray(np.swapaxes(c[f], 2, 3) if f == "v_codes" else c[f]) for f in FIELDS]
+    with pytest.raises(ValueError, match=r"v_codes must have shape \(\d+, 1, 128, 64\)"):
+        fn(jnp.asarray(q), *args, partition_size=case.P, num_sink_tokens=case.ns, interpret=True)
 
 
 def test_hack_kernel_diet_flags_bad_combinations():

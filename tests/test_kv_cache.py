@@ -307,6 +307,72 @@ def test_stored_sums_match_codes(fmt):
     assert b.k_codes.max() == 3 and b.k_sums.max() > 0
 
 
+def np_quantize_2bit(x, axis):
+    """Float64 NumPy oracle of the 2-bit quantizer contract (DESIGN.md "Quantizer contract") over
+    all of `axis`: f16 minimum rounded down, f16 scale (hi - m) / 3 rounded up (at least the f16
+    tiny, 0 for a constant partition), codes round-half-even((x - m) / s) clipped to [0, 3].
+    Returns (codes int64, t float64 = (x - m) / s before rounding)."""
+    def to_f16(v, down):
+        y = v.astype(np.float16)
+        over = y.astype(np.float64) > v if down else y.astype(np.float64) < v
+        return np.where(over, np.nextafter(y, np.float16(-np.inf if down else np.inf)), y).astype(np.float64)
+
+    x = np.asarray(x, np.float64)
+    lo, hi = x.min(axis, keepdims=True), x.max(axis, keepdims=True)
+    m = to_f16(lo, down=True)
+    s = np.where(hi > m, np.maximum(to_f16((hi - m) / 3, down=False), float(np.finfo(np.float16).tiny)), 0.0)
+    t = (x - m) / np.where(s > 0, s, 1.0)
+    return np.clip(np.round(t), 0, 3).astype(np.int64), t
+
+
+@pytest.mark.parametrize("how", ["prefill", "append"])
+def test_kivi_code_bytes_by_hand(how):
+    """The kivi page layout byte by byte, against float64 NumPy codes of the written K/V: for the
+    sealed block k of a sequence (page table column k // bpp, slot k % bpp = 4 g + j: packing group g
+    of the page, plane j), in-block token r (token ns + k P + r) and channel c,
+      v_codes[page, h, c, g * P + r] bits 2j..2j+1 = V code (per token, channel group), token-major;
+      k_codes[page, h, g * P + r, c] bits 2j..2j+1 = K code (per block, channel), channel-major;
+    planes of unsealed blocks and pages no sequence holds (the null page included) are 0. Pages of
+    8P (two packing groups per page), P 32 < head_dim 128 (4 channel groups); a full page, a
+    second page with its second group holding one block, a sequence with no sealed block.
+    Codes whose t = (x - m) / s is within 1e-3 of a rounding tie are skipped (float32 vs float64)."""
+    config = QuantConfig(partition_size=32, page_size=256)
+    P, ns, bpp = 32, config.num_sink_tokens, 256 // 32
+    pc = min(P, HEAD_DIM)  # V channel group
+    lengths = np.array([ns + 13 * P + 5, ns + 8 * P, ns + P - 1], np.int32)
+    table, num_pages = shuffled_table(config, lengths, seed=3)
+    k, v = make_kv(seed=4, exact=True, num_seqs=3, t_len=int(lengths.max()))
+    layer = write(empty_layer(config, num_pages, 3), k, v, lengths, table, how)
+    v_codes, k_codes = np.asarray(layer.v_codes), np.asarray(layer.k_codes)
+    assert v_codes.shape == (num_pages, NUM_KV_HEADS, HEAD_DIM, 256 // 4)
+    assert k_codes.shape == (num_pages, NUM_KV_HEADS, 256 // 4, HEAD_DIM)
+
+    # expected codes and "not a near-tie" per (page, head, slot, token r, channel c)
+    want = {name: np.zeros((num_pages, NUM_KV_HEADS, bpp, P, HEAD_DIM), np.int64) for name in "kv"}
+    sure = {name: np.ones(want[name].shape, bool) for name in "kv"}
+    for s_, n in enumerate(lengths):
+        for blk in range((n - ns) // P):
+            page, slot = table[s_, blk // bpp], blk % bpp
+            toks = slice(ns + blk * P, ns + (blk + 1) * P)
+            vq, vt = np_quantize_2bit(v[s_, toks].reshape(P, NUM_KV_HEADS, HEAD_DIM // pc, pc), axis=-1)
+            kq, kt = np_quantize_2bit(k[s_, toks], axis=0)  # [P, H, D]: per (block, channel)
+            for name, q, t in (("v", vq, vt), ("k", kq, kt)):
+                q, t = (np.swapaxes(a.reshape(P, NUM_KV_HEADS, HEAD_DIM), 0, 1) for a in (q, t))  # [H, P, D]
+                want[name][page, :, slot] = q
+                sure[name][page, :, slot] = np.abs(t - np.floor(t) - 0.5) > 1e-3
+    got = {name: np.zeros_like(want[name]) for name in "kv"}
+    for slot in range(bpp):
+        g, j = divmod(slot, 4)
+        rows = slice(g * P, (g + 1) * P)
+        got["v"][:, :, slot] = np.swapaxes((v_codes[:, :, :, rows] >> (2 * j)) & 3, 2, 3)  # [N, H, r, c]
+        got["k"][:, :, slot] = (k_codes[:, :, rows, :] >> (2 * j)) & 3
+    for name in "kv":
+        assert sure[name].mean() > 0.99, name
+        np.testing.assert_array_equal(np.where(sure[name], got[name], 0), np.where(sure[name], want[name], 0),
+                                      err_msg=f"{name}_codes")
+        assert want[name].max() == 3
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_reused_pages_leak_nothing(fmt):
     """The longest sequence (slot 10) ends; its pages (and the null page) get NaN metadata and
@@ -438,6 +504,7 @@ def test_cache_pytree_and_init():
     assert cache.capacity == 4 + 2 * 256
     layer = cache.layers[0]
     assert layer.k_codes.shape == (5, 2, 64, 128) and layer.k_codes.dtype == jnp.uint8
+    assert layer.v_codes.shape == (5, 2, 128, 64) and layer.v_codes.dtype == jnp.uint8  # token-major
     assert layer.k_scale.shape == (5, 2, 4, 128) and layer.k_scale.dtype == jnp.float16
     assert layer.k_sums.shape == (5, 2, 256, 2) and layer.k_sums.dtype == jnp.uint8
     assert layer.v_scale.shape == (5, 2, 256, 2) and layer.v_sums.shape == (5, 2, 4, 128)
@@ -449,6 +516,9 @@ def test_cache_pytree_and_init():
     seed = kv_cache.init_layer(QuantConfig(layout="seed", partition_size=128, page_size=512),
                                num_kv_heads=1, head_dim=128, num_pages=2, max_seqs=1)
     assert seed.k_scale.shape == (2, 1, 512, 1) and seed.v_scale.shape == (2, 1, 4, 128)
+    seed64 = kv_cache.init_layer(QuantConfig(layout="seed", page_size=512), num_kv_heads=1, head_dim=64,
+                                 num_pages=2, max_seqs=1)
+    assert seed64.k_codes.shape == seed64.v_codes.shape == (2, 1, 128, 64)  # seed: both channel-major
     assert seed.v_sums.dtype == jnp.uint16 and seed.k_sums.dtype == jnp.uint16  # 3 * 128 > 255
     assert not hasattr(seed, "open_k")
     int8 = kv_cache.init_layer(QuantConfig(kv_format="int8"), num_kv_heads=2, head_dim=64,
