@@ -28,7 +28,9 @@ What is measured
            block_until_ready; TPOT = median over `--reps` regions / steps (after `--warmup` steps).
            tokens/s = batch / TPOT. Each step appends one real token per slot through
            kv_cache.append (for hack: quantizes and seals blocks) and runs all layers, lm_head and
-           greedy sampling.
+           greedy sampling. hack (--seal host, default): as the Generator, two compiled steps, the
+           one without the sealing path on the steps where no slot fills its open block
+           (kv_cache.seals_block); both run once before the timed regions.
   prefill  batch 1 (`--prefill-batches`), one prompt of C random tokens (bucket = C) through
            `_prefill_step` into an empty cache of that format (write_prefill + prefill attention):
            median of `--prefill-reps` runs after one warm-up run (single timed run at >= 64K).
@@ -51,6 +53,7 @@ prefill 16K; extended = decode batch 32, prefill 4K, prefill 64K. Weights are re
 Usage:
   python bench/bench_generate.py                          # GPU, the default full run (<= ~300 s)
   python bench/bench_generate.py --quick                  # GPU, llama only, batch 1 and 8
+  python bench/bench_generate.py --quick --profile-steps 4  # + GPU time per kernel (jax.profiler trace)
   python bench/bench_generate.py --models toy --contexts 256 512 --batches 1 2 --impl reference
                                                           # CPU check of the script at toy shapes
 Outputs (--out, default bench/results): generate.jsonl, generate.md, generate_decode.png,
@@ -432,6 +435,8 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
                                   for i in range(args.steps)) if fmt == "hack" else None)
         try:
             row["warmup_s"] = round(run(args.warmup, ctx), 4)  # first one: incl. any lazy kernel compile
+            for exe in compiled.values():  # --seal host: both executables loaded before the timed regions
+                cache, tokens, _ = exe(state, tokens, active, table, cache, key, targets)
             times = [run(args.steps, ctx) for _ in range(args.reps)]
             tpot = float(np.median(times)) / args.steps
             if not bool(jnp.all((tokens >= 0) & (tokens < cfg.vocab_size))):

@@ -37,7 +37,7 @@ f32 = jnp.float32
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["page_indices", "write_lens", "kv_lens", "key"],
-                   meta_fields=["mode"])
+                   meta_fields=["mode", "seal"])
 @dataclasses.dataclass(frozen=True)
 class CacheStep:
   """What one cached forward step writes into the cache and attends over.

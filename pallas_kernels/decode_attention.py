@@ -42,12 +42,13 @@ the work around the MMAs, not the MMAs: on the H200 "int8" was 1.2-1.3x faster t
 converts) and "f16", unpacking 4 codes per instruction with inline PTX (KernelConfig.unpack_asm)
 another 1.33x, and the INT8 rounding of the transients by one PTX cvt (KernelConfig.fast_quant)
 1.05x; the default is "int8" + unpack_asm + dedup + fast_quant, one wave of programs
-(bench/NOTES_decode.md v3). H200, Llama-3.1-8B heads (bench/results/decode_attention.md, 2026-12-01,
-default config with the decode-diet flags below): 146 us at batch 8 / 32K (1.2 TB/s on the 170 MiB read;
-our bf16 paged kernel: 266 us), 30.5 us at batch 1 / 32K, 82 us at batch 1 / 128K, 10.5 us at batch 1 / 1K
-(bf16: 13.6 us), with V codes channel-major; reading them token-major (the cache's layout since, DESIGN.md
-"2-bit packing") was 3-6% faster at >= 8K tokens in one later run (2026-12-01, session 3: b8/32K 149.5 ->
-140.9 us, b1/128K 81.6 -> 78.2 us). What limits it: ~1.42k SASS instructions (1.54k with channel-major V),
+(bench/NOTES_decode.md v3). H200, Llama-3.1-8B heads (bench/results/decode_attention.md, 2026-12-01
+session 3, default config, token-major V codes): 135 us at batch 8 / 32K (1.3 TB/s on the 170 MiB read;
+our bf16 paged kernel: 266 us), 31.9 us at batch 1 / 32K, 75.7 us at batch 1 / 128K, 10.8 us at batch 1 /
+1K (bf16: 13.6 us). Token-major V (the cache's layout since, DESIGN.md "2-bit packing") was 3-6% faster
+than channel-major at >= 8K tokens in the kernel-only loop (b8/32K 149.5 -> 140.9 us, b1/128K 81.6 ->
+78.2 us) and 4-8% in the official matrix (b8/32K 146.0 -> 135.4, 8/128K 528.4 -> 494.1).
+What limits it: ~1.42k SASS instructions (1.54k with channel-major V),
 54 CTA barriers and ~110 shared-memory instructions (~170) per warp and packing group (offline SASS of the
 default config, bench_hack_decode.py --stages sass; Triton's layout conversions and cross-warp row
 reductions of [16, 64] tiles), not HBM, not the MMAs; and not issue alone: 15% fewer instructions gave 5%
@@ -55,7 +56,8 @@ less time.
 
 Tried and removed (bench/NOTES_decode.md 2026-12-01, code in commits 1a904a9 / 7f20914): 1-warp programs
 with the accumulators in global memory and two packing groups per loop trip (fewer barriers, fewer
-resident programs): 1.3-1.7x slower on the H200. Loop-instruction cuts (bench/NOTES_decode.md
+resident programs): 1.3-1.7x slower on the H200. 8- and 16-warp programs (token-major V, 128 registers: 2 and 1 programs
+per SM): 1.75x and 2.8x slower at b8/32K (2026-12-01, session 3). Loop-instruction cuts (bench/NOTES_decode.md
 2026-12-01 "decode-diet"): KernelConfig.fast_div (the quantizers' division as x * rcp(s), the GPU's
 div.full bits), fast_exp (exp2(x log2 e)), block_meta (per-token metadata as strided [4, P] tiles),
 masked_planes (int8 planes without shifts, 4**-e on the dot) and fma_order (running FMA sums) are on by
