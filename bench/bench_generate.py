@@ -728,7 +728,7 @@ def parse_args(argv):
                     help="random weights: Llama's initializer, or a cheap integer hash (CPU tests)")
     ap.add_argument("--quick", action="store_true", help="llama only, batches 1 and 8")
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--seal", default="host", choices=("host", "always", "cond", "never"),
+    ap.add_argument("--seal", default="host", choices=("host", "always", "never"),
                     help="hack decode steps: host = as the Generator (a step without the block-sealing "
                          "path where no slot fills its open block, chosen on the host per step), or one "
                          "kv_cache.append seal mode for every step (never: timing only, blocks not sealed)")

@@ -635,7 +635,7 @@ def _prefill_hack(layer, k, v, lengths, page_indices, start, key):
 # ----------------------------------------------------------------------------- append
 
 
-SEAL_MODES = ("always", "cond", "never")
+SEAL_MODES = ("always", "never")
 
 
 def seals_block(config: QuantConfig, kv_lens, active) -> bool:
@@ -667,8 +667,7 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
       seal: (hack only; ignored by the other formats) how the sealing of full open blocks is
         compiled. "always" (default): every slot's sealed block is computed and the writes of the
         slots that do not seal are dropped (one compiled append serves a whole decode loop; ~10
-        page-pool scatters per layer and step). "cond": the same under a `lax.cond` on "some slot
-        seals" (device-side predicate). "never": the caller promises that no active slot fills its
+        page-pool scatters per layer and step). "never": the caller promises that no active slot fills its
         open block this step (`seals_block(config, kv_lens, active)` is False): the seal path is
         left out. Concrete inputs: a broken promise raises ValueError; under jit it cannot be
         checked, and a slot that fills its block anyway keeps it unsealed while kv_lens count it
@@ -804,8 +803,6 @@ def _append_hack(layer, k, v, kv_lens, active, page_indices, key, seal_mode="alw
 
     if seal_mode == "always":
         sealed = seal_blocks(sealed)
-    elif seal_mode == "cond":
-        sealed = jax.lax.cond(jnp.any(seal), seal_blocks, lambda a: a, sealed)
     new.update(sealed)  # "never": the open-block rows written above, nothing sealed
     return dataclasses.replace(layer, **new)
 

@@ -49,7 +49,7 @@ class CacheStep:
     write_lens: i32[max_seqs] tokens each slot writes this step (0 = slot untouched / inactive).
     kv_lens: i32[max_seqs] tokens each slot holds after this step (includes the written ones).
     key: PRNG key for stochastic rounding (None with rounding="nearest").
-    seal: decode only, hack_jax.kv_cache.append's `seal` ("always" | "cond" | "never": "never" when
+    seal: decode only, hack_jax.kv_cache.append's `seal` ("always" | "never": "never" when
       the host knows no slot fills its open block this step, kv_cache.seals_block).
   """
   mode: Literal["prefill", "decode"]

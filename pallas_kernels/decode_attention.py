@@ -47,9 +47,9 @@ session 3, default config, token-major V codes): 135 us at batch 8 / 32K (1.3 TB
 our bf16 paged kernel: 266 us), 31.9 us at batch 1 / 32K, 75.7 us at batch 1 / 128K, 10.8 us at batch 1 /
 1K (bf16: 13.6 us). Token-major V (the cache's layout since, DESIGN.md "2-bit packing") was 3-6% faster
 than channel-major at >= 8K tokens in the kernel-only loop (b8/32K 149.5 -> 140.9 us, b1/128K 81.6 ->
-78.2 us) and 4-8% in the official matrix (b8/32K 146.0 -> 135.4, 8/128K 528.4 -> 494.1).
-What limits it: ~1.42k SASS instructions (1.54k with channel-major V),
-54 CTA barriers and ~110 shared-memory instructions (~170) per warp and packing group (offline SASS of the
+78.2 us) and 4-8% in the official matrix (b8/32K 146.0 -> 135.4, b8/128K 528.4 -> 494.1).
+What limits it: ~1.42k SASS instructions, 54 CTA barriers and ~110 shared-memory instructions per warp
+and packing group (channel-major V: 1.54k and ~170; offline SASS of the
 default config, bench_hack_decode.py --stages sass; Triton's layout conversions and cross-warp row
 reductions of [16, 64] tiles), not HBM, not the MMAs; and not issue alone: 15% fewer instructions gave 5%
 less time.

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
 from models import cli
 from models.config import ModelConfig
@@ -175,6 +176,26 @@ def test_hack_vs_bf16_on_real_text(model, ckpt, speech_ids, bf16_generator):
   # small quantizer changes while catching a broken cache (a wrong block or page: x3 and more).
   assert ppl["hack"] / ppl["bf16"] < 1.6
   assert agreement > 0.6
+
+
+def test_generator_skips_sealing_only_where_no_block_fills(model, ckpt, speech_ids, monkeypatch):
+  """The Generator runs the decode step compiled without the sealing path (append seal="never")
+  where kv_cache.seals_block says no slot fills its open block. Against the same generation with
+  the sealing path on every step (seals_block forced True): the same log-probabilities bit for bit
+  over a ragged batch whose decode steps seal blocks at different steps (positions 67 and 131), so
+  a step wrongly compiled without sealing (a block left unsealed, read from a stale page slot)
+  would change them; and the Generator does consult seals_block: with it forced False (no step
+  seals) the log-probabilities do change."""
+  gen = Generator(model, ckpt.tokenizer, QuantConfig(kv_format="hack"), max_seqs=2, max_len=192)
+  prompts = [speech_ids[:60], speech_ids[200:320]]
+  forced = np.array([speech_ids[60:76], speech_ids[320:336]])
+  host = gen.generate_ids(prompts, 16, forced=forced)
+  monkeypatch.setattr(kv_cache, "seals_block", lambda *a, **k: True)
+  always = gen.generate_ids(prompts, 16, forced=forced)
+  np.testing.assert_array_equal(np.array(host.forced_logprobs), np.array(always.forced_logprobs))
+  monkeypatch.setattr(kv_cache, "seals_block", lambda *a, **k: False)
+  unsealed = gen.generate_ids(prompts, 16, forced=forced)
+  assert np.abs(np.array(unsealed.forced_logprobs) - np.array(always.forced_logprobs)).max() > 1e-3
 
 
 # ----------------------------------------------------------------------------------------- errors
