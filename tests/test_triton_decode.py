@@ -14,11 +14,17 @@ naively (`numpy_folded_decode(..., f16=True)`: those two roundings with block-lo
 otherwise) plus 64 eps32 max|V| of float32 order. A wrong code, plane, page, mask or merge is off by
 O(max|V|) and fails it.
 
-CPU tests: the host side (config heuristic, constants, the split combine, validation, the dispatch).
+CPU tests: the host side (config heuristic, constants, the split combine, validation, the dispatch),
+and, where `triton` is importable (not jax-triton), the kernel itself in Triton's interpreter
+(tests/triton_interpret.py: Triton integer unpack instead of the inline PTX) against the same twin.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -182,6 +188,16 @@ def test_triton_via_dispatch_on_a_real_cache():
             w = np.exp(lg - lg.max())
             ref = w @ vd[s_, :L, hq // 4] / w.sum()
             np.testing.assert_allclose(np.asarray(out)[s_, hq], ref, atol=2e-3)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton's interpreter needs `triton`")
+def test_triton_kernel_in_the_interpreter_matches_float64_twin():
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, os.path.join(here, "triton_interpret.py"), "d128_P64_g4", "d64_P32_g1_ns0"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert r.stdout.count(": ok") == 4, r.stdout
 
 
 # ----------------------------------------------------------------------------------------------
