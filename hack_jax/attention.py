@@ -14,6 +14,8 @@ Models call only `decode_attention` / `prefill_attention` (STYLE.md rule 11); `i
     NotImplementedError names the missing kernel when a format has none.
   "pallas_dequant": the fused-dequantization baseline kernel on the same hack cache (HACK.md §7:
     same bytes read, codes dequantized in registers, float math), for benchmarks and comparisons.
+  "triton": decode on the hack kivi cache with scale-folded f16 operands, a jax-triton kernel
+    (pallas_kernels.triton_decode_attention; needs the `cuda` extra).
 
 Query positions. decode: one query per sequence at position kv_lens[s] - 1 (kv_lens include the
 token just appended). prefill: q is left-aligned like write_prefill's k/v: row t of sequence s is
@@ -35,7 +37,7 @@ import numpy as np
 
 from hack_jax import kv_cache, paging, reference
 
-IMPLS = ("reference", "pallas", "pallas_dequant")
+IMPLS = ("reference", "pallas", "pallas_dequant", "triton")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 # (module, function) of the Pallas kernel per (impl, kind, kv_format); called as fn(q, <cache>,
@@ -48,6 +50,8 @@ _PALLAS = {
     ("pallas", "prefill", "bf16"): ("pallas_kernels.bf16_prefill_attention", "bf16_prefill_attention"),
     ("pallas_dequant", "decode", "hack"): ("pallas_kernels.dequant_decode_attention",
                                            "dequant_decode_attention"),
+    # scale-folded operands, jax-triton (the `cuda` extra); kv_format="hack" kivi decode only
+    ("triton", "decode", "hack"): ("pallas_kernels.triton_decode_attention", "hack_triton_decode_attention"),
 }
 
 
