@@ -568,7 +568,7 @@ def main(argv=None):
     ap.add_argument("--kv-lens", nargs="+", type=int)
     ap.add_argument("--bf16-configs", nargs="*", metavar="BK:SPLITS:WARPS:STAGES",
                     help="extra runs of our bf16 kernel with these configs (a sweep; default config always runs)")
-    ap.add_argument("--hack-dots", nargs="+", default=["bf16", "int8"], choices=("bf16", "int8", "f16"),
+    ap.add_argument("--hack-dots", nargs="+", default=["bf16", "int8"], choices=("bf16", "int8", "f16", "folded_f16", "folded_bf16"),
                     help="dot variants of the hack kernel to time (hack_<dot>dot rows)")
     ap.add_argument("--hack-p128", action="store_true",
                     help="also time the hack kernel on a partition_size=128 cache (hack_p128_int8dot)")
