@@ -146,7 +146,8 @@ def dequantize_tensor(tensor) -> np.ndarray:
   return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
 
-def rope_freq_factors(metadata: dict[str, Any], tensors: dict[str, Any]) -> tuple[float, ...] | None:
+def rope_freq_factors(metadata: dict[str, Any], tensors: dict[str, Any]
+                      ) -> tuple[float, ...] | None:
   """ModelConfig.rope_freq_factors of a GGUF file (module docstring), None when unscaled.
 
   Raises:

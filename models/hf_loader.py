@@ -3,8 +3,8 @@
 Architectures (config.json `model_type`): "llama" and "mistral" (both run as ModelConfig
 architecture "llama") and "qwen2" (q/k/v biases). Tied or untied embeddings (tie_word_embeddings,
 or no lm_head.weight); rope_scaling rope_type "llama3" (Llama-3.1) or "linear" as
-ModelConfig.rope_freq_factors; other rope types, attention_bias / mlp_bias on llama, activations other
-than silu, and partial RoPE are ValueErrors. A sliding window (mistral, or qwen2 with
+ModelConfig.rope_freq_factors; other rope types, attention_bias / mlp_bias on llama, activations
+other than silu, and partial RoPE are ValueErrors. A sliding window (mistral, or qwen2 with
 use_sliding_window) caps max_seq_len at the window, the longest context where full attention, which
 this runtime computes, equals the model's.
 

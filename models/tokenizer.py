@@ -1,5 +1,5 @@
-"""Text <-> token ids with the `tokenizers` library, rebuilt from GGUF metadata or read from a Hugging
-Face tokenizer.json.
+"""Text <-> token ids with the `tokenizers` library, rebuilt from GGUF metadata or read from a
+Hugging Face tokenizer.json.
 
 GGUF files follow llama.cpp (src/llama-vocab.cpp):
   tokenizer.ggml.model "gpt2": byte-level BPE from `tokens` / `merges`, split first by the regex of
@@ -11,8 +11,9 @@ GGUF files follow llama.cpp (src/llama-vocab.cpp):
     text and to every run after a special token, spaces written as U+2581, then pieces merged
     pairwise by descending score (llama_tokenizer_spm), characters outside the vocabulary as <0xXX>
     byte tokens; BOS added by default. Here: a BPE whose merges are every split of a normal piece
-    into two pieces, ranked by the merged piece's score (equal to llama.cpp's order whenever no two
-    overlapping candidate merges have the same score, true of real vocabularies: scores are distinct).
+    into two pieces, ranked by the merged piece's score (equal to llama.cpp's order whenever no
+    two overlapping candidate merges have the same score, true of real vocabularies, whose scores
+    are distinct).
   Control, user-defined and unknown tokens (token_type 3/4/2, e.g. <|eot_id|>, <s>) are special:
   matched whole in the input text, dropped by decode(..., skip_special_tokens=True).
   BOS: tokenizer.ggml.add_bos_token when present, else the defaults above. Generation stops at
@@ -35,8 +36,8 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers
 GPT2_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
 QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
                r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
-                r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
 QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
 SMOLLM_PRE = ("smollm", "starcoder", "refact", "codeshell")
@@ -87,7 +88,8 @@ def _sentencepiece(md: dict[str, Any], tokens: Sequence[str], types: Sequence[in
                    ) -> tokenizers.Tokenizer:
   scores = md.get("tokenizer.ggml.scores")
   if scores is None:
-    raise ValueError("SentencePiece GGUF (tokenizer.ggml.model 'llama') lacks tokenizer.ggml.scores")
+    raise ValueError("SentencePiece GGUF (tokenizer.ggml.model 'llama') lacks "
+                     "tokenizer.ggml.scores")
   vocab = {t: i for i, t in enumerate(tokens)}
   pieces = {t for t, ty in zip(tokens, types) if ty == _NORMAL}
   ranked = []

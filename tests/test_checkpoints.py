@@ -1,14 +1,15 @@
-"""Bring-your-own-checkpoint loaders on tiny checkpoints the tests build themselves: a Llama-3.x GGUF
-(llama-bpe tokenizer, Llama-3.1 rope_freqs), a SentencePiece GGUF (TinyLlama / Mistral style), Hugging
-Face directories (llama with rope_scaling llama3, qwen2 tied with QKV bias, mistral), and the errors
-for what is not supported.
+"""Bring-your-own-checkpoint loaders on tiny checkpoints the tests build themselves: a Llama-3.x
+GGUF (llama-bpe tokenizer, Llama-3.1 rope_freqs), a SentencePiece GGUF (TinyLlama / Mistral style),
+Hugging Face directories (llama with rope_scaling llama3, qwen2 tied with QKV bias, mistral), and
+the errors for what is not supported.
 
 Weights are random; logits are checked against the independent float64 NumPy forwards of
-tests/model_oracle.py. Tokenizers are real: a byte-level BPE and a SentencePiece model trained here on
-a State of the Union speech, checked against a pure-Python llama.cpp-rules BPE and the
+tests/model_oracle.py. Tokenizers are real: a byte-level BPE and a SentencePiece model trained here
+on a State of the Union speech, checked against a pure-Python llama.cpp-rules BPE and the
 `sentencepiece` library; the SentencePiece score order against a hand-made vocabulary.
 """
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -44,8 +45,8 @@ LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"
                    "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>"]
 TEXTS = ["Hello world! In 2024, 1234567 people paid $3.50.", "DON'T we've  two spaces\n\n\ttab  ",
          "héllo wörld, 日本語 and emoji 🙂", " leading space and trailing\n"]
-# float32 model vs float64 oracle: measured 2e-5 .. 9e-5 with logits up to 12 (float32 RoPE angles and
-# sharp softmaxes of std-0.3 weights); a layout, RoPE or bias bug gives errors of order 1.
+# float32 model vs float64 oracle: measured 2e-5 .. 9e-5 with logits up to 12 (float32 RoPE angles
+# and sharp softmaxes of std-0.3 weights); a layout, RoPE or bias bug gives errors of order 1.
 ORACLE_TOL = 5e-4
 
 
@@ -62,7 +63,8 @@ def _logits(ckpt, ids):
 
 def _check_oracle(got, want, what):
   err = np.abs(got - want).max()
-  print(f"\n{what}: max |logit error| vs float64 oracle {err:.1e} (max |logit| {np.abs(want).max():.1f})")
+  print(f"\n{what}: max |logit error| vs float64 oracle {err:.1e} "
+        f"(max |logit| {np.abs(want).max():.1f})")
   assert err < ORACLE_TOL, err
   assert (got.argmax(-1) == want.argmax(-1)).all()
 
@@ -76,11 +78,13 @@ def _random_hf(vocab, *, bias, tied, seed=0):
     t["lm_head.weight"] = r(vocab, D)
   for i in range(LAYERS):
     p = f"model.layers.{i}."
-    t.update({p + "input_layernorm.weight": 1 + r(D), p + "post_attention_layernorm.weight": 1 + r(D),
-              p + "self_attn.q_proj.weight": r(N * HD, D), p + "self_attn.k_proj.weight": r(K * HD, D),
-              p + "self_attn.v_proj.weight": r(K * HD, D), p + "self_attn.o_proj.weight": r(D, N * HD),
-              p + "mlp.gate_proj.weight": r(F, D), p + "mlp.up_proj.weight": r(F, D),
-              p + "mlp.down_proj.weight": r(D, F)})
+    a, m = p + "self_attn.", p + "mlp."
+    t.update({p + "input_layernorm.weight": 1 + r(D),
+              p + "post_attention_layernorm.weight": 1 + r(D),
+              a + "q_proj.weight": r(N * HD, D), a + "k_proj.weight": r(K * HD, D),
+              a + "v_proj.weight": r(K * HD, D), a + "o_proj.weight": r(D, N * HD),
+              m + "gate_proj.weight": r(F, D), m + "up_proj.weight": r(F, D),
+              m + "down_proj.weight": r(D, F)})
     if bias:
       t.update({p + "self_attn.q_proj.bias": r(N * HD), p + "self_attn.k_proj.bias": r(K * HD),
                 p + "self_attn.v_proj.bias": r(K * HD)})
@@ -150,8 +154,8 @@ def _write_gguf(path, arch, tensors, tok, extra=()):
 
 @pytest.fixture(scope="module")
 def llama3_bpe(speech):
-  """A byte-level BPE trained with Llama 3's split regex: (tokens by id, merges), plus words that are
-  tokens without any merge building them (" zebra", "123", "456"), to exercise ignore_merges."""
+  """A byte-level BPE trained with Llama 3's split regex: (tokens by id, merges), plus words that
+  are tokens without any merge building them (" zebra", "123", "456"), to exercise ignore_merges."""
   tk = tokenizers.Tokenizer(tokenizers.models.BPE())
   tk.pre_tokenizer = pre_tokenizers.Sequence([
       pre_tokenizers.Split(tokenizers.Regex(LLAMA3_REGEX), behavior="isolated"),
@@ -167,7 +171,8 @@ def llama3_bpe(speech):
 
 
 def _bytes_to_unicode():
-  bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+  bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1)]
   cs, n = bs[:], 0
   for b in range(256):
     if b not in bs:
@@ -184,7 +189,8 @@ LLAMA_CPP_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|
 
 def _reference_llama3_encode(text, tokens, merges):
   """llama.cpp's BPE session for LLAMA3 in plain Python: specials split out, the regex, bytes to
-  GPT-2 unicode, a pre-token in the vocabulary taken whole (ignore_merges), else lowest-rank merges."""
+  GPT-2 unicode, a pre-token in the vocabulary taken whole (ignore_merges), else lowest-rank
+  merges."""
   vocab = {t: i for i, t in enumerate(tokens)}
   ranks = {tuple(m.split(" ")): r for r, m in enumerate(merges)}
   b2u = _bytes_to_unicode()
@@ -255,7 +261,7 @@ def test_llama3_gguf_logits_apply_rope_freqs(llama3_gguf, speech):
   want = oracle_logits(llama3_gguf, ids)  # adjacent-pair RoPE, GGUF rows, rope_freqs as llama.cpp
   assert ckpt.config.rope_freq_factors is not None
   _check_oracle(_logits(ckpt, ids), want, "Llama-3 GGUF with rope_freqs")
-  import dataclasses  # without the factors the same weights miss by far more: the test can fail
+  # Without the factors the same weights miss by far more: the test can fail.
   plain = dataclasses.replace(ckpt, config=dataclasses.replace(ckpt.config, rope_freq_factors=None))
   miss = np.abs(_logits(plain, ids) - want).max()
   print(f"without rope_freq_factors: max |logit error| {miss:.2f}")
@@ -263,7 +269,8 @@ def test_llama3_gguf_logits_apply_rope_freqs(llama3_gguf, speech):
 
 
 def test_llama3_rope_factors_equal_transformers_inv_freq():
-  # Llama-3.1-8B's real settings: our factor form against transformers' inv_freq form (the oracle's).
+  # Llama-3.1-8B's real settings: our factor form against transformers' inv_freq form (the
+  # oracle's).
   cfg = dict(rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0,
                                                     low_freq_factor=1.0, high_freq_factor=4.0,
                                                     original_max_position_embeddings=8192))
@@ -351,8 +358,9 @@ def _write_hf(path, cfg, tensors, tokenizer, tokenizer_config=None, generation_c
       with open(os.path.join(path, name), "w") as f:
         json.dump(value, f)
   names = sorted(tensors)  # two shards, as large checkpoints come
-  save_file({n: tensors[n] for n in names[::2]}, os.path.join(path, "model-00001-of-00002.safetensors"))
-  save_file({n: tensors[n] for n in names[1::2]}, os.path.join(path, "model-00002-of-00002.safetensors"))
+  for i, shard in enumerate((names[::2], names[1::2])):
+    save_file({n: tensors[n] for n in shard},
+              os.path.join(path, f"model-0000{i + 1}-of-00002.safetensors"))
   tokenizer.save(os.path.join(path, "tokenizer.json"))
   return str(path)
 
@@ -382,8 +390,9 @@ def _cfg(model_type, vocab, **extra):
 def test_hf_llama_rope_scaling_untied(tmp_path, llama3_bpe, speech):
   tokens, merges = llama3_bpe
   vocab = len(tokens) + 8  # embeddings padded past the tokenizer, as real checkpoints do
+  scaling = dict(rope_type="llama3", **LLAMA3_SCALING)
   path = _write_hf(tmp_path / "llama", _cfg("llama", vocab, tie_word_embeddings=False,
-                                            rope_scaling=dict(rope_type="llama3", **LLAMA3_SCALING)),
+                                            rope_scaling=scaling),
                    _random_hf(vocab, bias=False, tied=False, seed=2),
                    _hf_tokenizer(tokens, merges, bos="<|begin_of_text|>"),
                    generation_config={"eos_token_id": [tokens.index("<|end_of_text|>"),
@@ -449,15 +458,35 @@ def test_unsupported_checkpoints_are_clear_errors(tmp_path, llama3_gguf):
              types=[1] * 300, bos=1, eos=2)
   with pytest.raises(ValueError, match="'phi3'"):
     load_checkpoint(_write_gguf(str(tmp_path / "phi3.gguf"), "phi3", tensors, tok))
-  yarn = _write_gguf(str(tmp_path / "yarn.gguf"), "llama", tensors, tok,
-                     extra=[("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0)])
+  yarn = _write_gguf(str(tmp_path / "yarn.gguf"), "llama", tensors, tok, extra=[
+      ("llama.rope.scaling.type", "yarn"), ("llama.rope.scaling.factor", 4.0)])
   with pytest.raises(ValueError, match="'yarn'"):
     load_checkpoint(yarn)
   base = _cfg("llama", 300)
   for bad, match in [({"model_type": "gemma2"}, "'gemma2'"),
                      ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
-                     ({"hidden_act": "gelu"}, "'gelu'"), ({"attention_bias": True}, "attention_bias")]:
+                     ({"hidden_act": "gelu"}, "'gelu'"),
+                     ({"attention_bias": True}, "attention_bias")]:
     with pytest.raises(ValueError, match=match):
       hf_loader.config_from_hf({**base, **bad}, tied_embeddings=True)
   with pytest.raises(FileNotFoundError, match="config.json"):
     load_checkpoint(str(tmp_path))
+
+
+def test_rope_scaling_settings(tmp_path):
+  tensors = _gguf_tensors(_random_hf(300, bias=False, tied=True), "llama")
+  tok = dict(model="llama", tokens=[f"t{i}" for i in range(300)], scores=[0.0] * 300,
+             types=[1] * 300, bos=1, eos=2)
+  for i, (extra, want) in enumerate([
+      ([("llama.rope.scaling.type", "linear"), ("llama.rope.scaling.factor", 4.0)], (4.0,) * 8),
+      ([("llama.rope.scaling.factor", 2.0)], (2.0,) * 8),  # llama.cpp's default type is linear
+      ([("llama.rope.scaling.type", "none"), ("llama.rope.scaling.factor", 4.0)], None)]):
+    path = _write_gguf(str(tmp_path / f"{i}.gguf"), "llama", tensors, tok, extra=extra)
+    assert load_checkpoint(path).config.rope_freq_factors == want
+  linear = hf_loader.config_from_hf(
+      _cfg("llama", 300, rope_scaling={"type": "linear", "factor": 2.0}), tied_embeddings=True)
+  assert linear.rope_freq_factors == (2.0,) * 8  # transformers: inv_freq / factor
+  with pytest.raises(ValueError, match="rope_freq_factors"):
+    dataclasses.replace(linear, rope_freq_factors=(1.0,) * 7)
+  with pytest.raises(ValueError, match="rope_freq_factors"):
+    dataclasses.replace(linear, rope_freq_factors=(0.0,) * 8)
