@@ -10,10 +10,10 @@ GGUF files follow llama.cpp (src/llama-vocab.cpp):
   tokenizer.ggml.model "llama": SentencePiece (Llama-2, Mistral, TinyLlama): a space prefixed to the
     text and to every run after a special token, spaces written as U+2581, then pieces merged
     pairwise by descending score (llama_tokenizer_spm), characters outside the vocabulary as <0xXX>
-    byte tokens; BOS added by default. Here: a BPE whose merges are every split of a normal piece
-    into two pieces, ranked by the merged piece's score (equal to llama.cpp's order whenever no
-    two overlapping candidate merges have the same score, true of real vocabularies, whose scores
-    are distinct).
+    byte tokens; BOS added by default. Here: a BPE whose merges are every split of a normal (or
+    unused) piece into two pieces, ranked by the merged piece's score (llama.cpp's order whenever
+    no two overlapping candidate merges have the same score, true of real vocabularies, whose
+    scores are distinct).
   Control, user-defined and unknown tokens (token_type 3/4/2, e.g. <|eot_id|>, <s>) are special:
   matched whole in the input text, dropped by decode(..., skip_special_tokens=True).
   BOS: tokenizer.ggml.add_bos_token when present, else the defaults above. Generation stops at
@@ -91,7 +91,9 @@ def _sentencepiece(md: dict[str, Any], tokens: Sequence[str], types: Sequence[in
     raise ValueError("SentencePiece GGUF (tokenizer.ggml.model 'llama') lacks "
                      "tokenizer.ggml.scores")
   vocab = {t: i for i, t in enumerate(tokens)}
-  pieces = {t for t, ty in zip(tokens, types) if ty == _NORMAL}
+  # llama.cpp merges into any vocabulary text; control / user-defined / unknown ones are matched
+  # whole before (special tokens) and byte tokens never arise from merging characters.
+  pieces = {t for t, ty in zip(tokens, types) if ty in (_NORMAL, _UNUSED)}
   ranked = []
   for piece in pieces:
     for k in range(1, len(piece)):
