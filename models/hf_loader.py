@@ -115,9 +115,9 @@ def load_hf_checkpoint(path: str, *, dtype: Any = np.float32, **config_overrides
     with safe_open(file, framework="numpy") as f:
       where.update((name, file) for name in f.keys())
   has_head = "lm_head.weight" in where
-  tied = bool(cfg.get("tie_word_embeddings", False)) or not has_head
-  if not tied and not has_head:
+  if cfg.get("tie_word_embeddings") is False and not has_head:
     raise ValueError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight")
+  tied = bool(cfg.get("tie_word_embeddings")) or not has_head
   config = config_from_hf(cfg, tied_embeddings=tied, dtype=np.dtype(dtype), **config_overrides)
   weights = _convert_weights(where, config, np.dtype(dtype))
   return Checkpoint(path=path, config=config, weights=weights,

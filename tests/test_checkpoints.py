@@ -471,6 +471,13 @@ def test_unsupported_checkpoints_are_clear_errors(tmp_path, llama3_gguf):
       hf_loader.config_from_hf({**base, **bad}, tied_embeddings=True)
   with pytest.raises(FileNotFoundError, match="config.json"):
     load_checkpoint(str(tmp_path))
+  headless = tmp_path / "headless"
+  headless.mkdir()
+  save_file({"model.embed_tokens.weight": np.zeros((300, D), np.float32)},
+            str(headless / "model.safetensors"))
+  (headless / "config.json").write_text(json.dumps({**base, "tie_word_embeddings": False}))
+  with pytest.raises(ValueError, match="lm_head.weight"):
+    load_checkpoint(str(headless))
 
 
 def test_rope_scaling_settings(tmp_path):
