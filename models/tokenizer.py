@@ -145,18 +145,18 @@ class Tokenizer:
     """Builds the tokenizer from decoded GGUF metadata (see gguf_loader.read_metadata).
 
     Raises:
-      ValueError: a tokenizer.ggml.model other than "gpt2" / "llama", an unknown pre-tokenizer, or
-        a SentencePiece vocabulary without scores.
+      ValueError: a tokenizer.ggml.model other than "gpt2" / "llama", an unknown pre-tokenizer, a
+        SentencePiece vocabulary without scores, or a BPE one without an eos id.
     """
     model = md.get("tokenizer.ggml.model")
     tokens = md["tokenizer.ggml.tokens"]
     types = md.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))
     if model == "gpt2":
       tk = _byte_level_bpe(md, tokens)
-      add_bos, bos, eos = md.get("tokenizer.ggml.pre") in LLAMA3_PRE, 11, 11
+      add_bos, bos, eos = md.get("tokenizer.ggml.pre") in LLAMA3_PRE, None, None
     elif model == "llama":
       tk = _sentencepiece(md, tokens, types)
-      add_bos, bos, eos = True, 1, 2
+      add_bos, bos, eos = True, 1, 2  # llama.cpp's SentencePiece defaults
     else:
       raise ValueError(f"unsupported tokenizer.ggml.model {model!r}: supported are 'gpt2' "
                        "(byte-level BPE) and 'llama' (SentencePiece)")
@@ -165,7 +165,9 @@ class Tokenizer:
     special.update(index[t] for t in EOG_TEXTS if t in index)  # llama.cpp makes them control
     tk.add_special_tokens([tokenizers.AddedToken(tokens[i], special=True, normalized=False)
                            for i in sorted(special)])
-    eos = int(md.get("tokenizer.ggml.eos_token_id", eos))
+    eos = md.get("tokenizer.ggml.eos_token_id", eos)
+    if eos is None:
+      raise ValueError("GGUF byte-level BPE vocabulary without tokenizer.ggml.eos_token_id")
     return cls(tk, bos_id=md.get("tokenizer.ggml.bos_token_id", bos), eos_id=eos,
                add_bos=bool(md.get("tokenizer.ggml.add_bos_token", add_bos)),
                chat_template=md.get("tokenizer.chat_template"),
