@@ -188,8 +188,10 @@ class Engine:
       at most the model's context length.
     num_pages: page pool incl. the null page; None = room for every slot at max_len. With fewer,
       a request waits until the pool can hold its prompt + max_tokens (no preemption).
-    on_stage: optional callback(stage, info dict) for "compile" (what, seconds) and "prefill"
-      (requests, tokens, seconds incl. the first token) stages, e.g. a progress display.
+    on_stage: optional callback(stage, info dict), e.g. for a progress display: "compiling"
+      (what) and "compiled" (what, seconds) around each compile; "prefilling" (requests, tokens)
+      and "prefilled" (requests, tokens, seconds incl. the first token, compile excluded) around
+      each prefill call.
   Thread safety: submit() and cancel() may be called from any thread; step() / stream() from one.
   Raises ValueError for bad sizes.
   """
@@ -224,6 +226,7 @@ class Engine:
     self._lock = threading.Lock()
     self._ids = itertools.count()
     self._steps = 0
+    self._key_shape = jax.random.key_data(jax.random.key(0)).shape
     self.times: dict[int, dict[str, float]] = {}
 
   # ------------------------------------------------------------------------------ requests
@@ -280,9 +283,11 @@ class Engine:
     parts: dict[int, list[Event]] = {rid: [] for rid in rids}
     for ev in self.stream():
       parts.setdefault(ev.request_id, []).append(ev)
-    return [self._completion(rid, req, parts[rid]) for rid, req in zip(rids, requests)]
+    return [self.completion(rid, req, parts[rid]) for rid, req in zip(rids, requests)]
 
-  def _completion(self, rid, req, events):
+  def completion(self, rid: int, req: Request, events: Sequence[Event]) -> Completion:
+    """Assembles request `rid`'s Events (ending with its final one) into a Completion; takes its
+    times out of self.times."""
     tok = [e for e in events if e.token_id is not None]
     return Completion(rid, req.prompt_ids, [e.token_id for e in tok], "".join(e.text for e in events),
                       [e.logprob for e in tok], events[-1].finish_reason, self.times.pop(rid, {}))
@@ -338,7 +343,7 @@ class Engine:
     s = self.max_seqs
     temp, top_k, top_p = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32)
     counters = np.zeros(s, np.int32)
-    keys = np.zeros((s,) + seqs[0].key.shape, seqs[0].key.dtype)
+    keys = np.zeros((s,) + self._key_shape, np.uint32)
     for q in seqs:
       sm = q.req.sampling
       temp[q.slot], top_k[q.slot], top_p[q.slot] = sm.temperature, sm.top_k, sm.top_p
@@ -347,16 +352,39 @@ class Engine:
     return samp, bool(np.all(temp == 0))
 
   def _run(self, fn, args, what, **static):
-    """Runs jitted `fn` through an ahead-of-time compiled executable (compile time -> stats)."""
+    """Runs jitted `fn` through its ahead-of-time compiled executable."""
+    return self._compiled(fn, args, what, **static)(*args)
+
+  def _compiled(self, fn, args, what, **static):
+    """The executable of jitted `fn` for these shapes and statics, compiled once (time -> stats)."""
     key = (fn, tuple(getattr(a, "shape", None) for a in args[1:2]), tuple(sorted(static.items())))
     if key not in self._executables:
+      self._stage("compiling", what=what)
       t0 = time.perf_counter()
       self._executables[key] = fn.lower(*args, graphdef=self.graphdef, **static).compile()
       dt = time.perf_counter() - t0
       self.stats["compile_s"] += dt
-      if self.on_stage:
-        self.on_stage("compile", dict(what=what, seconds=dt))
-    return self._executables[key](*args)
+      self._stage("compiled", what=what, seconds=dt)
+    return self._executables[key]
+
+  def _stage(self, stage, **info):
+    if self.on_stage is not None:
+      self.on_stage(stage, info)
+
+  def warmup(self, prompt_lengths: Iterable[int], *, greedy: bool = True) -> None:
+    """Compiles ahead of time every step that requests with these prompt lengths can use (one
+    prefill per length bucket; decode with and without block sealing), so that no compile falls
+    inside the run. greedy: compile the greedy variants (all temperatures 0) or the sampling ones."""
+    samp, _ = self._sampling_arrays([])
+    s, pages = self.max_seqs, self.allocator.page_indices
+    zeros = np.zeros(s, np.int32)
+    for bucket in sorted({length_bucket(int(n)) for n in prompt_lengths}):
+      self._compiled(_prefill, (self.state, np.zeros((s, bucket), np.int32), zeros, zeros, pages,
+                                self.cache, samp, np.int32(0)),
+                     f"prefill, {bucket}-token bucket", greedy=greedy)
+    for seal in ("never", "always") if self.quant.kv_format == "hack" else ("never",):
+      self._compiled(_decode, (self.state, zeros, np.zeros(s, bool), zeros, pages, self.cache,
+                               samp, np.int32(0)), "decode step", greedy=greedy, seal=seal)
 
   def _count(self) -> np.int32:
     self._steps += 1
@@ -373,6 +401,7 @@ class Engine:
       tokens[q.slot, :lengths[q.slot]] = q.req.prompt_ids
     kv_lens = np.where(lengths > 0, lengths, self._kv_lens).astype(np.int32)
     samp, greedy = self._sampling_arrays(seqs)
+    self._stage("prefilling", requests=len(seqs), tokens=int(lengths.sum()))
     compile0, t0 = self.stats["compile_s"], time.perf_counter()
     self.cache, tok, logp = self._run(
         _prefill, (self.state, tokens, lengths, kv_lens, self.allocator.page_indices, self.cache,
@@ -383,8 +412,7 @@ class Engine:
     self.stats["prefill_s"] += dt
     self.stats["prompt_tokens"] += int(lengths.sum())
     self.stats["prefill_calls"] += 1
-    if self.on_stage:
-      self.on_stage("prefill", dict(requests=len(seqs), tokens=int(lengths.sum()), seconds=dt))
+    self._stage("prefilled", requests=len(seqs), tokens=int(lengths.sum()), seconds=dt)
     return [ev for q in seqs for ev in self._on_token(q, int(tok[q.slot]), float(logp[q.slot]))]
 
   def _decode(self, seqs: list[_Seq]) -> list[Event]:

@@ -8,16 +8,11 @@ A tiny random Llama (2 layers) with the real SmolLM2 tokenizer; hack cache with 
 import jax
 import numpy as np
 import pytest
-from flax import nnx
-from gguf import GGUFReader
 
+import tiny_llama
 from hack_jax.config import QuantConfig
-from models.config import ModelConfig
 from models.engine import Engine, Request, sample_rows
 from models.generate import Generator, Sampling, sample
-from models.gguf_loader import default_model_path, read_metadata
-from models.llama import Llama
-from models.tokenizer import Tokenizer
 
 QUANT = QuantConfig(partition_size=16, page_size=64)
 MAX_SEQS, MAX_LEN = 3, 256
@@ -28,15 +23,12 @@ SHAPES = [(5, 9), (70, 3), (120, 12), (20, 1), (64, 17), (3, 5), (100, 8)]
 
 @pytest.fixture(scope="module")
 def tok():
-  return Tokenizer.from_gguf_metadata(read_metadata(GGUFReader(default_model_path())))
+  return tiny_llama.tokenizer()
 
 
 @pytest.fixture(scope="module")
-def model(tok):
-  cfg = ModelConfig("llama", vocab_size=tok.vocab_size, num_layers=2, embed_dim=64, hidden_dim=96,
-                    num_q_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,
-                    rope_theta=1e4, max_seq_len=512, tied_embeddings=True, qkv_bias=False)
-  return Llama(cfg, rngs=nnx.Rngs(0))
+def model():
+  return tiny_llama.checkpoint_and_model()[1]
 
 
 @pytest.fixture(scope="module")
