@@ -28,6 +28,9 @@
 #   SWEEP_TIMEOUT=90                               seconds per stage
 #   GENERATE=1 GENERATE_ARGS="..."                 bench/bench_generate.py (end to end, random weights) ->
 #                                                  OUT_DIR/generate/ (GENERATE_TIMEOUT=200)
+#   HANDOFF=1 HANDOFF_ARGS="--contexts 4096 16384 65536"
+#                                                  bench/bench_handoff.py (one sequence's cache: bytes,
+#                                                  serialize / send / restore) -> OUT_DIR/handoff/ (HANDOFF_TIMEOUT=150)
 #   MODEL_CHECK=1 MODEL=/path/to.gguf TEXT=...      bench/model_check.py (the real model, pallas vs
 #                                                  reference) -> OUT_DIR/model_check/ (MODEL_CHECK_TIMEOUT=220);
 #                                                  needs the `gguf` wheel in .whl/ (installed to /tmp/site)
@@ -141,6 +144,13 @@ if [[ -n "${GENERATE:-}" ]]; then
   timeout -k 5 "${GENERATE_TIMEOUT:-200}" python3 bench/bench_generate.py --out "$OUT/generate" ${GENERATE_ARGS:-} 2>&1 \
     | tee "$OUT/generate.log"
   echo "generate bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/generate.log"
+fi
+
+if [[ -n "${HANDOFF:-}" ]]; then
+  # shellcheck disable=SC2086
+  timeout -k 5 "${HANDOFF_TIMEOUT:-150}" python3 bench/bench_handoff.py --out "$OUT/handoff" ${HANDOFF_ARGS:-} 2>&1 \
+    | tee "$OUT/handoff.log"
+  echo "handoff bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/handoff.log"
 fi
 
 if [[ -n "${EVAL:-}" ]]; then
