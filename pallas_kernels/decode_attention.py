@@ -69,7 +69,7 @@ from pallas_kernels.common import NUM_PLANES
 DotDtype = Literal["int8", "folded_f16", "folded_bf16"]
 DOT_DTYPES = ("int8", "folded_f16", "folded_bf16")
 H200_NUM_SMS = 132
-# Programs resident per SM at once, by operand mode: 4 warps x 168 registers ("int8") / 222 registers
+# Programs resident per SM at once, by operand mode: 4 warps x 168 registers ("int8") / 220 registers
 # (folded; ptxas, sm_90, Triton 3.6, offline: bench/NOTES_decode.md) in the 64K registers of an SM.
 RESIDENT_PROGRAMS_PER_SM = {"int8": 3, "folded_f16": 2, "folded_bf16": 2}
 
