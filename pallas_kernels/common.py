@@ -6,8 +6,7 @@
   through, and exactly the Pallas-Triton DeprecationWarning ("The Pallas Triton backend is deprecated",
   jax >= 0.11, emitted while lowering) filtered. The warning is raised when the enclosing jit is lowered,
   which can happen outside any call of ours, so the same single filter is also installed once at import.
-- `load(ref_at, mask, other)`: masked load (always with `other=`: interpret mode leaves masked lanes
-  untouched otherwise). `quiet(fn)`: decorator for public entry points (same filter around eager calls).
+- `quiet(fn)`: decorator for public entry points (same filter around eager calls).
 - In-kernel 2-bit plane unpacking for DESIGN.md's planar packing (plane j = bits 2j..2j+1): `plane`
   (u8 codes), `plane_int8_masked` (int8 dot operands code * 4**e, inline PTX on the GPU),
   `folded_plane` (exact 16-bit float operands, inline PTX on the GPU); `select_rows`; exact integer
@@ -82,13 +81,6 @@ def quiet(fn):
     return wrapper
 
 
-def load(ref_at, *, mask=None, other=None):
-    """Load `ref.at[...]`; with a mask, masked lanes read `other` (interpret mode honours only `other`)."""
-    if mask is None:
-        return pltriton.load(ref_at)
-    return pltriton.load(ref_at, mask=mask, other=other)
-
-
 # ----------------------------------------------------------------------------- 2-bit unpacking
 # DESIGN.md packing (hack_jax.packing): byte i of a packing group holds 4 codes, plane j in bits
 # [2j, 2j+1] = position i of the group's block j.
@@ -99,7 +91,7 @@ def plane(tile: jax.Array, j: int) -> jax.Array:
     return x & jnp.uint8(3)
 
 
-# "int8" masked planes: plane j as code * 4**PLANE_SHIFT_EXP[j] <= 48 (int8-safe), the weight 4**-e undone on
+# "int8" masked planes: plane j as code * 4**MASKED_PLANE_EXP[j] <= 48 (int8-safe), the weight 4**-e undone on
 # the dot result (`masked_plane_weights`); plane 3 needs one shift (code * 64 = 192 > 127).
 _MASKED_PLANE = {0: (0, 0x03), 1: (0, 0x0C), 2: (0, 0x30), 3: (2, 0x30)}  # j -> (right shift, byte mask)
 MASKED_PLANE_EXP = (0, 1, 2, 2)  # plane j holds code_j * 4**MASKED_PLANE_EXP[j]
@@ -109,8 +101,8 @@ def plane_int8_masked(tile: jax.Array, j: int, *, asm: bool) -> jax.Array:
     """"int8" plane j of a u8 code tile as code_j * 4**MASKED_PLANE_EXP[j] (values <= 48): planes 0-2 are
     `byte & (3 << 2j)` (one AND per 4 codes with inline PTX, no shift), plane 3 `(byte >> 2) & 0x30`;
     the dot results are exact integers (|dot| <= 127 * 48 * inner dim < 2**24) and the caller
-    multiplies them by 4**-MASKED_PLANE_EXP[j] (`masked_plane_weights`, exact). asm (GPU only): on 4 packed bytes per 32-bit
-    register by `elementwise_inline_asm`, else jnp (interpret mode; same bits)."""
+    multiplies them by 4**-MASKED_PLANE_EXP[j] (`masked_plane_weights`, exact). asm (GPU only): on 4 packed
+    bytes per 32-bit register by `elementwise_inline_asm`, else jnp (interpret mode; same bits)."""
     shift, mask = _MASKED_PLANE[j]
     if not asm:
         x = tile >> jnp.uint8(shift) if shift else tile
