@@ -79,8 +79,8 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens = _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
     if impl != "reference":
-        return _pallas(impl, "decode", layer)(q, *_kernel_cache(layer), page_indices, kv_lens,
-                                              **kernel_options)
+        arrays, static = _decode_kernel_args(layer)
+        return _pallas(impl, "decode", layer)(q, *arrays, page_indices, kv_lens, **static, **kernel_options)
     return _reference(q[:, None], layer, page_indices, kv_lens, None, decode=True)[:, 0]
 
 
@@ -150,6 +150,19 @@ def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
 
 def _kernel_cache(layer):
     return (layer.k, layer.v) if isinstance(layer, kv_cache.DensePages) else (layer,)
+
+
+_KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k",
+                "open_v", "sink_k", "sink_v")
+
+
+def _decode_kernel_args(layer):
+    """(arrays, static ints) of a decode kernel call: bf16 pages (k, v); a kivi layer's arrays in the
+    kernels' order with its partition_size / num_sink_tokens (the kernels take arrays only)."""
+    if isinstance(layer, kv_cache.DensePages):
+        return (layer.k, layer.v), {}
+    return (tuple(getattr(layer, f) for f in _KIVI_FIELDS),
+            dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens))
 
 
 def _pallas(impl, kind, layer):
