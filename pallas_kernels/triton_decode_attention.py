@@ -84,7 +84,7 @@ class KernelConfig:
     unpack_asm: the inline-PTX unpack (False: Triton integer ops, e.g. for Triton's interpreter)."""
     num_splits: int = 1
     num_warps: int = 4
-    num_stages: int = 1
+    num_stages: int = 2
     unpack_asm: bool = True
 
 

@@ -31,6 +31,23 @@ def _planes(x, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _qk(q, k_codes_ptr, k_scale_ptr, k_min_ptr, ph, gi, slot, valid, CG: tl.constexpr, PC: tl.constexpr,
+        P: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, USE_ASM: tl.constexpr):
+    # Channel group CG of the logits: (4**j dot(codes_K, f16(q * sigma)) [4, P, GP], q . mu [4, GP]) for
+    # q f32[PC, GP] (the group's channels). Per channel group, so each warp's A operand is [P, PC].
+    c = tl.arange(0, PC)
+    r = tl.arange(0, P)
+    j = tl.arange(0, 4)
+    kt = tl.load(k_codes_ptr + ph * (PAGE_SIZE // 4 * HEAD_DIM) + (gi * P + r)[None, :, None] * HEAD_DIM
+                 + CG * PC + c[None, None, :] + 0 * j[:, None, None])  # u8[4, P, PC]
+    meta = (ph * (PAGE_SIZE // P) + slot[:, None]) * HEAD_DIM + CG * PC + c[None, :]  # [4, PC]
+    sigma = tl.load(k_scale_ptr + meta, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, PC]
+    mu = tl.load(k_min_ptr + meta, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, PC]
+    a = (q[None, :, :] * sigma[:, :, None]).to(tl.float16)  # [4, PC, GP] scale-folded query
+    return tl.dot(_planes(kt, USE_ASM), a, out_dtype=tl.float32), tl.sum(q[None, :, :] * mu[:, :, None], axis=1)
+
+
+@triton.jit
 def _pv(acc, alpha, pr, plane_w, valid, v_codes_ptr, v_scale_ptr, v_min_ptr, ph, gi, slot,
         CG: tl.constexpr, PC: tl.constexpr, NP: tl.constexpr, P: tl.constexpr, PAGE_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, USE_ASM: tl.constexpr):
@@ -70,6 +87,18 @@ def _residual_pv(p, v_ptr, row0, rows, n, CG: tl.constexpr, PC: tl.constexpr, HE
 
 
 @triton.jit
+def _residual_qk(q0, q1, k_ptr, row0, rows, n, PC: tl.constexpr, NP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # bf16 K rows [row0, row0 + n) (masked) @ q (channel groups q0, q1 f32[PC, GP]) -> f32[n_rows, GP]
+    c = tl.arange(0, PC)
+    ptrs = k_ptr + (row0 + rows)[:, None] * HEAD_DIM + c[None, :]
+    out = tl.dot(tl.load(ptrs, mask=(rows < n)[:, None], other=0.0).to(tl.float32), q0, input_precision="ieee")
+    if NP == 2:
+        out += tl.dot(tl.load(ptrs + PC, mask=(rows < n)[:, None], other=0.0).to(tl.float32), q1,
+                      input_precision="ieee")
+    return out
+
+
+@triton.jit
 def hack_triton_decode_kernel(
         kv_lens_ptr, page_indices_ptr, q_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
         v_min_ptr, open_k_ptr, open_v_ptr, sink_k_ptr, sink_v_ptr, acc_ptr, m_ptr, l_ptr,
@@ -95,9 +124,13 @@ def hack_triton_decode_kernel(
     after_sinks = tl.minimum(tl.maximum(kv_len - NS, 0), PAGES_PER_SEQ * PAGE_SIZE)  # clipped to capacity
     num_blocks = after_sinks // P
     num_open = after_sinks % P
-    # q^T * sm_scale * log2(e): logits in base 2 (exp2); columns g >= GROUP are 0
-    q = tl.load(q_ptr + ((b * NUM_KV_HEADS + h) * GROUP + g)[None, :] * HEAD_DIM + d[:, None],
-                mask=(g < GROUP)[None, :], other=0.0).to(tl.float32) * QK_SCALE  # [D, GP]
+    # q^T * sm_scale * log2(e) per channel group: logits in base 2 (exp2); columns g >= GROUP are 0
+    c = tl.arange(0, PC)
+    q_rows = q_ptr + ((b * NUM_KV_HEADS + h) * GROUP + g)[None, :] * HEAD_DIM
+    q0 = tl.load(q_rows + c[:, None], mask=(g < GROUP)[None, :], other=0.0).to(tl.float32) * QK_SCALE  # [PC, GP]
+    q1 = q0  # channel group 1 (NP == 2), else unused
+    if NP == 2:
+        q1 = tl.load(q_rows + PC + c[:, None], mask=(g < GROUP)[None, :], other=0.0).to(tl.float32) * QK_SCALE
 
     if split < NUM_SPLITS:
         n_groups = (num_blocks + 3) // 4
@@ -115,14 +148,13 @@ def hack_triton_decode_kernel(
             ph = pid.to(tl.int64) * NUM_KV_HEADS + h  # (page, kv head) index
             slot = gi * 4 + j  # [4] block slots in the page
             valid = tg * 4 + j < num_blocks  # [4]
-            kt = tl.load(k_codes_ptr + ph * (PAGE_SIZE // 4 * HEAD_DIM) + (gi * P + r)[None, :, None] * HEAD_DIM
-                         + d[None, None, :] + 0 * j[:, None, None])  # u8[4, P, D]
-            meta = (ph * (PAGE_SIZE // P) + slot[:, None]) * HEAD_DIM + d[None, :]  # [4, D]
-            sigma = tl.load(k_scale_ptr + meta, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, D]
-            mu = tl.load(k_min_ptr + meta, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, D]
-            a = (q[None, :, :] * sigma[:, :, None]).to(tl.float16)  # [4, D, GP] scale-folded query
-            qmu = tl.sum(q[None, :, :] * mu[:, :, None], axis=1)  # [4, GP]
-            s = tl.dot(_planes(kt, USE_ASM), a, out_dtype=tl.float32)  # [4, P, GP] = 4**j codes . a
+            s, qmu = _qk(q0, k_codes_ptr, k_scale_ptr, k_min_ptr, ph, gi, slot, valid, 0, PC, P, PAGE_SIZE,
+                         HEAD_DIM, USE_ASM)  # [4, P, GP], [4, GP]
+            if NP == 2:
+                s1, qmu1 = _qk(q1, k_codes_ptr, k_scale_ptr, k_min_ptr, ph, gi, slot, valid, 1, PC, P, PAGE_SIZE,
+                               HEAD_DIM, USE_ASM)
+                s += s1
+                qmu += qmu1
             s = s * plane_w[:, None, None] + qmu[:, None, :]
             s = tl.where(valid[:, None, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [4, GP]
@@ -140,16 +172,14 @@ def hack_triton_decode_kernel(
     else:
         # The last program: sinks and the open block, float32 attention on their 16-bit K/V.
         seq_head = b * NUM_KV_HEADS + h
-        ok = tl.load(open_k_ptr + (seq_head * P + r)[:, None] * HEAD_DIM + d[None, :],
-                     mask=(r < num_open)[:, None], other=0.0).to(tl.float32)  # [P, D]
-        so = tl.where((r < num_open)[:, None], tl.dot(ok, q, input_precision="ieee"), float("-inf"))  # [P, GP]
+        so = tl.where((r < num_open)[:, None], _residual_qk(q0, q1, open_k_ptr, seq_head * P, r, num_open, PC, NP,
+                                                            HEAD_DIM), float("-inf"))  # [P, GP]
         m_o = tl.max(so, axis=0)
         if NS > 0:
             t = tl.arange(0, NS_PAD)
             n_sinks = tl.minimum(kv_len, NS)
-            sk = tl.load(sink_k_ptr + (seq_head * NS + t)[:, None] * HEAD_DIM + d[None, :],
-                         mask=(t < n_sinks)[:, None], other=0.0).to(tl.float32)  # [T, D]
-            ss = tl.where((t < n_sinks)[:, None], tl.dot(sk, q, input_precision="ieee"), float("-inf"))  # [T, GP]
+            ss = tl.where((t < n_sinks)[:, None], _residual_qk(q0, q1, sink_k_ptr, seq_head * NS, t, n_sinks, PC, NP,
+                                                               HEAD_DIM), float("-inf"))  # [T, GP]
             m_o = tl.maximum(m_o, tl.max(ss, axis=0))
         m_safe = tl.where(m_o == float("-inf"), 0.0, m_o)
         po = tl.exp2(so - m_safe[None, :])  # [P, GP]
@@ -168,7 +198,6 @@ def hack_triton_decode_kernel(
     out_row = ((b * NUM_KV_HEADS + h) * (NUM_SPLITS + 1) + split) * GROUP_PAD + g  # [GP]
     tl.store(m_ptr + out_row, m_o)
     tl.store(l_ptr + out_row, l_o)
-    c = tl.arange(0, PC)
     tl.store(acc_ptr + out_row[None, :] * HEAD_DIM + c[:, None], acc0_o)
     if NP == 2:
         tl.store(acc_ptr + out_row[None, :] * HEAD_DIM + PC + c[:, None], acc1_o)
