@@ -8,26 +8,29 @@ packing group (its 4 blocks), T = NS_PAD padded sink rows.
 import triton
 import triton.language as tl
 
-# Plane j of a packed byte (bits 2j..2j+1) as the exact f16 value code * 4**j, 4 bytes per call ($2)
-# with the plane's mask in every byte of $3: AND the plane's bits, spread bytes 0,1 (2,3) into the low
-# bytes of two half words under the exponent byte 0x64 (PRMT: f16 1024 + code * 4**j), subtract 1024
-# (HSUB2). 5 instructions per 4 codes, no integer-to-float convert.
+# Plane j of a packed byte (bits 2j..2j+1) as the exact f16 value code * 4**j, 4 bytes per call ($2):
+# AND the plane's bits, spread bytes 0,1 (2,3) into the low bytes of two half words under the exponent
+# byte 0x64 (PRMT: f16 1024 + code * 4**j), subtract 1024 (HSUB2): 5 instructions per 4 codes, no
+# integer-to-float convert. The plane is the warp's index (tid.x / 32): the 3-D dots' mma layout puts
+# warp j on batch index j (warpsPerCTA [4, 1, 1], see the TTGIR), so the mask costs one hoisted register
+# and the unpack's only operand is the loaded tile, which lets Triton load the tile from shared memory
+# straight into the dot-operand layout and unpack there (no f16 round trip through shared memory).
 _UNPACK_ASM = tl.constexpr(
-    "{ .reg .b32 t, k, z; and.b32 t, $2, $3; mov.b32 k, 0x64646464; mov.b32 z, 0x64006400; "
-    "prmt.b32 $0, t, k, 0x4140; prmt.b32 $1, t, k, 0x4342; sub.f16x2 $0, $0, z; sub.f16x2 $1, $1, z; }")
+    "{ .reg .b32 t, k, z, w, m; mov.u32 w, %tid.x; shr.u32 w, w, 5; shl.b32 w, w, 1; "
+    "mov.b32 m, 0x03030303; shl.b32 m, m, w; and.b32 t, $2, m; mov.b32 k, 0x64646464; "
+    "mov.b32 z, 0x64006400; prmt.b32 $0, t, k, 0x4140; prmt.b32 $1, t, k, 0x4342; "
+    "sub.f16x2 $0, $0, z; sub.f16x2 $1, $1, z; }")
 
 
 @triton.jit
 def _planes(x, USE_ASM: tl.constexpr):
-    # x u8[4, A, B] packed bytes (the same tile 4 times) -> f16[4, A, B], [j] = code of plane j * 4**j (exact)
-    j = tl.arange(0, 4)
-    mask = (3 << (2 * j)).to(tl.uint8)[:, None, None]  # [4, 1, 1]
-    x3 = x
+    # x u8[4, A, B] packed bytes (the same tile 4 times) -> f16[4, A, B], [j] = code of plane j * 4**j
+    # (exact). USE_ASM needs num_warps == 4 (plane = warp, above).
     if USE_ASM:
-        return tl.inline_asm_elementwise(_UNPACK_ASM, "=r,=r,r,r", [x3, mask], dtype=tl.float16, is_pure=True,
-                                         pack=4)
+        return tl.inline_asm_elementwise(_UNPACK_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
     else:
-        return (x3 & mask).to(tl.float16)
+        j = tl.arange(0, 4)
+        return (x & (3 << (2 * j)).to(tl.uint8)[:, None, None]).to(tl.float16)
 
 
 @triton.jit

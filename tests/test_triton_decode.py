@@ -200,6 +200,21 @@ def test_triton_kernel_in_the_interpreter_matches_float64_twin():
     assert r.stdout.count(": ok") == 4, r.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the offline sm_90 compile needs `triton`")
+@pytest.mark.parametrize("heads", [(32, 8, 128), (28, 4, 128), (8, 8, 64)], ids=["g4_d128", "g7_d128", "g1_d64"])
+def test_unpack_asm_layout_assumption_holds(heads, tmp_path):
+    """The inline-PTX unpack takes the plane from the warp index: every mma layout of the compiled kernel
+    must put the 4 warps on the batch (plane) axis. Compiled offline for sm_90, as on the H200."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import triton_decode_offline
+    hq, hkv, d = heads
+    triton_decode_offline.compile_report(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_stages=2,
+                                         pages_per_seq=4, num_splits=2, out_dir=str(tmp_path))
+    ttgir = (tmp_path / "kernel.ttgir").read_text()
+    mmas = [line for line in ttgir.splitlines() if "nvidia_mma<" in line and line.startswith("#")]
+    assert mmas and all("warpsPerCTA = [4, 1, 1]" in m for m in mmas), mmas
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU: the host side
 # ----------------------------------------------------------------------------------------------
