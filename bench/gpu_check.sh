@@ -37,8 +37,9 @@
 #   TRITON=1 TRITON_ARGS="--heads llama3.1-8b --batches 1 8 --kv-lens 1024 32768 131072 --reps 3"
 #                                                  the jax-triton kernel (impl="triton"): its gpu tests
 #                                                  (tests/test_triton_decode.py) and benchmark rows beside hack
-#                                                  and bf16 -> OUT_DIR/triton/ (TRITON_TIMEOUT=300); needs the
-#                                                  jax_triton wheel in .whl/
+#                                                  and bf16 -> OUT_DIR/triton/ (TRITON_TEST_TIMEOUT=200,
+#                                                  TRITON_TIMEOUT=300 for the benchmark); needs the jax_triton
+#                                                  and absl_py wheels in .whl/
 #   WHEELS: .whl/*.whl (jax_triton, gguf, ...) are installed to /tmp/site before any stage when present
 #   PASSKEY=1 MODEL=... PASSKEY_ARGS="--formats ... --lengths ... --haystack FILE"
 #                                                  bench/bench_passkey.py -> OUT_DIR/passkey/ (PASSKEY_TIMEOUT=300)
@@ -111,14 +112,16 @@ if [[ -z "${SKIP_BENCH:-}" ]]; then
 fi
 
 if [[ -n "${TRITON:-}" ]]; then
-  # One process: tests first (a wrong kernel is not worth timing), then hack (int8 Pallas), bf16, triton rows.
+  # Tests first (a wrong kernel is not worth timing), then hack (int8 Pallas), bf16 and triton rows in one table.
   mkdir -p "$OUT/triton"
-  timeout -k 5 "${TRITON_TIMEOUT:-300}" bash -c '
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -m gpu tests/test_triton_decode.py 2>&1 | tee "$0/triton_tests.log"
-    echo "triton tests exit: ${PIPESTATUS[0]}" | tee -a "$0/triton_tests.log"
-    python3 bench/bench_decode_attention.py --out "$0" --impls bf16 hack triton --hack-dots int8 $1 2>&1 | tee "$0/bench.log"
-    echo "triton bench exit: ${PIPESTATUS[0]}" | tee -a "$0/bench.log"
-  ' "$OUT/triton" "${TRITON_ARGS:---heads llama3.1-8b --batches 1 8 --kv-lens 1024 32768 131072 --reps 3}"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${TRITON_TEST_TIMEOUT:-200}" python3 -m pytest -q -m gpu \
+    tests/test_triton_decode.py 2>&1 | tee "$OUT/triton/triton_tests.log"
+  echo "triton tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/triton/triton_tests.log"
+  # shellcheck disable=SC2086
+  timeout -k 5 "${TRITON_TIMEOUT:-300}" python3 bench/bench_decode_attention.py --out "$OUT/triton" \
+    --impls bf16 hack triton --hack-dots int8 \
+    ${TRITON_ARGS:---heads llama3.1-8b --batches 1 8 --kv-lens 1024 32768 131072 --reps 3} 2>&1 | tee "$OUT/triton/bench.log"
+  echo "triton bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/triton/bench.log"
 fi
 
 if [[ -n "${PREFILL_BENCH:-}" ]]; then
