@@ -6,7 +6,7 @@ registers / stack / shared memory and, per innermost loop, the instruction count
 and packing group (bench/triton_offline.py's counter). No GPU, no jax-triton needed.
 
     PYTHONPATH=.:/tmp/tri python3 bench/triton_decode_offline.py [--heads llama3.1-8b] [--stages 1 2]
-        [--no-asm] [--fold-bias] [--out DIR]
+        [--no-asm] [--out DIR]
 
 Prints one JSON line per config (bench/NOTES_triton.md has the numbers).
 """
@@ -29,8 +29,7 @@ POINTERS = dict(kv_lens_ptr="*i32", page_indices_ptr="*i32", q_ptr="*fp32", k_co
 
 
 def compile_report(*, num_q_heads, num_kv_heads, head_dim, partition_size=64, page_size=256, pages_per_seq=128,
-                   num_splits=6, num_warps=4, num_stages=2, unpack_asm=True, fold_bias=False,
-                   out_dir="/tmp/triton_decode_offline"):
+                   num_splits=6, num_warps=4, num_stages=2, unpack_asm=True, out_dir="/tmp/triton_decode_offline"):
     """Compiles the kernel for sm_90; returns dict(regs, stack, shared, sass_instr, loops=[...])."""
     import subprocess
 
@@ -43,7 +42,7 @@ def compile_report(*, num_q_heads, num_kv_heads, head_dim, partition_size=64, pa
     consts = kernel_constants(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                               partition_size=partition_size, page_size=page_size, pages_per_seq=pages_per_seq,
                               num_pages=1 + 8 * pages_per_seq, num_sink_tokens=4, num_splits=num_splits,
-                              unpack_asm=unpack_asm, fold_bias=fold_bias)
+                              unpack_asm=unpack_asm)
     names = kernel.arg_names
     signature = {n: POINTERS.get(n, "constexpr") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS}  # as jax-triton
@@ -73,17 +72,14 @@ def main():
     ap.add_argument("--heads", nargs="+", default=["llama3.1-8b"], choices=sorted(HEADS))
     ap.add_argument("--stages", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--no-asm", action="store_true", help="Triton integer unpack instead of the inline PTX")
-    ap.add_argument("--fold-bias", action="store_true", help="KernelConfig.fold_bias")
     ap.add_argument("--out", default="/tmp/triton_decode_offline")
     args = ap.parse_args()
     for heads in args.heads:
         hq, hkv, d = HEADS[heads]
         for stages in args.stages:
             row = compile_report(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, num_stages=stages,
-                                 unpack_asm=not args.no_asm, fold_bias=args.fold_bias,
-                                 out_dir=os.path.join(args.out, f"{heads}_s{stages}"))
-            print(json.dumps(dict(heads=heads, num_stages=stages, unpack_asm=not args.no_asm, fold_bias=args.fold_bias,
-                                  **row)), flush=True)
+                                 unpack_asm=not args.no_asm, out_dir=os.path.join(args.out, f"{heads}_s{stages}"))
+            print(json.dumps(dict(heads=heads, num_stages=stages, unpack_asm=not args.no_asm, **row)), flush=True)
 
 
 if __name__ == "__main__":
