@@ -33,20 +33,27 @@ of each group), with no cross-warp reduction in the loop; the 4 streams are merg
 the programs by a log-sum-exp in jnp (common.lse_combine). The products are transposed (tokens or
 channels as M, the G query heads as N): the K codes [P, head_dim] and V codes [Pc, P] are the A
 operands in their stored orientation and the softmax weights [P, G] are PV's B operand as they come.
-Codes become f16 by inline PTX (AND + PRMT under the exponent byte 0x64 + HSUB2, 5 instructions per 4
-codes, no int-to-float convert), as code * 4**j; the 4**-j goes into the FMA after the dot. The exp
-is exp2 with log2(e) folded into q.
+Codes become f16 by inline PTX (AND + PRMT under the exponent byte 0x64 + sub.f16x2, 5 instructions per 4
+codes, no int-to-float convert), as code * 4**j; the 4**-j goes into the FMA after the dot. The plane
+j is the warp's index, so the unpack's only operand is the loaded tile and Triton loads the u8 tile
+from shared memory straight into the MMA operand layout and unpacks there (no 16-bit round trip
+through shared memory; 1.98k -> 1.53k instructions). The exp is exp2 with log2(e) folded into q;
+num_stages 2 double-buffers the tile loads with cp.async.
 
-Numbers (offline, Triton 3.6 for sm_90, bench/NOTES_triton.md; none measured on a GPU yet): Llama-3.1-8B
-heads (G 4, head_dim 128, P 64, page 256), num_warps 4: 255 registers, no spills, 1.89k SASS instructions
-per packing group (4 blocks) with num_stages 1 (68 KiB shared), 1.94k with num_stages 2 (135 KiB).
+Numbers (offline: Triton 3.6 for sm_90, bench/triton_decode_offline.py, bench/NOTES_triton.md; nothing
+measured on a GPU yet): Llama-3.1-8B heads (G 4, head_dim 128, P 64, page 256), num_warps 4,
+num_stages 2: 255 registers, no spills, 72 KiB shared (2 programs per SM), 1.53k SASS instructions per
+warp and loop trip, i.e. per 64-token block (64 HMMA; 256 HADD2 + 284 PRMT + 136 LOP3 of unpack;
+12 CTA barriers).
 
-Caveats: head_dim <= 2 * partition_size (NP <= 2: Llama, SmolLM2); f16 operands overflow if
+Caveats: head_dim <= 2 * partition_size (NP <= 2: Llama, SmolLM2); num_warps 4 only: the inline PTX
+takes the plane from the warp index, which holds because Triton lays these 3-D dots out with
+warpsPerCTA [4, 1, 1] (tests/test_triton_decode.py checks the compiled TTGIR); f16 operands overflow if
 |q_s * sigma| or |W * tau| exceeds 65504 (far from real caches), and lose relative precision below
 6e-5 (f16 subnormals; such terms are < 6e-5 of a logit or of a weight); the inline PTX needs a CUDA
 GPU (unpack_asm=False uses Triton integer ops, same values); each warp reads the whole u8 tile of
 its group (4x the L1 traffic of the bytes; the HBM bytes are read once); jax-triton 0.3.1 passes no
-`maxnreg`; page ids outside [0, num_pages) read page 0 (the null page); kv_lens beyond the capacity
+`maxnreg` (forcing 168 registers offline spilled 264 B per thread anyway); page ids outside [0, num_pages) read page 0 (the null page); kv_lens beyond the capacity
 are clipped to it, as hack_jax.kv_cache.read_blocks does.
 
 Reference twin: dequantize-then-attend in float64, tests/test_triton_decode.py::numpy_folded_decode
