@@ -53,9 +53,11 @@ cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-# Wheels the device lacks (no network there): jax_triton for impl="triton", gguf for the model stages.
+# Wheels the device lacks (no network there): jax_triton (+ absl) for impl="triton", gguf for the model
+# stages. One pip call for all; if one wheel cannot install (wrong tag), the others one by one.
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  pip_site() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@"; }
+  pip_site .whl/*.whl >"$OUT/wheels.log" 2>&1 || for w in .whl/*.whl; do pip_site "$w" >>"$OUT/wheels.log" 2>&1 || echo "wheel not installed: $w" | tee -a "$OUT/wheels.log"; done
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 
