@@ -47,7 +47,8 @@ def compile_report(*, num_q_heads, num_kv_heads, head_dim, partition_size=64, pa
     signature = {n: POINTERS.get(n, "constexpr") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS}  # as jax-triton
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
     os.makedirs(out_dir, exist_ok=True)
     cubin = os.path.join(out_dir, "kernel.cubin")
     with open(cubin, "wb") as fh:
@@ -59,8 +60,8 @@ def compile_report(*, num_q_heads, num_kv_heads, head_dim, partition_size=64, pa
     res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
     sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout
     regs, stack = triton_offline.resources(res)
-    row = dict(regs=regs, stack=stack, shared=compiled.metadata.shared, sass_instr=len(triton_offline.instructions(sass)),
-               loops=[])
+    row = dict(regs=regs, stack=stack, shared=compiled.metadata.shared,
+               sass_instr=len(triton_offline.instructions(sass)), loops=[])
     for lo, hi, n in triton_offline.loops(sass, 200):
         ops = triton_offline.op_counts(sass, lo, hi)
         row["loops"].append(dict(lo=hex(lo), instr=n, **{k: ops[k] for k in triton_offline.COUNTED if ops[k]}))

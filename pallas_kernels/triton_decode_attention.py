@@ -53,8 +53,9 @@ warpsPerCTA [4, 1, 1] (tests/test_triton_decode.py checks the compiled TTGIR); f
 6e-5 (f16 subnormals; such terms are < 6e-5 of a logit or of a weight); the inline PTX needs a CUDA
 GPU (unpack_asm=False uses Triton integer ops, same values); each warp reads the whole u8 tile of
 its group (4x the L1 traffic of the bytes; the HBM bytes are read once); jax-triton 0.3.1 passes no
-`maxnreg` (forcing 168 registers offline spilled 264 B per thread anyway); page ids outside [0, num_pages) read page 0 (the null page); kv_lens beyond the capacity
-are clipped to it, as hack_jax.kv_cache.read_blocks does.
+`maxnreg` (forcing 168 registers offline spilled 264 B per thread anyway); page ids outside
+[0, num_pages) read page 0 (the null page); kv_lens beyond the capacity are clipped to it, as
+hack_jax.kv_cache.read_blocks does.
 
 Reference twin: dequantize-then-attend in float64, tests/test_triton_decode.py::numpy_folded_decode
 (the float64 attention over sigma*k + mu, tau*v + nu and the 16-bit tokens; the kernel differs from

@@ -120,7 +120,6 @@ def hack_triton_decode_kernel(
     h = tl.program_id(1)
     split = tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
     r = tl.arange(0, P)
     j = tl.arange(0, 4)
     kv_len = tl.load(kv_lens_ptr + b)

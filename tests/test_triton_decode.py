@@ -229,8 +229,9 @@ def test_default_config_fills_a_wave_and_never_exceeds_the_groups():
         assert 1 <= cfg.num_splits <= groups
         cost = lambda s: -(-batch * 8 * s // slots) * (-(-groups // s) + 1)  # noqa: E731
         assert cost(cfg.num_splits) == min(cost(s) for s in range(1, groups + 1))
-    split = lambda b, pages: td.default_config(batch=b, num_kv_heads=8, pages_per_seq=pages, page_size=256,  # noqa: E731
-                                               partition_size=64).num_splits
+    def split(b, pages):
+        return td.default_config(batch=b, num_kv_heads=8, pages_per_seq=pages, page_size=256,
+                                 partition_size=64).num_splits
     assert (split(8, 128), split(1, 128), split(1, 512)) == (4, 32, 32)  # one wave of sealed-block programs
 
 

@@ -2,7 +2,8 @@
 arrays; unpack_asm=False since the interpreter has no inline PTX) and checks it against
 test_triton_decode's float64 twin with that file's tolerance.
 
-    TRITON_INTERPRET=1 python tests/triton_interpret.py [--vs-int8] [SHAPE ...]   (SHAPE: test_triton_decode.SHAPES)
+    TRITON_INTERPRET=1 python tests/triton_interpret.py [--vs-int8] [SHAPE ...]
+    (SHAPE: a key of test_triton_decode.SHAPES; default all)
 
 Prints one line per (shape, splits) and exits 1 if any fails. --vs-int8 also prints, per shape, the error
 of the Pallas INT8 kernel (pallas_kernels.decode_attention, interpret mode) against the same float64
