@@ -13,8 +13,9 @@ import triton.language as tl
 # byte 0x64 (PRMT: f16 1024 + code * 4**j), subtract 1024 (HSUB2): 5 instructions per 4 codes, no
 # integer-to-float convert. The plane is the warp's index (tid.x / 32): the 3-D dots' mma layout puts
 # warp j on batch index j (warpsPerCTA [4, 1, 1], see the TTGIR), so the mask costs one hoisted register
-# and the unpack's only operand is the loaded tile, which lets Triton load the tile from shared memory
-# straight into the dot-operand layout and unpack there (no f16 round trip through shared memory).
+# and the unpack's only operand is the loaded tile (broadcast over the planes), which lets Triton copy
+# the u8 tile once into shared memory, load it from there straight into (a broadcast of) the MMA operand
+# layout and unpack in registers (no f16 round trip through shared memory, no 4x copies).
 _UNPACK_ASM = tl.constexpr(
     "{ .reg .b32 t, k, z, w, m; mov.u32 w, %tid.x; shr.u32 w, w, 5; shl.b32 w, w, 1; "
     "mov.b32 m, 0x03030303; shl.b32 m, m, w; and.b32 t, $2, m; mov.b32 k, 0x64646464; "
@@ -24,8 +25,8 @@ _UNPACK_ASM = tl.constexpr(
 
 @triton.jit
 def _planes(x, USE_ASM: tl.constexpr):
-    # x u8[4, A, B] packed bytes (the same tile 4 times) -> f16[4, A, B], [j] = code of plane j * 4**j
-    # (exact). USE_ASM needs num_warps == 4 (plane = warp, above).
+    # x u8[4, A, B] packed bytes (one tile broadcast over the planes) -> f16[4, A, B],
+    # [j] = code of plane j * 4**j (exact). USE_ASM needs num_warps == 4 (plane = warp, above).
     if USE_ASM:
         return tl.inline_asm_elementwise(_UNPACK_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
     else:
@@ -41,8 +42,9 @@ def _qk(q, k_codes_ptr, k_scale_ptr, k_min_ptr, ph, gi, slot, valid, CG: tl.cons
     c = tl.arange(0, PC)
     r = tl.arange(0, P)
     j = tl.arange(0, 4)
-    kt = tl.load(k_codes_ptr + ph * (PAGE_SIZE // 4 * HEAD_DIM) + (gi * P + r)[None, :, None] * HEAD_DIM
-                 + CG * PC + c[None, None, :] + 0 * j[:, None, None])  # u8[4, P, PC]
+    kt = tl.load(k_codes_ptr + ph * (PAGE_SIZE // 4 * HEAD_DIM) + (gi * P + r)[:, None] * HEAD_DIM
+                 + CG * PC + c[None, :])  # u8[P, PC]
+    kt = tl.broadcast_to(kt[None, :, :], (4, P, PC))
     meta = (ph * (PAGE_SIZE // P) + slot[:, None]) * HEAD_DIM + CG * PC + c[None, :]  # [4, PC]
     sigma = tl.load(k_scale_ptr + meta, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, PC]
     mu = tl.load(k_min_ptr + meta, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, PC]
@@ -59,8 +61,9 @@ def _pv(acc, alpha, pr, plane_w, valid, v_codes_ptr, v_scale_ptr, v_min_ptr, ph,
     c = tl.arange(0, PC)
     r = tl.arange(0, P)
     # token-major V codes: byte [page, h, channel, gi P + r]
-    vt = tl.load(v_codes_ptr + ph * (HEAD_DIM * PAGE_SIZE // 4) + (CG * PC + c)[None, :, None] * (PAGE_SIZE // 4)
-                 + gi * P + r[None, None, :] + 0 * tl.arange(0, 4)[:, None, None])  # u8[4, PC, P]
+    vt = tl.load(v_codes_ptr + ph * (HEAD_DIM * PAGE_SIZE // 4) + (CG * PC + c)[:, None] * (PAGE_SIZE // 4)
+                 + gi * P + r[None, :])  # u8[PC, P]
+    vt = tl.broadcast_to(vt[None, :, :], (4, PC, P))
     tok = (ph * PAGE_SIZE + slot[:, None] * P + r[None, :]) * NP + CG  # [4, P] per-token metadata offsets
     tau = tl.load(v_scale_ptr + tok, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, P]
     nu = tl.load(v_min_ptr + tok, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, P]
