@@ -90,7 +90,7 @@ def _next_pow2(n: int) -> int:
 class KernelConfig:
     """num_splits: programs over the sealed blocks per (sequence, kv head) (+ 1 for sinks and the open
     block); num_warps: 4 (one per block of a packing group); num_stages: Triton's software
-    pipelining of the tile loads (1: none, 18 KiB shared; 2: cp.async double buffer, 22 KiB);
+    pipelining of the tile loads (1: none, 18 KiB shared; 2: cp.async double buffer, 22 KiB; 3);
     unpack_asm: the inline-PTX unpack (False: Triton integer ops, e.g. for Triton's interpreter)."""
     num_splits: int = 1
     num_warps: int = 4
