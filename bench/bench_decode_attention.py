@@ -276,7 +276,8 @@ def prep_triton(shape, key, *, interpret):
     if interpret:
         raise RuntimeError("the jax-triton kernel has no interpret mode (CPU: tests/triton_interpret.py)")
     layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", skip_fields=("k_sums", "v_sums"))
-    arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
+    lens = jnp.full((shape.batch,), shape.kv_len, jnp.int32)
+    arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=lens)
     per_copy = shape.batch * pps
     kc = mod.default_config(batch=shape.batch, num_kv_heads=shape.num_kv_heads, pages_per_seq=pps,
                             page_size=config.page_size, partition_size=config.partition_size)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton_offline  # noqa: E402
 
-HEADS = {"llama3.1-8b": (32, 8, 128), "smollm2-1.7b": (32, 32, 64), "qwen-g7": (28, 4, 128), "g1": (8, 8, 128)}
+HEADS = {"llama3.1-8b": (32, 8, 128), "smollm2": (9, 3, 64), "qwen-g7": (28, 4, 128), "g1": (8, 8, 128)}
 POINTERS = dict(kv_lens_ptr="*i32", page_indices_ptr="*i32", q_ptr="*fp32", k_codes_ptr="*u8", k_scale_ptr="*fp16",
                 k_min_ptr="*fp16", v_codes_ptr="*u8", v_scale_ptr="*fp16", v_min_ptr="*fp16", open_k_ptr="*bf16",
                 open_v_ptr="*bf16", sink_k_ptr="*bf16", sink_v_ptr="*bf16", acc_ptr="*fp32", m_ptr="*fp32",
@@ -29,7 +29,7 @@ POINTERS = dict(kv_lens_ptr="*i32", page_indices_ptr="*i32", q_ptr="*fp32", k_co
 
 
 def compile_report(*, num_q_heads, num_kv_heads, head_dim, partition_size=64, page_size=256, pages_per_seq=128,
-                   num_splits=6, num_warps=4, num_stages=1, unpack_asm=True, out_dir="/tmp/triton_decode_offline"):
+                   num_splits=6, num_warps=4, num_stages=2, unpack_asm=True, out_dir="/tmp/triton_decode_offline"):
     """Compiles the kernel for sm_90; returns dict(regs, stack, shared, sass_instr, loops=[...])."""
     import subprocess
 
@@ -47,7 +47,8 @@ def compile_report(*, num_q_heads, num_kv_heads, head_dim, partition_size=64, pa
     signature = {n: POINTERS.get(n, "constexpr") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS}  # as jax-triton
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
     os.makedirs(out_dir, exist_ok=True)
     cubin = os.path.join(out_dir, "kernel.cubin")
     with open(cubin, "wb") as fh:
@@ -59,8 +60,8 @@ def compile_report(*, num_q_heads, num_kv_heads, head_dim, partition_size=64, pa
     res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True).stdout
     sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout
     regs, stack = triton_offline.resources(res)
-    row = dict(regs=regs, stack=stack, shared=compiled.metadata.shared, sass_instr=len(triton_offline.instructions(sass)),
-               loops=[])
+    row = dict(regs=regs, stack=stack, shared=compiled.metadata.shared,
+               sass_instr=len(triton_offline.instructions(sass)), loops=[])
     for lo, hi, n in triton_offline.loops(sass, 200):
         ops = triton_offline.op_counts(sass, lo, hi)
         row["loops"].append(dict(lo=hex(lo), instr=n, **{k: ops[k] for k in triton_offline.COUNTED if ops[k]}))

@@ -33,21 +33,30 @@ of each group), with no cross-warp reduction in the loop; the 4 streams are merg
 the programs by a log-sum-exp in jnp (common.lse_combine). The products are transposed (tokens or
 channels as M, the G query heads as N): the K codes [P, head_dim] and V codes [Pc, P] are the A
 operands in their stored orientation and the softmax weights [P, G] are PV's B operand as they come.
-Codes become f16 by inline PTX (AND + PRMT under the exponent byte 0x64 + HSUB2, 5 instructions per 4
-codes, no int-to-float convert), as code * 4**j; the 4**-j goes into the FMA after the dot. The exp
-is exp2 with log2(e) folded into q.
+Codes become f16 by inline PTX (AND + PRMT under the exponent byte 0x64 + sub.f16x2, 5 instructions per 4
+codes, no int-to-float convert), as code * 4**j; the 4**-j goes into the FMA after the dot. The plane
+j is the warp's index, so the unpack's only operand is the loaded tile (broadcast over the planes):
+Triton copies each u8 tile once into shared memory, loads it from there straight into the MMA operand
+layout of every warp and unpacks in registers (no 16-bit round trip through shared memory; 1.98k ->
+1.47k instructions). The exp is exp2 with log2(e) folded into q; num_stages 2 double-buffers the tile
+loads with cp.async.
 
-Numbers (offline, Triton 3.6 for sm_90, bench/NOTES_triton.md; none measured on a GPU yet): Llama-3.1-8B
-heads (G 4, head_dim 128, P 64, page 256), num_warps 4: 255 registers, no spills, 1.89k SASS instructions
-per packing group (4 blocks) with num_stages 1 (68 KiB shared), 1.94k with num_stages 2 (135 KiB).
+Numbers (offline: Triton 3.6 for sm_90, bench/triton_decode_offline.py, bench/NOTES_triton.md; nothing
+measured on a GPU yet): Llama-3.1-8B heads (G 4, head_dim 128, P 64, page 256), num_warps 4,
+num_stages 2: 255 registers, no spills, 22 KiB shared (2 programs per SM, by registers), 1.47k SASS
+instructions per warp and loop trip, i.e. per 64-token block (64 HMMA; 256 HADD2 + 284 PRMT + 136 LOP3
+of unpack; 12 CTA barriers per trip).
 
-Caveats: head_dim <= 2 * partition_size (NP <= 2: Llama, SmolLM2); f16 operands overflow if
+Caveats: head_dim <= 2 * partition_size (NP <= 2: Llama, SmolLM2); num_warps 4 only: the inline PTX
+takes the plane from the warp index, which holds because Triton lays these 3-D dots out with
+warpsPerCTA [4, 1, 1] (tests/test_triton_decode.py checks the compiled TTGIR); f16 operands overflow if
 |q_s * sigma| or |W * tau| exceeds 65504 (far from real caches), and lose relative precision below
 6e-5 (f16 subnormals; such terms are < 6e-5 of a logit or of a weight); the inline PTX needs a CUDA
 GPU (unpack_asm=False uses Triton integer ops, same values); each warp reads the whole u8 tile of
-its group (4x the L1 traffic of the bytes; the HBM bytes are read once); jax-triton 0.3.1 passes no
-`maxnreg`; page ids outside [0, num_pages) read page 0 (the null page); kv_lens beyond the capacity
-are clipped to it, as hack_jax.kv_cache.read_blocks does.
+its group from shared memory (it needs one plane of it); jax-triton 0.3.1 passes no `maxnreg` (168
+registers, i.e. 3 programs per SM, spill 184 B per thread offline: 1.55k instructions); page ids outside
+[0, num_pages) read page 0 (the null page); kv_lens beyond the capacity are clipped to it, as
+hack_jax.kv_cache.read_blocks does.
 
 Reference twin: dequantize-then-attend in float64, tests/test_triton_decode.py::numpy_folded_decode
 (the float64 attention over sigma*k + mu, tau*v + nu and the 16-bit tokens; the kernel differs from
@@ -68,7 +77,8 @@ from pallas_kernels.decode_attention import _is_layer, validate_inputs
 
 NUM_PLANES = 4
 H200_NUM_SMS = 132
-# 4 warps x 255 registers (ptxas, sm_90, Triton 3.6, offline) -> 2 programs in an SM's 64K registers.
+# 4 warps x 255 registers (ptxas, sm_90, Triton 3.6, offline) -> 2 programs in an SM's 64K registers
+# (shared memory, 22 KiB per program, would allow 9).
 RESIDENT_PROGRAMS_PER_SM = 2
 
 
@@ -80,21 +90,23 @@ def _next_pow2(n: int) -> int:
 class KernelConfig:
     """num_splits: programs over the sealed blocks per (sequence, kv head) (+ 1 for sinks and the open
     block); num_warps: 4 (one per block of a packing group); num_stages: Triton's software
-    pipelining of the tile loads (1: none, 68 KiB shared; 2: cp.async double buffer, 135 KiB);
+    pipelining of the tile loads (1: none, 18 KiB shared; 2: cp.async double buffer, 22 KiB; 3);
     unpack_asm: the inline-PTX unpack (False: Triton integer ops, e.g. for Triton's interpreter)."""
     num_splits: int = 1
     num_warps: int = 4
-    num_stages: int = 1
+    num_stages: int = 2
     unpack_asm: bool = True
 
 
 def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> int:
     """Splits per (sequence, kv head) minimizing waves x (ceil(groups / splits) + 1): waves =
-    ceil(num_pairs * (splits + 1) / slots) (the + 1 program does the sinks and the open block, about
-    one group of work; the + 1 on the work is a program's fixed cost). Ties go to fewer splits."""
+    ceil(num_pairs * splits / slots) over the programs that take sealed blocks (the grid launches them
+    first; the sinks-and-open-block programs, about one group of work each, take the slots they free),
+    + 1 on the work for a program's fixed cost. Ties go to fewer splits. H200, 8 kv heads: batch 8 /
+    32K tokens (128 groups) -> 4 splits (256 programs of 32 groups, one wave); batch 1 / 32K -> 32."""
     best, best_cost = 1, None
     for s in range(1, max(1, num_groups) + 1):
-        cost = -(-num_pairs * (s + 1) // slots) * (-(-num_groups // s) + 1)
+        cost = -(-num_pairs * s // slots) * (-(-num_groups // s) + 1)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best

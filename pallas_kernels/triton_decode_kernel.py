@@ -8,26 +8,48 @@ packing group (its 4 blocks), T = NS_PAD padded sink rows.
 import triton
 import triton.language as tl
 
-# Plane j of a packed byte (bits 2j..2j+1) as the exact f16 value code * 4**j, 4 bytes per call ($2)
-# with the plane's mask in every byte of $3: AND the plane's bits, spread bytes 0,1 (2,3) into the low
-# bytes of two half words under the exponent byte 0x64 (PRMT: f16 1024 + code * 4**j), subtract 1024
-# (HSUB2). 5 instructions per 4 codes, no integer-to-float convert.
+# Plane j of a packed byte (bits 2j..2j+1) as the exact f16 value code * 4**j, 4 bytes per call ($2):
+# AND the plane's bits, spread bytes 0,1 (2,3) into the low bytes of two half words under the exponent
+# byte 0x64 (PRMT: f16 1024 + code * 4**j), subtract 1024 (HSUB2): 5 instructions per 4 codes, no
+# integer-to-float convert. The plane is the warp's index (tid.x / 32): the 3-D dots' mma layout puts
+# warp j on batch index j (warpsPerCTA [4, 1, 1], see the TTGIR), so the mask costs one hoisted register
+# and the unpack's only operand is the loaded tile (broadcast over the planes), which lets Triton copy
+# the u8 tile once into shared memory, load it from there straight into (a broadcast of) the MMA operand
+# layout and unpack in registers (no f16 round trip through shared memory, no 4x copies).
 _UNPACK_ASM = tl.constexpr(
-    "{ .reg .b32 t, k, z; and.b32 t, $2, $3; mov.b32 k, 0x64646464; mov.b32 z, 0x64006400; "
-    "prmt.b32 $0, t, k, 0x4140; prmt.b32 $1, t, k, 0x4342; sub.f16x2 $0, $0, z; sub.f16x2 $1, $1, z; }")
+    "{ .reg .b32 t, k, z, w, m; mov.u32 w, %tid.x; shr.u32 w, w, 5; shl.b32 w, w, 1; "
+    "mov.b32 m, 0x03030303; shl.b32 m, m, w; and.b32 t, $2, m; mov.b32 k, 0x64646464; "
+    "mov.b32 z, 0x64006400; prmt.b32 $0, t, k, 0x4140; prmt.b32 $1, t, k, 0x4342; "
+    "sub.f16x2 $0, $0, z; sub.f16x2 $1, $1, z; }")
 
 
 @triton.jit
 def _planes(x, USE_ASM: tl.constexpr):
-    # x u8[4, A, B] packed bytes (the same tile 4 times) -> f16[4, A, B], [j] = code of plane j * 4**j (exact)
-    j = tl.arange(0, 4)
-    mask = (3 << (2 * j)).to(tl.uint8)[:, None, None]  # [4, 1, 1]
-    x3 = x
+    # x u8[4, A, B] packed bytes (one tile broadcast over the planes) -> f16[4, A, B],
+    # [j] = code of plane j * 4**j (exact). USE_ASM needs num_warps == 4 (plane = warp, above).
     if USE_ASM:
-        return tl.inline_asm_elementwise(_UNPACK_ASM, "=r,=r,r,r", [x3, mask], dtype=tl.float16, is_pure=True,
-                                         pack=4)
+        return tl.inline_asm_elementwise(_UNPACK_ASM, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
     else:
-        return (x3 & mask).to(tl.float16)
+        j = tl.arange(0, 4)
+        return (x & (3 << (2 * j)).to(tl.uint8)[:, None, None]).to(tl.float16)
+
+
+@triton.jit
+def _qk(q, k_codes_ptr, k_scale_ptr, k_min_ptr, ph, gi, slot, valid, CG: tl.constexpr, PC: tl.constexpr,
+        P: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, USE_ASM: tl.constexpr):
+    # Channel group CG of the logits: (4**j dot(codes_K, f16(q * sigma)) [4, P, GP], q . mu [4, GP]) for
+    # q f32[PC, GP] (the group's channels). Per channel group, so each warp's A operand is [P, PC].
+    c = tl.arange(0, PC)
+    r = tl.arange(0, P)
+    j = tl.arange(0, 4)
+    kt = tl.load(k_codes_ptr + ph * (PAGE_SIZE // 4 * HEAD_DIM) + (gi * P + r)[:, None] * HEAD_DIM
+                 + CG * PC + c[None, :])  # u8[P, PC]
+    kt = tl.broadcast_to(kt[None, :, :], (4, P, PC))
+    meta = (ph * (PAGE_SIZE // P) + slot[:, None]) * HEAD_DIM + CG * PC + c[None, :]  # [4, PC]
+    sigma = tl.load(k_scale_ptr + meta, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, PC]
+    mu = tl.load(k_min_ptr + meta, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, PC]
+    a = (q[None, :, :] * sigma[:, :, None]).to(tl.float16)  # [4, PC, GP] scale-folded query
+    return tl.dot(_planes(kt, USE_ASM), a, out_dtype=tl.float32), tl.sum(q[None, :, :] * mu[:, :, None], axis=1)
 
 
 @triton.jit
@@ -39,8 +61,9 @@ def _pv(acc, alpha, pr, plane_w, valid, v_codes_ptr, v_scale_ptr, v_min_ptr, ph,
     c = tl.arange(0, PC)
     r = tl.arange(0, P)
     # token-major V codes: byte [page, h, channel, gi P + r]
-    vt = tl.load(v_codes_ptr + ph * (HEAD_DIM * PAGE_SIZE // 4) + (CG * PC + c)[None, :, None] * (PAGE_SIZE // 4)
-                 + gi * P + r[None, None, :] + 0 * tl.arange(0, 4)[:, None, None])  # u8[4, PC, P]
+    vt = tl.load(v_codes_ptr + ph * (HEAD_DIM * PAGE_SIZE // 4) + (CG * PC + c)[:, None] * (PAGE_SIZE // 4)
+                 + gi * P + r[None, :])  # u8[PC, P]
+    vt = tl.broadcast_to(vt[None, :, :], (4, PC, P))
     tok = (ph * PAGE_SIZE + slot[:, None] * P + r[None, :]) * NP + CG  # [4, P] per-token metadata offsets
     tau = tl.load(v_scale_ptr + tok, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, P]
     nu = tl.load(v_min_ptr + tok, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, P]
@@ -70,6 +93,18 @@ def _residual_pv(p, v_ptr, row0, rows, n, CG: tl.constexpr, PC: tl.constexpr, HE
 
 
 @triton.jit
+def _residual_qk(q0, q1, k_ptr, row0, rows, n, PC: tl.constexpr, NP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # bf16 K rows [row0, row0 + n) (masked) @ q (channel groups q0, q1 f32[PC, GP]) -> f32[n_rows, GP]
+    c = tl.arange(0, PC)
+    ptrs = k_ptr + (row0 + rows)[:, None] * HEAD_DIM + c[None, :]
+    out = tl.dot(tl.load(ptrs, mask=(rows < n)[:, None], other=0.0).to(tl.float32), q0, input_precision="ieee")
+    if NP == 2:
+        out += tl.dot(tl.load(ptrs + PC, mask=(rows < n)[:, None], other=0.0).to(tl.float32), q1,
+                      input_precision="ieee")
+    return out
+
+
+@triton.jit
 def hack_triton_decode_kernel(
         kv_lens_ptr, page_indices_ptr, q_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
         v_min_ptr, open_k_ptr, open_v_ptr, sink_k_ptr, sink_v_ptr, acc_ptr, m_ptr, l_ptr,
@@ -88,16 +123,19 @@ def hack_triton_decode_kernel(
     h = tl.program_id(1)
     split = tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
     r = tl.arange(0, P)
     j = tl.arange(0, 4)
     kv_len = tl.load(kv_lens_ptr + b)
     after_sinks = tl.minimum(tl.maximum(kv_len - NS, 0), PAGES_PER_SEQ * PAGE_SIZE)  # clipped to capacity
     num_blocks = after_sinks // P
     num_open = after_sinks % P
-    # q^T * sm_scale * log2(e): logits in base 2 (exp2); columns g >= GROUP are 0
-    q = tl.load(q_ptr + ((b * NUM_KV_HEADS + h) * GROUP + g)[None, :] * HEAD_DIM + d[:, None],
-                mask=(g < GROUP)[None, :], other=0.0).to(tl.float32) * QK_SCALE  # [D, GP]
+    # q^T * sm_scale * log2(e) per channel group: logits in base 2 (exp2); columns g >= GROUP are 0
+    c = tl.arange(0, PC)
+    q_rows = q_ptr + ((b * NUM_KV_HEADS + h) * GROUP + g)[None, :] * HEAD_DIM
+    q0 = tl.load(q_rows + c[:, None], mask=(g < GROUP)[None, :], other=0.0).to(tl.float32) * QK_SCALE  # [PC, GP]
+    q1 = q0  # channel group 1 (NP == 2), else unused
+    if NP == 2:
+        q1 = tl.load(q_rows + PC + c[:, None], mask=(g < GROUP)[None, :], other=0.0).to(tl.float32) * QK_SCALE
 
     if split < NUM_SPLITS:
         n_groups = (num_blocks + 3) // 4
@@ -115,14 +153,13 @@ def hack_triton_decode_kernel(
             ph = pid.to(tl.int64) * NUM_KV_HEADS + h  # (page, kv head) index
             slot = gi * 4 + j  # [4] block slots in the page
             valid = tg * 4 + j < num_blocks  # [4]
-            kt = tl.load(k_codes_ptr + ph * (PAGE_SIZE // 4 * HEAD_DIM) + (gi * P + r)[None, :, None] * HEAD_DIM
-                         + d[None, None, :] + 0 * j[:, None, None])  # u8[4, P, D]
-            meta = (ph * (PAGE_SIZE // P) + slot[:, None]) * HEAD_DIM + d[None, :]  # [4, D]
-            sigma = tl.load(k_scale_ptr + meta, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, D]
-            mu = tl.load(k_min_ptr + meta, mask=valid[:, None], other=0.0).to(tl.float32)  # [4, D]
-            a = (q[None, :, :] * sigma[:, :, None]).to(tl.float16)  # [4, D, GP] scale-folded query
-            qmu = tl.sum(q[None, :, :] * mu[:, :, None], axis=1)  # [4, GP]
-            s = tl.dot(_planes(kt, USE_ASM), a, out_dtype=tl.float32)  # [4, P, GP] = 4**j codes . a
+            s, qmu = _qk(q0, k_codes_ptr, k_scale_ptr, k_min_ptr, ph, gi, slot, valid, 0, PC, P, PAGE_SIZE,
+                         HEAD_DIM, USE_ASM)  # [4, P, GP], [4, GP]
+            if NP == 2:
+                s1, qmu1 = _qk(q1, k_codes_ptr, k_scale_ptr, k_min_ptr, ph, gi, slot, valid, 1, PC, P, PAGE_SIZE,
+                               HEAD_DIM, USE_ASM)
+                s += s1
+                qmu += qmu1
             s = s * plane_w[:, None, None] + qmu[:, None, :]
             s = tl.where(valid[:, None, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [4, GP]
@@ -140,16 +177,14 @@ def hack_triton_decode_kernel(
     else:
         # The last program: sinks and the open block, float32 attention on their 16-bit K/V.
         seq_head = b * NUM_KV_HEADS + h
-        ok = tl.load(open_k_ptr + (seq_head * P + r)[:, None] * HEAD_DIM + d[None, :],
-                     mask=(r < num_open)[:, None], other=0.0).to(tl.float32)  # [P, D]
-        so = tl.where((r < num_open)[:, None], tl.dot(ok, q, input_precision="ieee"), float("-inf"))  # [P, GP]
+        so = tl.where((r < num_open)[:, None], _residual_qk(q0, q1, open_k_ptr, seq_head * P, r, num_open, PC, NP,
+                                                            HEAD_DIM), float("-inf"))  # [P, GP]
         m_o = tl.max(so, axis=0)
         if NS > 0:
             t = tl.arange(0, NS_PAD)
             n_sinks = tl.minimum(kv_len, NS)
-            sk = tl.load(sink_k_ptr + (seq_head * NS + t)[:, None] * HEAD_DIM + d[None, :],
-                         mask=(t < n_sinks)[:, None], other=0.0).to(tl.float32)  # [T, D]
-            ss = tl.where((t < n_sinks)[:, None], tl.dot(sk, q, input_precision="ieee"), float("-inf"))  # [T, GP]
+            ss = tl.where((t < n_sinks)[:, None], _residual_qk(q0, q1, sink_k_ptr, seq_head * NS, t, n_sinks, PC, NP,
+                                                               HEAD_DIM), float("-inf"))  # [T, GP]
             m_o = tl.maximum(m_o, tl.max(ss, axis=0))
         m_safe = tl.where(m_o == float("-inf"), 0.0, m_o)
         po = tl.exp2(so - m_safe[None, :])  # [P, GP]
@@ -168,7 +203,6 @@ def hack_triton_decode_kernel(
     out_row = ((b * NUM_KV_HEADS + h) * (NUM_SPLITS + 1) + split) * GROUP_PAD + g  # [GP]
     tl.store(m_ptr + out_row, m_o)
     tl.store(l_ptr + out_row, l_o)
-    c = tl.arange(0, PC)
     tl.store(acc_ptr + out_row[None, :] * HEAD_DIM + c[:, None], acc0_o)
     if NP == 2:
         tl.store(acc_ptr + out_row[None, :] * HEAD_DIM + PC + c[:, None], acc1_o)

@@ -2,9 +2,12 @@
 arrays; unpack_asm=False since the interpreter has no inline PTX) and checks it against
 test_triton_decode's float64 twin with that file's tolerance.
 
-    TRITON_INTERPRET=1 python tests/triton_interpret.py [SHAPE ...]     (SHAPE: test_triton_decode.SHAPES)
+    TRITON_INTERPRET=1 python tests/triton_interpret.py [--vs-int8] [SHAPE ...]
+    (SHAPE: a key of test_triton_decode.SHAPES; default all)
 
-Prints one line per (shape, splits) and exits 1 if any fails. tests/test_triton_decode.py runs it in a
+Prints one line per (shape, splits) and exits 1 if any fails. --vs-int8 also prints, per shape, the error
+of the Pallas INT8 kernel (pallas_kernels.decode_attention, interpret mode) against the same float64
+dequantize-then-attend twin: the accuracy of the two numerics side by side (bench/NOTES_triton.md). tests/test_triton_decode.py runs it in a
 subprocess (the interpreter must be on before triton.jit runs). Needs `triton` importable, not jax-triton.
 """
 from __future__ import annotations
@@ -107,15 +110,37 @@ def run_interpreted(q, c, *, P, ns, splits):
     return np.asarray(td.combine(*[jnp.asarray(o.a) for o in outs], num_q_heads=Hq))
 
 
+def _int8_error(q, c, s, exact):
+    """(max, rms) error of the Pallas INT8 kernel vs `exact` over the sequences with tokens."""
+    import jax.numpy as jnp
+
+    import test_triton_decode as T
+    from pallas_kernels.decode_attention import hack_decode_attention
+    out = np.asarray(hack_decode_attention(jnp.asarray(q), *[jnp.asarray(c[f]) for f in T.FIELDS],
+                                           partition_size=s["P"], num_sink_tokens=s["ns"], dot_dtype="int8",
+                                           interpret=True))
+    err = (out - exact)[np.asarray(c["kv_lens"]) > 0]
+    return np.abs(err).max(), np.sqrt((err ** 2).mean())
+
+
 def main(names):
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1")
+    vs_int8 = "--vs-int8" in names
+    names = [n for n in names if n != "--vs-int8"]
     _patch_interpreter()
     import test_triton_decode as T
     failed = False
     for name in names or sorted(T.SHAPES):
         s = T._shape(name)
         q, c = T.build(**s)
+        if vs_int8:
+            exact = T.numpy_folded_decode(q, c, P=s["P"], ns=s["ns"])
+            live = np.asarray(c["kv_lens"]) > 0
+            err = (run_interpreted(q, c, P=s["P"], ns=s["ns"], splits=2) - exact)[live]
+            print(f"{name}: vs float64 dequantize-then-attend, max|V| {T.v_scale_of(c):.3g}: triton (scale-folded) "
+                  f"max {np.abs(err).max():.3g} rms {np.sqrt((err ** 2).mean()):.3g}; pallas int8 max "
+                  "%.3g rms %.3g" % _int8_error(q, c, s, exact), flush=True)
         for splits in (1, 3):
             out = run_interpreted(q, c, P=s["P"], ns=s["ns"], splits=splits)
             try:
