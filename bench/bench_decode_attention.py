@@ -284,7 +284,8 @@ def prep_triton(shape, key, *, interpret):
 
     def call(q, i, a):
         table = a["table"] + (i % n) * per_copy
-        return mod.hack_triton_decode_attention(q, _slots(a["layer"], shape, i, n), table, a["lens"], config=kc)
+        arrays, static = kivi_call_args(_slots(a["layer"], shape, i, n))
+        return mod.hack_triton_decode_attention(q, *arrays, table, a["lens"], **static, config=kc)
 
     return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={config.page_size} ns=4 {kc}", n,
                     append=("open_k", "open_v"))

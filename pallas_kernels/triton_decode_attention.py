@@ -73,7 +73,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
-from pallas_kernels.decode_attention import _is_layer, validate_inputs
+from pallas_kernels.decode_attention import validate_inputs
 
 NUM_PLANES = 4
 H200_NUM_SMS = 132
@@ -198,11 +198,11 @@ def hack_triton_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=No
                                  num_splits: int | None = None, config: KernelConfig | None = None):
     """Scale-folded HACK decode attention over the paged INT2 kivi cache (module docstring).
 
-    Call forms as pallas_kernels.decode_attention.hack_decode_attention:
+    Arrays and static ints only, as pallas_kernels.decode_attention.hack_decode_attention (the one place
+    that unpacks a cache layer into them is hack_jax.attention):
       hack_triton_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums,
                                    open_k, open_v, sink_k, sink_v, page_indices, kv_lens,
                                    partition_size=P, num_sink_tokens=ns, ...)
-      hack_triton_decode_attention(q, layer, page_indices, kv_lens, ...)  (hack_jax.attention, impl="triton")
 
     Args:
       q: float[batch, num_q_heads, head_dim] (float32 / bfloat16 / float16), sm_scale 1/sqrt(d) applied
@@ -219,15 +219,6 @@ def hack_triton_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=No
       ValueError: shapes/dtypes off the layout, unsupported sizes (head_dim > 2 * partition_size),
         bad num_splits or config.
     """
-    if _is_layer(k_codes):
-        layer, page_indices, kv_lens = k_codes, k_scale, k_min
-        if any(x is not None for x in (k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)):
-            raise ValueError("layer form takes (q, layer, page_indices, kv_lens) only")
-        return hack_triton_decode_attention(
-            q, layer.k_codes, layer.k_scale, layer.k_min, layer.k_sums, layer.v_codes, layer.v_scale,
-            layer.v_min, layer.v_sums, layer.open_k, layer.open_v, layer.sink_k, layer.sink_v,
-            page_indices, kv_lens, partition_size=layer.config.partition_size,
-            num_sink_tokens=layer.config.num_sink_tokens, num_splits=num_splits, config=config)
     if partition_size is None or num_sink_tokens is None:
         raise ValueError(f"partition_size and num_sink_tokens are required, got {partition_size=}, "
                          f"{num_sink_tokens=}")

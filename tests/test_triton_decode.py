@@ -176,7 +176,11 @@ def test_triton_via_dispatch_on_a_real_cache():
     q = rng.normal(0, 1, (2, 8, 128)).astype(np.float32)
     out = attention.decode_attention(jnp.asarray(q), layer, page_indices=page_indices, kv_lens=lengths,
                                      impl="triton")
-    direct = td.hack_triton_decode_attention(jnp.asarray(q), layer, jnp.asarray(page_indices), jnp.asarray(lengths))
+    direct = td.hack_triton_decode_attention(
+        jnp.asarray(q), *(getattr(layer, f) for f in ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale",
+                                                       "v_min", "v_sums", "open_k", "open_v", "sink_k", "sink_v")),
+        jnp.asarray(page_indices), jnp.asarray(lengths), partition_size=cfg.partition_size,
+        num_sink_tokens=cfg.num_sink_tokens)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(direct))
     # against float attention over the dequantized cache (hack_jax's own dequantizer): f16 roundings only
     kd, vd = kv_cache.dequantize_cache(layer, jnp.asarray(page_indices), jnp.asarray(lengths))
