@@ -73,7 +73,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
-from pallas_kernels.decode_attention import validate_inputs
+
 
 NUM_PLANES = 4
 H200_NUM_SMS = 132
@@ -175,7 +175,7 @@ def _triton_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, 
 
 
 def check_supported(q, *, partition_size: int, config: KernelConfig) -> None:
-    """What this kernel adds to decode_attention.validate_inputs: ValueError for head_dim > 2 *
+    """What this kernel adds to common.check_kivi_decode_inputs: ValueError for head_dim > 2 *
     partition_size or a bad config."""
     head_dim = q.shape[-1]
     if head_dim > 2 * partition_size:
@@ -223,7 +223,7 @@ def hack_triton_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=No
         raise ValueError(f"partition_size and num_sink_tokens are required, got {partition_size=}, "
                          f"{num_sink_tokens=}")
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
-    validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+    common.check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                     sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
                     num_sink_tokens=num_sink_tokens)
     if config is None:
