@@ -25,7 +25,6 @@ Tolerances, relative to max|V| (outputs are convex combinations of V rows):
 
 import functools
 
-import jax
 import numpy as np
 import pytest
 
