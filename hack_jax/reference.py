@@ -217,8 +217,8 @@ def seed_block_attention_step(q_s, k_codes, k_scale, k_min, k_sums, v_codes, v_s
 
 
 def seed_open_block_attention_step(q_s, k_codes, k_scale, k_min, k_sums, v, mask):
-    """Seed layout's open block: K already quantized per token (no K tail), V still 16-bit (the "V
-    tail", HACK.md §4). Logits by seed_logits, then float softmax weights and a float PV.
+    """Seed layout's open block: K already quantized per token, V still in the 16-bit open block
+    (HACK.md §4). Logits by seed_logits, then float softmax weights and a float PV.
 
     Args:
       q_s: f32[rows, head_dim]; k_codes: u8[n, head_dim]; k_scale, k_min, k_sums: [n, NP];
