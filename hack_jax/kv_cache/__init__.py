@@ -72,7 +72,7 @@ LayerCache = Union[KiviPages, SeedPages, DensePages, Int8Pages]
 __all__ = [
     "FORMATS", "SEAL_MODES", "DensePages", "Format", "FormatOps", "HackBlocks", "Int8Pages",
     "KVCache", "KiviPages", "LayerCache", "Seal", "SeedPages", "append", "bytes_per_token",
-    "cache_bytes_report", "dequantize_cache", "format_of", "gather", "init_cache", "init_layer",
+    "cache_bytes_report", "dequantize_cache", "format_of", "init_cache", "init_layer",
     "read_blocks", "seals_block", "sink_tokens", "write_prefill",
 ]
 
@@ -353,33 +353,6 @@ def dequantize_cache(layer: LayerCache, page_indices, kv_lens, *, return_step: b
     valid = (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[:, :, None, None]
     k, v, ks, vs = (jnp.where(valid, x, 0.0) for x in (k, v, ks, vs))
     return (k, v, ks, vs) if return_step else (k, v)
-
-
-def gather(layer: LayerCache, seq: int, kv_len: int, page_indices, *, return_step: bool = False):
-    """Host-side test helper: the dequantized contents of one sequence.
-
-    Args:
-      seq: sequence slot; kv_len: its length; page_indices: i32[S, pages_per_seq].
-    Returns (k, v) np.float32[kv_len, num_kv_heads, head_dim] (and the per-element steps, see
-    dequantize_cache, with return_step).
-    Raises ValueError for a bad slot, a length beyond capacity, or a bad page id in its row.
-    """
-    table = np.asarray(page_indices)
-    if not 0 <= seq < table.shape[0]:
-        raise ValueError(f"sequence slot out of range [0, {table.shape[0]}): {seq=}")
-    lens = np.zeros(table.shape[0], np.int32)
-    paging.validate_page_indices(table[seq:seq + 1], np.array([kv_len]),
-                                 num_pages=layer.num_pages, page_size=layer.config.page_size,
-                                 num_sink_tokens=sink_tokens(layer.config))
-    lens[seq] = kv_len
-    out = _dequantize_jit(layer, jnp.asarray(table, jnp.int32), jnp.asarray(lens), return_step)
-    return tuple(np.asarray(x[seq, :kv_len]) for x in out)
-
-
-_dequantize_jit = jax.jit(
-    lambda layer, table, lens, return_step: dequantize_cache(layer, table, lens,
-                                                             return_step=return_step),
-    static_argnums=3)
 
 
 # ----------------------------------------------------------------------------- memory

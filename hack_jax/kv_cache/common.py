@@ -74,15 +74,16 @@ class FormatOps:
     read_blocks: Callable | None = None
 
 
-def groups(config: QuantConfig, head_dim: int):
+def geometry(config: QuantConfig, head_dim: int):
     """(P, Pc, NP, bpp): partition, channel group, channel groups per head, blocks per page."""
     p = config.partition_size
     pc = min(p, head_dim)
     return p, pc, head_dim // pc, config.page_size // p
 
 
-def sums_dtype(group: int):
-    return jnp.uint8 if 3 * group <= 255 else jnp.uint16
+def sums_dtype(num_summed: int):
+    """Dtype of sums of num_summed 2-bit codes: u8 while 3 * num_summed fits, else u16."""
+    return jnp.uint8 if 3 * num_summed <= 255 else jnp.uint16
 
 
 def safe_ids(page_indices, num_pages):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from hack_jax import packing
-from hack_jax.kv_cache.common import ALL, groups, page_ids, put, safe_ids
+from hack_jax.kv_cache.common import ALL, geometry, page_ids, put, safe_ids
 
 
 def code_index(pages, rows, token_major):
@@ -54,8 +54,9 @@ class PrefillStream:
 
     def __init__(self, layer, k, v, lengths, page_indices, start):
         cfg = layer.config
-        self.p, self.pc, self.np_, self.bpp = p, _, _, _ = groups(cfg, layer.head_dim)
-        self.ps, self.ns, self.n = ps, ns, _ = cfg.page_size, cfg.num_sink_tokens, layer.num_pages
+        self.p, self.pc, self.np_, self.bpp = geometry(cfg, layer.head_dim)
+        self.ps, self.ns, self.n = cfg.page_size, cfg.num_sink_tokens, layer.num_pages
+        p, ps, ns = self.p, self.ps, self.ns
         self.s, self.t_len, self.h, self.d = k.shape
         self.page_indices, self.lengths = page_indices, lengths
         self.chunked = chunked = start is not None
@@ -163,8 +164,9 @@ class AppendStep:
 
     def __init__(self, layer, kv_lens, active, page_indices):
         cfg = layer.config
-        self.p, self.pc, self.np_, self.bpp = p, _, _, bpp = groups(cfg, layer.head_dim)
-        self.ps, ns, self.n = ps, ns, n = cfg.page_size, cfg.num_sink_tokens, layer.num_pages
+        self.p, self.pc, self.np_, self.bpp = geometry(cfg, layer.head_dim)
+        self.ps, self.n = cfg.page_size, layer.num_pages
+        p, bpp, ps, n, ns = self.p, self.bpp, self.ps, self.n, cfg.num_sink_tokens
         self.page_indices = page_indices
         self.is_sink = active & (kv_lens < ns)
         self.in_pages = in_pages = active & (kv_lens >= ns) & (
@@ -248,7 +250,8 @@ class BlockReader:
 
     def __init__(self, layer, page_indices, kv_lens):
         cfg = layer.config
-        self.p, _, _, self.bpp = p, _, _, bpp = groups(cfg, layer.head_dim)
+        self.p, _, _, self.bpp = geometry(cfg, layer.head_dim)
+        p, bpp = self.p, self.bpp
         ns = cfg.num_sink_tokens
         self.kv_lens = kv_lens = jnp.asarray(kv_lens, jnp.int32)
         self.ids = ids = safe_ids(page_indices, layer.num_pages)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from hack_jax.config import QuantConfig
 from hack_jax.kv_cache import hack
-from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, groups, pytree_dataclass,
+from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, geometry, pytree_dataclass,
                                       quant_blocks_over_tokens, quant_tokens_over_channels, split_key,
                                       sums_dtype)
 
@@ -47,7 +47,7 @@ class KiviPages(Pages):
 
 
 def init(config, n, h, d, s):
-    p, pc, np_, bpp = groups(config, d)
+    p, pc, np_, bpp = geometry(config, d)
     ps, meta, res, ns = config.page_size, config.meta_dtype, config.residual_dtype, config.num_sink_tokens
     z = jnp.zeros
     return KiviPages(

@@ -1,7 +1,7 @@
 """kv_format="hack", layout="seed" (the paper's layout, kept as a reference path: its perplexity
 is x60 that of float32 KV on SmolLM2, HACK.md §4, so no Pallas kernel reads it): K quantized per
-(token, channel group) as soon as a token arrives, written straight into its page row; only V goes through the
-16-bit open block (the "V tail") and is quantized per (block, channel) when it seals."""
+(token, channel group) as soon as a token arrives, written straight into its page row; only V goes
+through the 16-bit open block and is quantized per (block, channel) when it seals."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from hack_jax.config import QuantConfig
 from hack_jax.kv_cache import hack
-from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, groups, page_ids, put,
+from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, geometry, page_ids, put,
                                       pytree_dataclass, quant_blocks_over_tokens,
                                       quant_tokens_over_channels, split_key, sums_dtype)
 
@@ -46,7 +46,7 @@ class SeedPages(Pages):
 
 
 def init(config, n, h, d, s):
-    p, pc, np_, bpp = groups(config, d)
+    p, pc, np_, bpp = geometry(config, d)
     ps, meta, res, ns = config.page_size, config.meta_dtype, config.residual_dtype, config.num_sink_tokens
     z = jnp.zeros
     return SeedPages(
