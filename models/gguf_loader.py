@@ -34,6 +34,7 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from models.checkpoint import Checkpoint
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
 
@@ -117,17 +118,6 @@ def sha256_file(path: str) -> str:
   return h.hexdigest()
 
 
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-  """A loaded checkpoint: config, dense weights (NumPy, compute dtype), tokenizer, raw metadata
-  (GGUF key/values, or a Hugging Face directory's config.json)."""
-  path: str
-  config: ModelConfig
-  weights: dict[str, Any]
-  tokenizer: Tokenizer
-  metadata: dict[str, Any]
-
-
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
   """All GGUF key/value fields decoded to Python values (strings, numbers, lists)."""
   return {key: field.contents() for key, field in reader.fields.items()}
@@ -200,7 +190,7 @@ def load_checkpoint(path: str | None = None, *, dtype: Any = np.float32, verify:
     path = split_model_path(path)
   path = default_model_path() if is_default else os.fspath(path)
   if os.path.isdir(path):
-    from models.hf_loader import load_hf_checkpoint  # imports this module
+    from models.hf_loader import load_hf_checkpoint  # lazily: a GGUF user needs no safetensors
     return load_hf_checkpoint(path, dtype=dtype, **config_overrides)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"GGUF file not found: {path}")

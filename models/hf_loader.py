@@ -25,7 +25,7 @@ import numpy as np
 from safetensors import safe_open
 
 from models.config import ModelConfig, llama3_rope_freq_factors
-from models.gguf_loader import Checkpoint
+from models.checkpoint import Checkpoint
 from models.tokenizer import Tokenizer
 
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
