@@ -14,9 +14,8 @@ Measured on one NVIDIA H200 (jax 0.11.2, Triton 3.6): bench/NOTES_decode.md, ben
 Caveats: bf16 rounding of q, K, V and W makes it less accurate than float32 attention over the
 dequantized cache (the tests bound its error by 2x that of the same math done naively in bf16).
 
-Reference twin: dense float attention over the dequantized codes,
-hack_jax.reference.dequantized_attention_reference / hack_jax.kv_cache.dequantize_cache; the tests
-carry an independent float64 NumPy twin (tests/test_decode_kernels.py::numpy_dequant_decode).
+Reference twin: dense float attention over the dequantized codes (hack_jax.kv_cache.dequantize_cache
+then float attention); the tests carry an independent float64 NumPy twin (tests/test_decode_kernels.py::numpy_dequant_decode).
 """
 from __future__ import annotations
 
