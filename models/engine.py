@@ -215,7 +215,7 @@ class Engine:
                                      pages_per_seq=pages_per_seq)
     self.on_stage = on_stage
     self.stats = dict(compile_s=0.0, prefill_s=0.0, decode_s=0.0, prompt_tokens=0,
-                      decode_tokens=0, decode_steps=0, prefill_calls=0)
+                      decode_tokens=0, decode_steps=0, prefill_calls=0, cancelled=0)
     self._executables: dict[Any, Any] = {}
     self._slots: list[_Seq | None] = [None] * max_seqs
     self._kv_lens = np.zeros(max_seqs, np.int32)
@@ -270,6 +270,10 @@ class Engine:
   def num_running(self) -> int:
     return sum(s is not None for s in self._slots)
 
+  @property
+  def num_waiting(self) -> int:
+    return len(self._waiting)
+
   def stream(self, requests: Iterable[Request] = ()) -> Iterator[Event]:
     """Submits `requests`, then steps until no request is waiting or running, yielding Events."""
     for r in requests:
@@ -315,6 +319,7 @@ class Engine:
     for seq in self._slots:
       if seq is not None and seq.rid in gone:
         events.append(self._finish(seq, None, "cancelled", ""))
+    self.stats["cancelled"] += len(events)
     return events
 
   def _pages_for(self, req: Request) -> int:
