@@ -119,7 +119,10 @@ class _Seq:
   slot: int
   key: np.ndarray  # u32 key data of jax.random.key(req.seed)
   tokens: list[int] = dataclasses.field(default_factory=list)
-  sent: int = 0  # characters of the decoded text already emitted
+  text: str = ""  # decoded so far (complete characters)
+  prefix: int = 0  # incremental detokenization window: tokens[prefix:read] decoded last time
+  read: int = 0
+  sent: int = 0  # characters of text already emitted
 
 
 def sample_rows(logits, keys, counters, temperature, top_k, top_p):
@@ -344,7 +347,9 @@ class Engine:
         admitted.append(seq)
     return admitted
 
-  def _sampling_arrays(self, seqs):
+  def _sampling_arrays(self, seqs, greedy=None):
+    """(per-slot sampling arrays, or None for a greedy step (nothing to transfer), greedy);
+    greedy None: whether every temperature is 0."""
     s = self.max_seqs
     temp, top_k, top_p = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32)
     counters = np.zeros(s, np.int32)
@@ -353,8 +358,9 @@ class Engine:
       sm = q.req.sampling
       temp[q.slot], top_k[q.slot], top_p[q.slot] = sm.temperature, sm.top_k, sm.top_p
       counters[q.slot], keys[q.slot] = len(q.tokens), q.key
-    samp = dict(keys=keys, counters=counters, temperature=temp, top_k=top_k, top_p=top_p)
-    return samp, bool(np.all(temp == 0))
+    greedy = bool(np.all(temp == 0)) if greedy is None else greedy
+    return None if greedy else dict(keys=keys, counters=counters, temperature=temp, top_k=top_k,
+                                    top_p=top_p), greedy
 
   def _run(self, fn, args, what, **static):
     """Runs jitted `fn` through its ahead-of-time compiled executable."""
@@ -380,7 +386,7 @@ class Engine:
     """Compiles ahead of time every step that requests with these prompt lengths can use (one
     prefill per length bucket; decode with and without block sealing), so that no compile falls
     inside the run. greedy: compile the greedy variants (all temperatures 0) or the sampling ones."""
-    samp, _ = self._sampling_arrays([])
+    samp, _ = self._sampling_arrays([], greedy)
     s, pages = self.max_seqs, self.allocator.page_indices
     zeros = np.zeros(s, np.int32)
     for bucket in sorted({length_bucket(int(n)) for n in prompt_lengths}):
@@ -444,28 +450,36 @@ class Engine:
   def _on_token(self, seq: _Seq, token: int, logprob: float) -> list[Event]:
     req = seq.req
     if token in req.stop_ids or (not req.ignore_eos and token in self.tokenizer.stop_ids):
-      return [self._finish(seq, None, "stop", self._text(seq)[seq.sent:])]
+      return [self._finish(seq, None, "stop", self._decoded(seq, final=True)[seq.sent:])]
     seq.tokens.append(token)
-    times = self.times.setdefault(seq.rid, {})
-    times.setdefault("first_token", time.perf_counter())
-    text = self._text(seq)
+    self.times.setdefault(seq.rid, {}).setdefault("first_token", time.perf_counter())
+    last = len(seq.tokens) == req.max_tokens
+    text = self._decoded(seq, final=last)
     cut = min((i for i in (text.find(s, max(0, seq.sent - len(s) + 1)) for s in req.stop) if i >= 0),
               default=-1)
     if cut >= 0:
       return [self._finish(seq, token, "stop", text[seq.sent:max(cut, seq.sent)], logprob)]
-    if len(seq.tokens) == req.max_tokens:
+    if last:
       return [self._finish(seq, token, "length", text[seq.sent:], logprob)]
-    safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes to U+FFFD
     # hold back the longest tail that may still grow into a stop string
-    safe -= max((k for s in req.stop for k in range(1, min(len(s) - 1, safe) + 1)
-                 if text[safe - k:safe] == s[:k]), default=0)
+    safe = len(text) - max((k for s in req.stop for k in range(1, min(len(s) - 1, len(text)) + 1)
+                            if text.endswith(s[:k])), default=0)
     delta = text[seq.sent:max(safe, seq.sent)]
     seq.sent += len(delta)
     self._pending[seq.slot] = token
     return [Event(seq.rid, token, delta, False, None, logprob)]
 
-  def _text(self, seq: _Seq) -> str:
-    return self.tokenizer.decode(seq.tokens)
+  def _decoded(self, seq: _Seq, *, final: bool = False) -> str:
+    """seq.text grown by the newly decoded characters. Incremental detokenization (as in TGI):
+    only the tokens since seq.prefix are decoded, and new text is taken only once it does not end
+    in U+FFFD (an incomplete UTF-8 character), unless final (then all that remains)."""
+    decode = self.tokenizer.decode
+    before = decode(seq.tokens[seq.prefix:seq.read])
+    now = decode(seq.tokens[seq.prefix:])
+    if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+      seq.text += now[len(before):]
+      seq.prefix, seq.read = seq.read, len(seq.tokens)
+    return seq.text
 
   def _finish(self, seq, token, reason, delta, logprob=None) -> Event:
     self.allocator.release(seq.slot)
