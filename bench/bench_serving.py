@@ -146,10 +146,10 @@ def main(argv=None):
   ap.add_argument("--formats", nargs="+", default=["hack", "bf16"], choices=["hack", "bf16"])
   ap.add_argument("--modes", nargs="+", default=["continuous", "fixed"],
                   choices=["continuous", "fixed"])
-  ap.add_argument("--requests", type=int, default=12)
+  ap.add_argument("--requests", type=int, default=8)
   ap.add_argument("--max-seqs", type=int, default=4)
-  ap.add_argument("--prompt-len", nargs=2, type=int, default=[16, 96], metavar=("LO", "HI"))
-  ap.add_argument("--output-len", nargs=2, type=int, default=[4, 48], metavar=("LO", "HI"))
+  ap.add_argument("--prompt-len", nargs=2, type=int, default=[16, 64], metavar=("LO", "HI"))
+  ap.add_argument("--output-len", nargs=2, type=int, default=[4, 40], metavar=("LO", "HI"))
   ap.add_argument("--max-len", type=int, default=None, help="None: longest prompt + output")
   ap.add_argument("--impl", default="reference", choices=["reference", "pallas"])
   ap.add_argument("--interpret", action="store_true")

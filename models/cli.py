@@ -88,6 +88,8 @@ def _add_serve_arguments(s) -> None:
   s.add_argument("--host", default="127.0.0.1", help="address to listen on")
   s.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
   s.add_argument("--max-seqs", type=int, default=8, help="requests decoded together (cache slots)")
+  s.add_argument("--prefill-rows", type=int, default=1,
+                 help="prompts per prefill call (each call computes this many rows)")
   s.add_argument("--max-len", type=int, default=2048,
                  help="tokens per request, prompt + completion (capped at the context length)")
   s.add_argument("--model-name", default=None, help="id in /v1/models (None: the file name)")

@@ -176,7 +176,8 @@ def create_app(engine: Engine, *, model_name: str) -> fastapi.FastAPI:
     where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
     kind, msg = first.get("type"), first.get("msg", "invalid value").removeprefix("Value error, ")
     if kind == "json_invalid":
-      return _error(400, f"malformed JSON at character {where}: {first.get('ctx', {}).get('error')}")
+      why = first.get("ctx", {}).get("error")
+      return _error(400, f"malformed JSON at character {where}: {why}")
     if kind == "extra_forbidden":
       message = f"unknown field: {where}"
     elif kind == "missing":
@@ -189,7 +190,8 @@ def create_app(engine: Engine, *, model_name: str) -> fastapi.FastAPI:
   async def health():
     a = engine.allocator
     return dict(status="error" if loop.error else "ok", running=engine.num_running,
-                waiting=engine.num_waiting, free_pages=a.num_free_pages, total_pages=a.num_pages - 1)
+                waiting=engine.num_waiting, free_pages=a.num_free_pages,
+                total_pages=a.num_pages - 1)
 
   @app.get("/v1/models")
   async def models():
@@ -304,9 +306,12 @@ def _data(obj) -> str:
 
 def run(args, load) -> int:
   """The serve command; load(args) -> (checkpoint, model). Serves until interrupted."""
-  if args.max_seqs < 1 or args.max_len < 2 or not 0 <= args.port < 65536:
-    raise ValueError(f"need --max-seqs >= 1, --max-len >= 2, 0 <= --port < 65536: got "
-                     f"--max-seqs {args.max_seqs}, --max-len {args.max_len}, --port {args.port}")
+  for flag, value, ok in (("--max-seqs", args.max_seqs, args.max_seqs >= 1),
+                          ("--prefill-rows", args.prefill_rows, args.prefill_rows >= 1),
+                          ("--max-len", args.max_len, args.max_len >= 2),
+                          ("--port", args.port, 0 <= args.port < 65536)):
+    if not ok:
+      raise ValueError(f"{flag} out of range: {value}")
   import uvicorn
 
   from models.cli_generate import quant_config
@@ -314,6 +319,7 @@ def run(args, load) -> int:
   ckpt, model = load(args)
   max_len = min(args.max_len, ckpt.config.max_seq_len)
   engine = Engine(model, ckpt.tokenizer, quant, max_seqs=args.max_seqs, max_len=max_len,
+                  prefill_rows=min(args.prefill_rows, args.max_seqs),
                   on_stage=lambda stage, info: stage == "compiled" and print(
                       f"compiled {info['what']} in {info['seconds']:.1f} s", file=sys.stderr))
   if args.warmup:
