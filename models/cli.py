@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
   g = sub.add_parser("generate", parents=[common], help="generate text for one or more prompts",
                      formatter_class=fmt)
   cli_generate.add_arguments(g)
+  _add_serve_arguments(sub.add_parser(
+      "serve", parents=[common], formatter_class=fmt,
+      help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, SSE streaming)"))
   pp = sub.add_parser("perplexity", parents=[common], help="perplexity of a text file",
                       formatter_class=fmt)
   pp.add_argument("--text", required=True,
@@ -78,6 +81,22 @@ def _parser() -> argparse.ArgumentParser:
       "passkey", help="passkey retrieval through KV formats, greedy decode (models/passkey.py)"))
   p.subcommands = sub.choices  # main() reports errors through the subcommand's parser
   return p
+
+
+def _add_serve_arguments(s) -> None:
+  """The serve flags beyond the model/cache ones (models/server.py runs the server)."""
+  s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+  s.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+  s.add_argument("--max-seqs", type=int, default=8, help="requests decoded together (cache slots)")
+  s.add_argument("--prefill-rows", type=int, default=1,
+                 help="prompts per prefill call (each call computes this many rows)")
+  s.add_argument("--max-len", type=int, default=2048,
+                 help="tokens per request, prompt + completion (capped at the context length)")
+  s.add_argument("--model-name", default=None, help="id in /v1/models (None: the file name)")
+  s.add_argument("--warmup", action="store_true",
+                 help="compile every prefill bucket and the decode steps (greedy) before serving")
+  s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info",
+                                                         "debug"), help="uvicorn's log level")
 
 
 def _version() -> str:
@@ -110,6 +129,11 @@ def _load(args):
 def _generate(args, parser) -> int:
   from models import cli_generate
   return cli_generate.run(args, _load)
+
+
+def _serve(args, parser) -> int:
+  from models import server  # needs the [serve] extra (fastapi, uvicorn)
+  return server.run(args, _load)
 
 
 def _perplexity(args, parser) -> int:
@@ -153,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mod = eval_mod if args.command == "eval" else passkey_mod
     run = lambda a, _: mod.run(a, argv_for_log=list(argv if argv is not None else sys.argv[1:])[1:])
   else:
-    run = _generate if args.command == "generate" else _perplexity
+    run = dict(generate=_generate, serve=_serve).get(args.command, _perplexity)
   sub = parser.subcommands.get(args.command, parser)
   try:
     return run(args, sub)

@@ -86,7 +86,8 @@ def check_model_path(path) -> None:
   with open(path, "rb") as f:
     head = f.read(4)
   if head != GGUF_MAGIC:
-    raise ValueError(f"--model {path}: not a GGUF file (starts with {head!r}, expected {GGUF_MAGIC!r})")
+    raise ValueError(f"--model {path}: not a GGUF file (starts with {head!r}, expected "
+                     f"{GGUF_MAGIC!r})")
 
 
 def read_prompts(args) -> list[str]:
@@ -112,10 +113,11 @@ def read_prompts(args) -> list[str]:
 
 
 def quant_config(args) -> QuantConfig:
-  """QuantConfig from --kv-format and the cache flags (page_size: 256, or 4 partitions if larger)."""
+  """QuantConfig from --kv-format and the cache flags (page_size 256, or 4 partitions if more)."""
   p = args.partition_size
   return QuantConfig(kv_format=args.kv_format, partition_size=p, page_size=max(256, 4 * p),
-                     num_sink_tokens=args.num_sink_tokens, rounding=args.rounding, layout=args.layout)
+                     num_sink_tokens=args.num_sink_tokens, rounding=args.rounding,
+                     layout=args.layout)
 
 
 def encode(tokenizer, prompt: str, *, system: str | None, chat: bool) -> list[int]:
@@ -237,7 +239,8 @@ def run(args, load) -> int:
   if not args.quiet:
     print(f"prefill: {stats['prompt_tokens']} tokens, {stats['prefill_tok_s']:.1f} tok/s | "
           f"decode: {stats['decode_tokens']} tokens, {stats['decode_tok_s']:.1f} tok/s | first "
-          f"token {stats['first_token_s']:.2f} s | compile {stats['compile_s']:.1f} s (not counted)")
+          f"token {stats['first_token_s']:.2f} s | compile {stats['compile_s']:.1f} s "
+          "(not counted)")
     rep = _cache_report(quant, c, max(len(p) for p in ids) + max(len(x.tokens) for x in comps),
                         max_seqs)
     print(f"KV cache ({args.kv_format}): {rep['bytes_per_token']:,.0f} B/token = "

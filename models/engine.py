@@ -4,13 +4,15 @@ An Engine owns one fixed-shape cache (max_seqs slots x max_len tokens) and a hos
 Each `step()`:
   1. finishes cancelled requests (their pages go back to the pool);
   2. admits waiting requests (first come, first served) into free slots while the pool can hold
-     their prompt + max_tokens, and prefills all of them in one call: tokens [max_seqs, T] with
-     T a length bucket (generate.length_bucket), the rows of the other slots written 0 tokens, so
-     running sequences keep their cache;
-  3. runs one decode step for every running request (one token each).
+     their prompt + max_tokens, and prefills them, prefill_rows prompts per call: tokens [R, T]
+     with T a length bucket (generate.length_bucket), written into those R slots of the cache
+     (the call sees only their open blocks, sinks and table rows, plus the shared page pool), so
+     a prefill costs R prompts, not max_seqs, and running sequences keep their cache;
+  3. runs one decode step for every running request (one token each, all max_seqs rows).
 Shapes never depend on which slots are busy, so the compiled steps are reused: one prefill
-executable per length bucket, and for decode one per (seal, greedy) pair (kv_cache.seals_block;
-greedy = every running request has temperature 0). Nothing recompiles when a request is admitted.
+executable per (length bucket, greedy), and for decode one per (seal, greedy) pair
+(kv_cache.seals_block; greedy = every request of the step has temperature 0). Nothing
+recompiles when a request is admitted.
 
 Sampling settings are per request, passed to the step as arrays (temperature f32[S], top_k i32[S],
 top_p f32[S]); token i of a request is drawn with fold_in(key(request.seed), i), so what a request
@@ -89,7 +91,8 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class Event:
   """token_id None on a final event that adds no token (a stop id, a cancel); logprob: natural
-  log-probability of token_id under the model's distribution (before temperature / top-k / top-p)."""
+  log-probability of token_id under the model's distribution (before temperature, top-k and
+  top-p)."""
   request_id: int
   token_id: int | None
   text: str
@@ -119,7 +122,10 @@ class _Seq:
   slot: int
   key: np.ndarray  # u32 key data of jax.random.key(req.seed)
   tokens: list[int] = dataclasses.field(default_factory=list)
-  sent: int = 0  # characters of the decoded text already emitted
+  text: str = ""  # decoded so far (complete characters)
+  prefix: int = 0  # incremental detokenization window: tokens[prefix:read] decoded last time
+  read: int = 0
+  sent: int = 0  # characters of text already emitted
 
 
 def sample_rows(logits, keys, counters, temperature, top_k, top_p):
@@ -154,20 +160,49 @@ def _round_key(count):  # stochastic rounding of the cache (QuantConfig.rounding
   return jax.random.fold_in(jax.random.key(0), count)
 
 
+# Per-sequence arrays of a LayerCache (hack_jax.kv_cache: open blocks and sinks, [max_seqs, ...]);
+# every other array is the shared page pool [num_pages, ...].
+_PER_SEQUENCE = ("open_k", "open_v", "sink_k", "sink_v")
+
+
+def _take_rows(cache, rows):
+  """The cache restricted to slots `rows` (i32[R], distinct): per-sequence arrays, table and
+  lengths of those rows; the page pool shared."""
+  def take(layer):
+    return dataclasses.replace(layer, **{f: getattr(layer, f)[rows] for f in _PER_SEQUENCE
+                                         if hasattr(layer, f)})
+  return dataclasses.replace(cache, layers=tuple(take(l) for l in cache.layers),
+                             page_indices=cache.page_indices[rows], kv_lens=cache.kv_lens[rows])
+
+
+def _put_rows(cache, sub, rows, page_indices):
+  """Inverse of _take_rows: sub's pool and its rows written back into cache."""
+  def put(layer, new):
+    return dataclasses.replace(new, **{f: getattr(layer, f).at[rows].set(getattr(new, f))
+                                       for f in _PER_SEQUENCE if hasattr(layer, f)})
+  return dataclasses.replace(cache, layers=tuple(map(put, cache.layers, sub.layers)),
+                             page_indices=page_indices,
+                             kv_lens=cache.kv_lens.at[rows].set(sub.kv_lens))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "greedy"), donate_argnames=("cache",))
-def _prefill(state, tokens, lengths, kv_lens, page_indices, cache, samp, count, *, graphdef, greedy):
-  """tokens i32[S, T]; lengths i32[S] (0 = slot not prefilled); kv_lens i32[S] (every slot's length
-  after the step); count: i32 step number (the cache's rounding key) -> (cache, first token i32[S],
-  its log-prob f32[S])."""
+def _prefill(state, tokens, rows, lengths, kv_lens, page_indices, cache, samp, count, *, graphdef,
+             greedy):
+  """Prefills R slots: rows i32[R] (distinct slots), tokens i32[R, T], lengths i32[R] (0 = row
+  untouched), kv_lens i32[R] (the rows' lengths after the step), page_indices i32[S, P] (the
+  whole table); count: i32 step number (the cache's rounding key) -> (cache, first token
+  i32[R], its log-prob f32[R]). Only R rows are computed, whatever max_seqs is."""
   model = nnx.merge(graphdef, state)
-  step = CacheStep("prefill", page_indices, lengths, kv_lens, _round_key(count))
+  step = CacheStep("prefill", page_indices[rows], lengths, kv_lens, _round_key(count))
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  cache, hidden = model.run(tokens, positions, cache, step)
+  sub, hidden = model.run(tokens, positions, _take_rows(cache, rows), step)
   last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-  return cache, *_sample_and_logprob(model.logits(last), samp, greedy)
+  return _put_rows(cache, sub, rows, page_indices), *_sample_and_logprob(model.logits(last), samp,
+                                                                        greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "seal"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "seal"),
+                   donate_argnames=("cache",))
 def _decode(state, tokens, active, kv_lens, page_indices, cache, samp, count, *, graphdef, greedy,
             seal):
   """tokens i32[S] fed at positions kv_lens (tokens held before), active bool[S] ->
@@ -188,6 +223,8 @@ class Engine:
       at most the model's context length.
     num_pages: page pool incl. the null page; None = room for every slot at max_len. With fewer,
       a request waits until the pool can hold its prompt + max_tokens (no preemption).
+    prefill_rows: prompts per prefill call (R): a call computes R rows, not max_seqs, so admitting
+      one request costs one prompt's prefill; more requests admitted at once take several calls.
     on_stage: optional callback(stage, info dict), e.g. for a progress display: "compiling"
       (what) and "compiled" (what, seconds) around each compile; "prefilling" (requests, tokens)
       and "prefilled" (requests, tokens, seconds incl. the first token, compile excluded) around
@@ -198,24 +235,26 @@ class Engine:
 
   def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
                max_seqs: int = 8, max_len: int = 2048, num_pages: int | None = None,
-               on_stage: Callable[[str, dict], None] | None = None):
+               prefill_rows: int = 1, on_stage: Callable[[str, dict], None] | None = None):
     c = model.config
-    if max_seqs < 1 or not 2 <= max_len <= c.max_seq_len:
-      raise ValueError(f"need max_seqs >= 1 and 2 <= max_len <= context length {c.max_seq_len}: "
-                       f"{max_seqs=} {max_len=}")
+    if max_seqs < 1 or not 2 <= max_len <= c.max_seq_len or not 1 <= prefill_rows <= max_seqs:
+      raise ValueError(f"need max_seqs >= 1, 2 <= max_len <= context length {c.max_seq_len} and "
+                       f"1 <= prefill_rows <= max_seqs: {max_seqs=} {max_len=} {prefill_rows=}")
+    self.prefill_rows = prefill_rows
     self.config, self.quant, self.tokenizer = c, quant, tokenizer
     self.max_seqs, self.capacity = max_seqs, max_len
     self.graphdef, self.state = nnx.split(model)
     sinks = kv_cache.sink_tokens(quant)
     pages_per_seq = max(1, math.ceil((max_len - sinks) / quant.page_size))
     num_pages = 1 + max_seqs * pages_per_seq if num_pages is None else num_pages
-    self.allocator = paging.PageAllocator(num_pages, max_seqs, pages_per_seq, quant.page_size, sinks)
+    self.allocator = paging.PageAllocator(num_pages, max_seqs, pages_per_seq, quant.page_size,
+                                          sinks)
     self.cache = kv_cache.init_cache(quant, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                      head_dim=c.head_dim, num_pages=num_pages, max_seqs=max_seqs,
                                      pages_per_seq=pages_per_seq)
     self.on_stage = on_stage
     self.stats = dict(compile_s=0.0, prefill_s=0.0, decode_s=0.0, prompt_tokens=0,
-                      decode_tokens=0, decode_steps=0, prefill_calls=0)
+                      decode_tokens=0, decode_steps=0, prefill_calls=0, cancelled=0)
     self._executables: dict[Any, Any] = {}
     self._slots: list[_Seq | None] = [None] * max_seqs
     self._kv_lens = np.zeros(max_seqs, np.int32)
@@ -237,7 +276,8 @@ class Engine:
     ids = np.asarray(request.prompt_ids)
     bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
     if bad.size:
-      raise ValueError(f"prompt token id {int(bad[0])} outside [0, vocab_size={self.config.vocab_size})")
+      raise ValueError(f"prompt token id {int(bad[0])} outside "
+                       f"[0, vocab_size={self.config.vocab_size})")
     need = len(ids) + request.max_tokens
     if need > self.capacity:
       raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {request.max_tokens} = {need} "
@@ -270,6 +310,10 @@ class Engine:
   def num_running(self) -> int:
     return sum(s is not None for s in self._slots)
 
+  @property
+  def num_waiting(self) -> int:
+    return len(self._waiting)
+
   def stream(self, requests: Iterable[Request] = ()) -> Iterator[Event]:
     """Submits `requests`, then steps until no request is waiting or running, yielding Events."""
     for r in requests:
@@ -289,7 +333,8 @@ class Engine:
     """Assembles request `rid`'s Events (ending with its final one) into a Completion; takes its
     times out of self.times."""
     tok = [e for e in events if e.token_id is not None]
-    return Completion(rid, req.prompt_ids, [e.token_id for e in tok], "".join(e.text for e in events),
+    return Completion(rid, req.prompt_ids, [e.token_id for e in tok],
+                      "".join(e.text for e in events),
                       [e.logprob for e in tok], events[-1].finish_reason, self.times.pop(rid, {}))
 
   # ---------------------------------------------------------------------------------- step
@@ -315,6 +360,7 @@ class Engine:
     for seq in self._slots:
       if seq is not None and seq.rid in gone:
         events.append(self._finish(seq, None, "cancelled", ""))
+    self.stats["cancelled"] += len(events)
     return events
 
   def _pages_for(self, req: Request) -> int:
@@ -339,17 +385,21 @@ class Engine:
         admitted.append(seq)
     return admitted
 
-  def _sampling_arrays(self, seqs):
-    s = self.max_seqs
-    temp, top_k, top_p = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32)
-    counters = np.zeros(s, np.int32)
-    keys = np.zeros((s,) + self._key_shape, np.uint32)
-    for q in seqs:
-      sm = q.req.sampling
-      temp[q.slot], top_k[q.slot], top_p[q.slot] = sm.temperature, sm.top_k, sm.top_p
-      counters[q.slot], keys[q.slot] = len(q.tokens), q.key
-    samp = dict(keys=keys, counters=counters, temperature=temp, top_k=top_k, top_p=top_p)
-    return samp, bool(np.all(temp == 0))
+  def _sampling_arrays(self, rows: Sequence[_Seq | None], greedy=None):
+    """(sampling arrays, one entry per row (None: an idle row), or None for a greedy step:
+    nothing to transfer; greedy). greedy None: whether every temperature is 0."""
+    r = len(rows)
+    temp, top_k, top_p = np.zeros(r, np.float32), np.zeros(r, np.int32), np.ones(r, np.float32)
+    counters = np.zeros(r, np.int32)
+    keys = np.zeros((r,) + self._key_shape, np.uint32)
+    for i, q in enumerate(rows):
+      if q is not None:
+        sm = q.req.sampling
+        temp[i], top_k[i], top_p[i] = sm.temperature, sm.top_k, sm.top_p
+        counters[i], keys[i] = len(q.tokens), q.key
+    greedy = bool(np.all(temp == 0)) if greedy is None else greedy
+    return None if greedy else dict(keys=keys, counters=counters, temperature=temp, top_k=top_k,
+                                    top_p=top_p), greedy
 
   def _run(self, fn, args, what, **static):
     """Runs jitted `fn` through its ahead-of-time compiled executable."""
@@ -374,14 +424,17 @@ class Engine:
   def warmup(self, prompt_lengths: Iterable[int], *, greedy: bool = True) -> None:
     """Compiles ahead of time every step that requests with these prompt lengths can use (one
     prefill per length bucket; decode with and without block sealing), so that no compile falls
-    inside the run. greedy: compile the greedy variants (all temperatures 0) or the sampling ones."""
-    samp, _ = self._sampling_arrays([])
-    s, pages = self.max_seqs, self.allocator.page_indices
+    inside the run. greedy: compile the greedy variants (all temperatures 0) or the sampling
+    ones."""
+    s, r, pages = self.max_seqs, self.prefill_rows, self.allocator.page_indices
     zeros = np.zeros(s, np.int32)
+    samp, _ = self._sampling_arrays([None] * r, greedy)
     for bucket in sorted({length_bucket(int(n)) for n in prompt_lengths}):
-      self._compiled(_prefill, (self.state, np.zeros((s, bucket), np.int32), zeros, zeros, pages,
+      self._compiled(_prefill, (self.state, np.zeros((r, bucket), np.int32),
+                                np.arange(r, dtype=np.int32), zeros[:r], zeros[:r], pages,
                                 self.cache, samp, np.int32(0)),
                      f"prefill, {bucket}-token bucket", greedy=greedy)
+    samp, _ = self._sampling_arrays([None] * s, greedy)
     for seal in ("never", "always") if self.quant.kv_format == "hack" else ("never",):
       self._compiled(_decode, (self.state, zeros, np.zeros(s, bool), zeros, pages, self.cache,
                                samp, np.int32(0)), "decode step", greedy=greedy, seal=seal)
@@ -391,36 +444,50 @@ class Engine:
     return np.int32(self._steps)
 
   def _prefill(self, seqs: list[_Seq]) -> list[Event]:
-    s = self.max_seqs
-    lengths = np.zeros(s, np.int32)
-    for q in seqs:
-      lengths[q.slot] = len(q.req.prompt_ids)
-    bucket = length_bucket(int(lengths.max()))
-    tokens = np.zeros((s, bucket), np.int32)
-    for q in seqs:
-      tokens[q.slot, :lengths[q.slot]] = q.req.prompt_ids
-    kv_lens = np.where(lengths > 0, lengths, self._kv_lens).astype(np.int32)
-    samp, greedy = self._sampling_arrays(seqs)
-    self._stage("prefilling", requests=len(seqs), tokens=int(lengths.sum()))
-    compile0, t0 = self.stats["compile_s"], time.perf_counter()
-    self.cache, tok, logp = self._run(
-        _prefill, (self.state, tokens, lengths, kv_lens, self.allocator.page_indices, self.cache,
-                   samp, self._count()), f"prefill, {bucket}-token bucket", greedy=greedy)
-    tok, logp = np.asarray(tok), np.asarray(logp)
-    dt = time.perf_counter() - t0 - (self.stats["compile_s"] - compile0)
-    self._kv_lens = kv_lens
-    self.stats["prefill_s"] += dt
-    self.stats["prompt_tokens"] += int(lengths.sum())
-    self.stats["prefill_calls"] += 1
-    self._stage("prefilled", requests=len(seqs), tokens=int(lengths.sum()), seconds=dt)
-    return [ev for q in seqs for ev in self._on_token(q, int(tok[q.slot]), float(logp[q.slot]))]
+    """Prefills the admitted seqs, prefill_rows at a time (idle rows padded with other slots,
+    written 0 tokens); returns their first-token Events."""
+    tokens_in = sum(len(q.req.prompt_ids) for q in seqs)
+    self._stage("prefilling", requests=len(seqs), tokens=tokens_in)
+    r, events, seconds = self.prefill_rows, [], 0.0
+    for lo in range(0, len(seqs), r):
+      chunk = seqs[lo:lo + r]
+      taken = {q.slot for q in chunk}
+      idle = [i for i in range(self.max_seqs) if i not in taken]
+      rows = [q.slot for q in chunk] + idle[:r - len(chunk)]
+      lengths = np.zeros(r, np.int32)
+      lengths[:len(chunk)] = [len(q.req.prompt_ids) for q in chunk]
+      bucket = length_bucket(int(lengths.max()))
+      tokens = np.zeros((r, bucket), np.int32)
+      for i, q in enumerate(chunk):
+        tokens[i, :lengths[i]] = q.req.prompt_ids
+      rows = np.asarray(rows, np.int32)
+      kv_lens = np.where(lengths > 0, lengths, self._kv_lens[rows]).astype(np.int32)
+      samp, greedy = self._sampling_arrays(chunk + [None] * (r - len(chunk)))
+      compile0, t0 = self.stats["compile_s"], time.perf_counter()
+      self.cache, tok, logp = self._run(
+          _prefill, (self.state, tokens, rows, lengths, kv_lens, self.allocator.page_indices,
+                     self.cache, samp, self._count()), f"prefill, {bucket}-token bucket",
+          greedy=greedy)
+      tok, logp = np.asarray(tok), np.asarray(logp)
+      seconds += time.perf_counter() - t0 - (self.stats["compile_s"] - compile0)
+      self._kv_lens[rows] = kv_lens
+      self.stats["prefill_calls"] += 1
+      for i, q in enumerate(chunk):
+        events += self._on_token(q, int(tok[i]), float(logp[i]))
+    self.stats["prefill_s"] += seconds
+    self.stats["prompt_tokens"] += tokens_in
+    self._stage("prefilled", requests=len(seqs), tokens=tokens_in, seconds=seconds)
+    return events
 
   def _decode(self, seqs: list[_Seq]) -> list[Event]:
     active = np.zeros(self.max_seqs, bool)
     for q in seqs:
       active[q.slot] = True
       self.allocator.reserve(q.slot, int(self._kv_lens[q.slot]) + 1)
-    samp, greedy = self._sampling_arrays(seqs)
+    rows: list[_Seq | None] = [None] * self.max_seqs
+    for q in seqs:
+      rows[q.slot] = q
+    samp, greedy = self._sampling_arrays(rows)
     seal = "always" if kv_cache.seals_block(self.quant, self._kv_lens, active) else "never"
     compile0, t0 = self.stats["compile_s"], time.perf_counter()
     self.cache, tok, logp = self._run(
@@ -439,28 +506,36 @@ class Engine:
   def _on_token(self, seq: _Seq, token: int, logprob: float) -> list[Event]:
     req = seq.req
     if token in req.stop_ids or (not req.ignore_eos and token in self.tokenizer.stop_ids):
-      return [self._finish(seq, None, "stop", self._text(seq)[seq.sent:])]
+      return [self._finish(seq, None, "stop", self._decoded(seq, final=True)[seq.sent:])]
     seq.tokens.append(token)
-    times = self.times.setdefault(seq.rid, {})
-    times.setdefault("first_token", time.perf_counter())
-    text = self._text(seq)
-    cut = min((i for i in (text.find(s, max(0, seq.sent - len(s) + 1)) for s in req.stop) if i >= 0),
-              default=-1)
+    self.times.setdefault(seq.rid, {}).setdefault("first_token", time.perf_counter())
+    last = len(seq.tokens) == req.max_tokens
+    text = self._decoded(seq, final=last)
+    found = (text.find(s, max(0, seq.sent - len(s) + 1)) for s in req.stop)
+    cut = min((i for i in found if i >= 0), default=-1)
     if cut >= 0:
       return [self._finish(seq, token, "stop", text[seq.sent:max(cut, seq.sent)], logprob)]
-    if len(seq.tokens) == req.max_tokens:
+    if last:
       return [self._finish(seq, token, "length", text[seq.sent:], logprob)]
-    safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes to U+FFFD
     # hold back the longest tail that may still grow into a stop string
-    safe -= max((k for s in req.stop for k in range(1, min(len(s) - 1, safe) + 1)
-                 if text[safe - k:safe] == s[:k]), default=0)
+    safe = len(text) - max((k for s in req.stop for k in range(1, min(len(s) - 1, len(text)) + 1)
+                            if text.endswith(s[:k])), default=0)
     delta = text[seq.sent:max(safe, seq.sent)]
     seq.sent += len(delta)
     self._pending[seq.slot] = token
     return [Event(seq.rid, token, delta, False, None, logprob)]
 
-  def _text(self, seq: _Seq) -> str:
-    return self.tokenizer.decode(seq.tokens)
+  def _decoded(self, seq: _Seq, *, final: bool = False) -> str:
+    """seq.text grown by the newly decoded characters. Incremental detokenization (as in TGI):
+    only the tokens since seq.prefix are decoded, and new text is taken only once it does not end
+    in U+FFFD (an incomplete UTF-8 character), unless final (then all that remains)."""
+    decode = self.tokenizer.decode
+    before = decode(seq.tokens[seq.prefix:seq.read])
+    now = decode(seq.tokens[seq.prefix:])
+    if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+      seq.text += now[len(before):]
+      seq.prefix, seq.read = seq.read, len(seq.tokens)
+    return seq.text
 
   def _finish(self, seq, token, reason, delta, logprob=None) -> Event:
     self.allocator.release(seq.slot)

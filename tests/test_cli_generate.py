@@ -40,6 +40,12 @@ def test_errors_name_the_subcommand_and_value(capsys, argv, message):
   assert line.startswith("hack-jax generate: error: ") and message in line, line
 
 
+def test_serve_errors_before_loading(capsys):
+  assert _error(capsys, ["serve", "--max-seqs", "0"]) == (
+      "hack-jax serve: error: --max-seqs out of range: 0")
+  assert _error(capsys, ["serve", "--port", "70000"]).endswith("--port out of range: 70000")
+
+
 def test_non_gguf_model_and_bad_cache_option(capsys, tmp_path):
   bogus = tmp_path / "model.safetensors"
   bogus.write_bytes(b"\x08\x00\x00\x00{}")

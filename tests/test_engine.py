@@ -33,7 +33,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model, tok):
-  return Engine(model, tok, QUANT, max_seqs=MAX_SEQS, max_len=MAX_LEN)
+  # 2 prompts per prefill call: a call of 1 pads a row with a slot that another request holds
+  return Engine(model, tok, QUANT, max_seqs=MAX_SEQS, max_len=MAX_LEN, prefill_rows=2)
 
 
 @pytest.fixture(scope="module")
