@@ -7,8 +7,8 @@ slot through `input_output_aliases` (the cache arrays are updated in place when 
 them), and the attention over sinks + sealed blocks + open block uses the new rows from registers (the
 kernel never reads back what it writes). Everything else is decode_attention.py's kernel, unchanged
 (`_hack_decode_kernel`, every dot_dtype and KernelConfig): q is read in its natural
-[S, num_q_heads, head_dim] layout with sm_scale applied in-kernel, and the split-K partials are merged
-after the kernel (common.combine_splits).
+[S, num_q_heads, head_dim] layout with sm_scale applied in-kernel; the split-K partials are merged
+by a second, small kernel (`combine_splits`: one launch).
 
 Non-sealing steps only: the caller promises that no active slot fills its open block with this token
 (hack_jax.kv_cache.seals_block is False); a slot that does anyway keeps the block unsealed, exactly as
@@ -23,7 +23,7 @@ slot s takes token kv_lens[s] when active[s] and kv_lens[s] >= 0: into sink row 
 (dropped, as append does); the attention sees kv_lens + active tokens.
 
 Reference twin: hack_jax.kv_cache.append(seal="never") then decode_attention.hack_decode_attention
-(bit-identical cache, same output up to nothing: the same arithmetic on the same values), reached via
+(bit-identical cache; the output equal up to the float32 order of the split combine), reached via
 hack_jax.attention.decode_step(..., impl="reference"); tests/test_fused_decode.py also checks the
 output against the float64 twin of tests/test_decode_kernels.py.
 """
@@ -84,6 +84,38 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, q_ref, k_ref, v_
                         open_split=open_split, open_state=open_state, **kernel_kwargs)
 
 
+def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, *, programs):
+    # m_ref, l_ref  f32[S, H, programs, G_pad];  acc_ref f32[S, H, programs, G_pad, D]
+    # out_ref       f32[G_pad, D] of (b, h): common.lse_combine over the programs
+    b, h = pl.program_id(0), pl.program_id(1)
+    rows = out_ref.shape[0]
+    m_max = jax.lax.fori_loop(0, programs, lambda s, mx: jnp.maximum(mx, m_ref[b, h, s, :]),
+                              jnp.full((rows,), -jnp.inf, jnp.float32))
+    base = jnp.where(m_max > -jnp.inf, m_max, 0.0)
+
+    def body(s, carry):
+        l, acc = carry
+        w = jnp.exp(m_ref[b, h, s, :] - base)  # [G_pad]; 0 for a program that saw nothing
+        return l + l_ref[b, h, s, :] * w, acc + acc_ref[b, h, s, :, :] * w[:, None]
+
+    l, acc = jax.lax.fori_loop(0, programs, body, (jnp.zeros((rows,), jnp.float32), jnp.zeros_like(out_ref)))
+    out_ref[...] = jnp.where((l > 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+def combine_splits(acc, m, l, num_q_heads, *, interpret):
+    """common.combine_splits as one small Pallas kernel (one launch, where XLA makes a reduction fusion per
+    reduced quantity): acc f32[S, H, programs, G_pad, D], m, l f32[S, H, programs, G_pad] ->
+    f32[S, num_q_heads, head_dim]; the G_pad - G padding rows are sliced off after (free when G == G_pad)."""
+    batch, num_kv_heads, programs, pad, head_dim = acc.shape
+    out = common.pallas_call(
+        functools.partial(_combine_kernel, programs=programs),
+        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, pad, head_dim), jnp.float32),
+        grid=(batch, num_kv_heads), in_specs=[common.full_spec(x) for x in (m, l, acc)],
+        out_specs=pl.BlockSpec((None, None, pad, head_dim), lambda b, h: (b, h, 0, 0)),
+        num_warps=4, num_stages=1, interpret=interpret, name="hack_combine_splits")(m, l, acc)
+    return out[:, :, :num_q_heads // num_kv_heads].reshape(batch, num_q_heads, head_dim)
+
+
 @functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "config", "interpret"))
 def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                   sink_k, sink_v, page_indices, kv_lens, active, *, partition_size, num_sink_tokens, config,
@@ -126,7 +158,7 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
         input_output_aliases=aliases, name="hack_fused_decode_attention")(*inputs)
     sinks = tuple(new[2:]) if num_sink_tokens else (sink_k, sink_v)
-    return (common.combine_splits(acc, m, l, num_q_heads), new[0], new[1]) + sinks
+    return (combine_splits(acc, m, l, num_q_heads, interpret=interpret), new[0], new[1]) + sinks
 
 
 @common.quiet

@@ -6,8 +6,8 @@ unused page, shuffled page table) whose slots put the new token into a sink (fir
 sink), the first open row (right after the sinks, at a block boundary, at a page boundary), a middle
 open row, and two inactive slots (one full to its capacity). Checked against:
   - kv_cache.append(seal="never"): the written layer bit-identical (every array);
-  - append then the existing Pallas kernel (decode_attention(impl="pallas")): the same output (the same
-    arithmetic on the same values: exact in interpret mode, float32 order on the GPU);
+  - append then the existing Pallas kernel (decode_attention(impl="pallas")): the same output up to the
+    float32 order of the split combine (TIGHT);
   - the float64 twin (twin.np_cache_attention on the K/V that were written), within the HACK kernel's
     tolerance of tests/test_decode_kernels.py (TIGHT interpret, FLIP_BOUND gpu).
 """
@@ -72,10 +72,7 @@ def test_fused_step_matches_append_then_attention(config, mode):
     out, ref = np.asarray(out), np.asarray(ref)
     assert np.isfinite(out).all()
     scale = float(np.abs(v).max())
-    if mode == "interpret":
-        np.testing.assert_array_equal(out, ref)
-    else:
-        assert np.abs(out - ref).max() <= TIGHT * scale
+    assert np.abs(out - ref).max() <= TIGHT * scale, (np.abs(out - ref).max(), scale)
     after = PREV + ACTIVE
     cache = twin.Cache(want, k, v, after, table)
     oracle = twin.np_cache_attention(np.asarray(q)[:, None], cache, (after - 1)[:, None])[:, 0]
