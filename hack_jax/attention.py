@@ -27,6 +27,7 @@ Sequences with kv_lens 0 return 0.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -165,6 +166,15 @@ def _decode_kernel_args(layer):
             dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens))
 
 
+def _fused_decode_kernel():
+    module, name = "pallas_kernels.fused_decode_attention", "hack_fused_decode_attention"
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise NotImplementedError(f"the fused decode kernel {module}.{name} is unavailable "
+                                  f"({type(e).__name__}: {e})") from e
+
+
 def _pallas(impl, kind, layer):
     fmt = layer.config.kv_format
     if isinstance(layer, kv_cache.SeedPages):
@@ -278,3 +288,56 @@ def _homomorphic(q, layer, page_indices, kv_lens, q_pos):
 
     out = reference.softmax_state_output(state).reshape(s, h, t, g, d)
     return out.transpose(0, 2, 1, 3, 4).reshape(s, t, hq, d)
+
+
+def decode_step(q, k, v, layer: kv_cache.LayerCache, *, page_indices, kv_lens, active, impl="reference",
+                seal="always", key=None, **kernel_options):
+    """One decode step of a layer: append each active slot's new token, then attend over the cache.
+
+    The same as `layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active,
+    page_indices=page_indices, key=key, seal=seal)` followed by `decode_attention(q, layer,
+    page_indices=page_indices, kv_lens=kv_lens + active, impl=impl, **kernel_options)`, which is what
+    runs, except for impl="pallas" with seal="never" on a kivi layer: one fused Pallas call
+    (pallas_kernels.fused_decode_attention) writes the token's sink / open-block rows in place and
+    attends, so no XLA scatter runs around the kernel (the same cache bytes, the same output).
+
+    Args:
+      q: float[max_seqs, num_q_heads, head_dim]; k, v: float[max_seqs, num_kv_heads, head_dim].
+      layer: a LayerCache; page_indices: i32[max_seqs, pages_per_seq].
+      kv_lens: i32[max_seqs] tokens held *before* this token; active: bool[max_seqs].
+      impl, kernel_options: as decode_attention. seal, key: as kv_cache.append.
+    Returns (new layer, out f32[max_seqs, num_q_heads, head_dim]).
+    Raises what kv_cache.append and decode_attention raise (the same checks, before anything runs).
+    """
+    if not (impl == "pallas" and seal == "never" and isinstance(layer, kv_cache.KiviPages)):
+        layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active, page_indices=page_indices,
+                                key=key, seal=seal)
+        after = jnp.asarray(kv_lens, jnp.int32) + jnp.asarray(active, jnp.int32)
+        return layer, decode_attention(q, layer, page_indices=page_indices, kv_lens=after, impl=impl,
+                                       **kernel_options)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if q.ndim != 3:
+        raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
+    page_indices, kv_lens, active = _check_append(layer, k, v, page_indices, kv_lens, active)
+    _check(q[:, None], layer, page_indices, kv_lens + active.astype(jnp.int32), impl, kernel_options)
+    fn = _fused_decode_kernel()
+    arrays, static = _decode_kernel_args(layer)
+    out, open_k, open_v, sink_k, sink_v = fn(q, k, v, *arrays, page_indices, kv_lens, active, **static,
+                                             **kernel_options)
+    return dataclasses.replace(layer, open_k=open_k, open_v=open_v, sink_k=sink_k, sink_v=sink_v), out
+
+
+def _check_append(layer, k, v, page_indices, kv_lens, active):
+    """kv_cache.append's checks of a seal="never" step, with its messages: traced lengths get the shape
+    checks (an abstract append), concrete ones all of them (an eager append whose result is dropped: the
+    eager path is for tests and tools). Returns (page_indices, kv_lens, active) as arrays."""
+    paging.check_index_dtype("append", kv_lens=kv_lens, page_indices=page_indices)
+    page_indices, kv_lens = jnp.asarray(page_indices, jnp.int32), jnp.asarray(kv_lens, jnp.int32)
+    active = jnp.asarray(active, bool)
+    probe = functools.partial(kv_cache.append, layer, k, v, kv_lens=kv_lens, active=active,
+                              page_indices=page_indices, seal="never")
+    if any(isinstance(x, jax.core.Tracer) for x in (page_indices, kv_lens, active, k, v)):
+        jax.eval_shape(probe)
+    else:
+        probe()
+    return page_indices, kv_lens, active

@@ -482,13 +482,17 @@ def empty_state(rows, width, num_groups):
             tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(num_groups)))
 
 
-def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_len, num_open, row_plane):
+def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_len, num_open, row_plane,
+                               new_token=None):
     """Float32 attention over the sinks and the open block's num_open tokens (DESIGN.md: plain
     float attention on their 16-bit K/V), as one softmax part on the stream-0 rows (row_plane == 0);
     other rows get the empty state. Rows/tokens beyond the lengths are selected away (NaN-safe).
 
     q: NP x f32[R, Pc] (q * sm_scale); open_k_ref, open_v_ref: [S, H, P, D]; sink_refs:
-    (sink_k_ref, sink_v_ref) [S, H, ns, D] or (). Returns (m [R], l [R], NP x acc [R, Pc]).
+    (sink_k_ref, sink_v_ref) [S, H, ns, D] or (). new_token: None, or (k_row, v_row, open_row,
+    sink_row): a token being written this step, NP x [Pc] each in the cache dtype, used in place of
+    open-block row open_row / sink row sink_row (i32 scalars, -1: none), so the kernel that writes it
+    never reads it back from memory. Returns (m [R], l [R], NP x acc [R, Pc]).
     """
     NP = len(q)
     R, Pc = q[0].shape
@@ -497,19 +501,29 @@ def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_le
     token = jax.lax.broadcasted_iota(jnp.int32, (P,), 0)
     open_ok = token < num_open  # [P]
     zero = jnp.zeros((), jnp.bfloat16)
-    k_open = [jnp.where(open_ok[:, None], open_k_ref[b, h, :, pl.ds(p * Pc, Pc)].astype(jnp.bfloat16), zero)
-              for p in range(NP)]  # NP x bf16[P, Pc]
+
+    def open_rows(ref, new_rows, p):  # [P, Pc] of the open block, the new token in its row
+        x = ref[b, h, :, pl.ds(p * Pc, Pc)]
+        if new_token is not None:
+            x = jnp.where((token == new_token[2])[:, None], new_rows[p][None, :], x)
+        return jnp.where(open_ok[:, None], x.astype(jnp.bfloat16), zero)
+
+    def sink_row(ref, new_rows, t, p):  # f32[Pc] of sink t, the new token if it is row t
+        x = ref[b, h, t, pl.ds(p * Pc, Pc)]
+        if new_token is not None:
+            x = jnp.where(new_token[3] == t, new_rows[p], x)
+        return jnp.where(t < kv_len, x.astype(jnp.float32), 0.0)
+
+    new_k, new_v = (None, None) if new_token is None else new_token[:2]
+    k_open = [open_rows(open_k_ref, new_k, p) for p in range(NP)]  # NP x bf16[P, Pc]
     logits = sum(f32_bf16_dot(q[p], k_open[p], trans_b=True) for p in range(NP))  # [R, P]
     logits = jnp.where(open_ok[None, :], logits, -jnp.inf)
     sink_logits, sink_v = [], []
     for t in range(ns):
-        ok = t < kv_len
-        k_t = [jnp.where(ok, sink_refs[0][b, h, t, pl.ds(p * Pc, Pc)].astype(jnp.float32), 0.0)
-               for p in range(NP)]  # NP x [Pc]
-        sink_logits.append(jnp.where(ok, sum(jnp.sum(q[p] * k_t[p][None, :], axis=1) for p in range(NP)),
+        k_t = [sink_row(sink_refs[0], new_k, t, p) for p in range(NP)]  # NP x [Pc]
+        sink_logits.append(jnp.where(t < kv_len, sum(jnp.sum(q[p] * k_t[p][None, :], axis=1) for p in range(NP)),
                                      -jnp.inf))  # [R]
-        sink_v.append([jnp.where(ok, sink_refs[1][b, h, t, pl.ds(p * Pc, Pc)].astype(jnp.float32), 0.0)
-                       for p in range(NP)])  # NP x [Pc]
+        sink_v.append([sink_row(sink_refs[1], new_v, t, p) for p in range(NP)])  # NP x [Pc]
     m = jnp.max(logits, axis=1)
     for s_t in sink_logits:
         m = jnp.maximum(m, s_t)
@@ -521,8 +535,7 @@ def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_le
     l = jnp.sum(w, axis=1) + sum(w_sinks, jnp.zeros((R,), jnp.float32))
     accs = []
     for p in range(NP):
-        v_open = jnp.where(open_ok[:, None], open_v_ref[b, h, :, pl.ds(p * Pc, Pc)].astype(jnp.bfloat16), zero)
-        acc = f32_bf16_dot(w, v_open)  # [R, Pc]
+        acc = f32_bf16_dot(w, open_rows(open_v_ref, new_v, p))  # [R, Pc]
         for w_t, v_t in zip(w_sinks, sink_v):
             acc = acc + w_t[:, None] * v_t[p][None, :]
         accs.append(acc)

@@ -83,7 +83,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
-                        interpret):
+                        interpret, open_state=common.sinks_and_open_block_state):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[S, Hq, D]
@@ -96,6 +96,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     # open_k_ref, open_v_ref  bf16[S, H, P, D]
     # refs = (sink_k_ref, sink_v_ref  bf16[S, H, ns, D],)  if ns else ()
     #        + (acc_ref f32[G_pad, D], m_ref f32[G_pad], l_ref f32[G_pad])   outputs of this program
+    # open_state: the sinks + open block part (common.sinks_and_open_block_state's signature); the fused
+    # append kernel (fused_decode_attention.py) passes one that also sees the token it writes
     ns, P, NP = num_sink_tokens, partition_size, num_groups
     acc_ref, m_ref, l_ref = refs[-3:]
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -142,8 +144,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
 
     init = jax.lax.cond(
         split == prologue_split,
-        lambda: common.sinks_and_open_block_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), b, h,
-                                                  kv_len, after_sinks % P, row_plane),
+        lambda: open_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), b, h, kv_len, after_sinks % P,
+                           row_plane),
         lambda: common.empty_state(R, Pc, NP))
 
     def body(tg, carry):

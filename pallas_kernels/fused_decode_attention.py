@@ -1,0 +1,204 @@
+"""HACK decode step in one Pallas kernel: append the new token to the kivi cache and attend, Triton lowering.
+
+Computes what hack_jax.kv_cache.append(..., seal="never") followed by decode_attention.hack_decode_attention
+computes, in one launch instead of the append's four row scatters (sink_k, sink_v, open_k, open_v) plus
+the attention kernel: the new token's k / v rows are written into their open-block (or sink) row of the
+slot through `input_output_aliases` (the cache arrays are updated in place when the caller donates
+them), and the attention over sinks + sealed blocks + open block uses the new rows from registers (the
+kernel never reads back what it writes). Everything else is decode_attention.py's kernel, unchanged
+(`_hack_decode_kernel`, every dot_dtype and KernelConfig): q is read in its natural
+[S, num_q_heads, head_dim] layout with sm_scale applied in-kernel; the split-K partials are merged
+by a second, small kernel (`combine_splits`: one launch).
+
+Non-sealing steps only: the caller promises that no active slot fills its open block with this token
+(hack_jax.kv_cache.seals_block is False); a slot that does anyway keeps the block unsealed, exactly as
+append(seal="never") under jit does. The sealing steps take append(seal="always") + the plain kernel.
+
+Shapes (decode_attention.py's, plus):
+  k, v       float[S, num_kv_heads, head_dim]  the new token of each slot (rows of inactive slots ignored)
+  kv_lens    i32[S] tokens held *before* this token (append's convention); active bool[S]
+Returns (out f32[S, num_q_heads, head_dim], open_k, open_v, sink_k, sink_v) with the token written:
+slot s takes token kv_lens[s] when active[s] and kv_lens[s] >= 0: into sink row kv_lens[s] if
+< num_sink_tokens, else open-block row (kv_lens[s] - ns) % P if within the capacity, else nowhere
+(dropped, as append does); the attention sees kv_lens + active tokens.
+
+Reference twin: hack_jax.kv_cache.append(seal="never") then decode_attention.hack_decode_attention
+(bit-identical cache; the output equal up to the float32 order of the split combine), reached via
+hack_jax.attention.decode_step(..., impl="reference"); tests/test_fused_decode.py also checks the
+output against the float64 twin of tests/test_decode_kernels.py.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels.common import NUM_PLANES
+from pallas_kernels.decode_attention import DotDtype, KernelConfig, _hack_decode_kernel, resolve_config
+
+
+def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, q_ref, k_ref, v_ref, *refs, num_sink_tokens,
+                  partition_size, max_blocks, num_splits, open_split, **kernel_kwargs):
+    # kv_lens_ref   i32[S] after this token; prev_lens_ref i32[S] before it
+    # k_ref, v_ref  float[S, H, D] the new token
+    # refs = 8 page-pool refs, open_k, open_v bf16[S, H, P, D], (sink_k, sink_v bf16[S, H, ns, D] if ns)
+    #        + outputs acc, m, l (as _hack_decode_kernel's) + open_k, open_v (, sink_k, sink_v): aliased
+    ns, P = num_sink_tokens, partition_size
+    n_cache = 10 + 2 * bool(ns)
+    cache_in, (acc_ref, m_ref, l_ref), cache_out = refs[:n_cache], refs[n_cache:n_cache + 3], refs[n_cache + 3:]
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    prev, kv_len = prev_lens_ref[b], kv_lens_ref[b]
+    written = (kv_len > prev) & (prev >= 0)  # active; a negative position is dropped, as append does
+    to_sink = written & (prev < ns)
+    to_open = written & (prev >= ns) & (prev < ns + max_blocks * P)
+    open_row = jnp.where(to_open, (prev - ns) % P, -1)
+    sink_row = jnp.where(to_sink, prev, -1)
+    dtype = cache_in[8].dtype
+    D = k_ref.shape[-1]
+    is_prologue = split == (num_splits if open_split else 0)  # the one program of (b, h) reading open / sinks
+
+    @pl.when(is_prologue & to_open)
+    def _():
+        cache_out[0][b, h, open_row, :] = k_ref[b, h, :].astype(dtype)
+        cache_out[1][b, h, open_row, :] = v_ref[b, h, :].astype(dtype)
+
+    if ns:
+        @pl.when(is_prologue & to_sink)
+        def _():
+            cache_out[2][b, h, sink_row, :] = k_ref[b, h, :].astype(dtype)
+            cache_out[3][b, h, sink_row, :] = v_ref[b, h, :].astype(dtype)
+
+    num_groups = kernel_kwargs["num_groups"]
+    Pc = D // num_groups
+
+    def open_state(*args):
+        rows = lambda ref: [ref[b, h, pl.ds(p * Pc, Pc)].astype(dtype) for p in range(num_groups)]
+        return common.sinks_and_open_block_state(*args, new_token=(rows(k_ref), rows(v_ref), open_row, sink_row))
+
+    _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, *cache_in, acc_ref, m_ref, l_ref,
+                        num_sink_tokens=ns, partition_size=P, max_blocks=max_blocks, num_splits=num_splits,
+                        open_split=open_split, open_state=open_state, **kernel_kwargs)
+
+
+def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, *, programs):
+    # m_ref, l_ref  f32[S, H, programs, G_pad];  acc_ref f32[S, H, programs, G_pad, D]
+    # out_ref       f32[G_pad, D] of (b, h): common.lse_combine over the programs
+    b, h = pl.program_id(0), pl.program_id(1)
+    rows = out_ref.shape[0]
+    m_max = jax.lax.fori_loop(0, programs, lambda s, mx: jnp.maximum(mx, m_ref[b, h, s, :]),
+                              jnp.full((rows,), -jnp.inf, jnp.float32))
+    base = jnp.where(m_max > -jnp.inf, m_max, 0.0)
+
+    def body(s, carry):
+        l, acc = carry
+        w = jnp.exp(m_ref[b, h, s, :] - base)  # [G_pad]; 0 for a program that saw nothing
+        return l + l_ref[b, h, s, :] * w, acc + acc_ref[b, h, s, :, :] * w[:, None]
+
+    l, acc = jax.lax.fori_loop(0, programs, body, (jnp.zeros((rows,), jnp.float32), jnp.zeros_like(out_ref)))
+    out_ref[...] = jnp.where((l > 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+def combine_splits(acc, m, l, num_q_heads, *, interpret):
+    """common.combine_splits as one small Pallas kernel (one launch, where XLA makes a reduction fusion per
+    reduced quantity): acc f32[S, H, programs, G_pad, D], m, l f32[S, H, programs, G_pad] ->
+    f32[S, num_q_heads, head_dim]; the G_pad - G padding rows are sliced off after (free when G == G_pad)."""
+    batch, num_kv_heads, programs, pad, head_dim = acc.shape
+    out = common.pallas_call(
+        functools.partial(_combine_kernel, programs=programs),
+        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, pad, head_dim), jnp.float32),
+        grid=(batch, num_kv_heads), in_specs=[common.full_spec(x) for x in (m, l, acc)],
+        out_specs=pl.BlockSpec((None, None, pad, head_dim), lambda b, h: (b, h, 0, 0)),
+        num_warps=4, num_stages=1, interpret=interpret, name="hack_combine_splits")(m, l, acc)
+    return out[:, :, :num_q_heads // num_kv_heads].reshape(batch, num_q_heads, head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "config", "interpret"))
+def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+                  sink_k, sink_v, page_indices, kv_lens, active, *, partition_size, num_sink_tokens, config,
+                  interpret):
+    batch, num_q_heads, head_dim = q.shape
+    num_pages, num_kv_heads, _, _ = k_codes.shape
+    page_size = k_sums.shape[2]
+    num_groups = k_sums.shape[3]
+    pad = common.group_pad(num_q_heads, num_kv_heads)
+    programs = config.num_splits + config.open_split
+    prev = kv_lens.astype(jnp.int32)
+    after = prev + active.astype(jnp.int32)  # what the attention sees: append's kv_lens + active
+    k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size, partition_size,
+                                        num_groups) for x in (k_sums, v_scale, v_min))
+    cache = [k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
+    written = [open_k, open_v] + ([sink_k, sink_v] if num_sink_tokens else [])
+    if num_sink_tokens:
+        cache += [sink_k, sink_v]
+    inputs = [after, prev, page_indices.astype(jnp.int32), q, k, v] + cache
+    first = 6 + 8  # index of open_k among the inputs
+    aliases = {first + i: 3 + i for i in range(len(written))}
+    kernel = functools.partial(
+        _fused_kernel, partition_size=partition_size, num_groups=num_groups, group=num_q_heads // num_kv_heads,
+        group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
+        groups_per_page=page_size // (NUM_PLANES * partition_size), num_sink_tokens=num_sink_tokens,
+        num_pages=num_pages, max_blocks=page_indices.shape[1] * (page_size // partition_size),
+        num_splits=config.num_splits, open_split=config.open_split, dot_dtype=config.dot_dtype,
+        interpret=interpret)
+    out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
+    out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
+    out_specs = [pl.BlockSpec((None, None, None, pad, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+                 pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0)),
+                 pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0))]
+    out_specs += [common.full_spec(x) for x in written]
+    acc, m, l, *new = common.pallas_call(
+        kernel, out_shape=out_shape, grid=(batch, num_kv_heads, programs),
+        in_specs=[common.full_spec(x) for x in inputs], out_specs=out_specs,
+        num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
+        input_output_aliases=aliases, name="hack_fused_decode_attention")(*inputs)
+    sinks = tuple(new[2:]) if num_sink_tokens else (sink_k, sink_v)
+    return (combine_splits(acc, m, l, num_q_heads, interpret=interpret), new[0], new[1]) + sinks
+
+
+@common.quiet
+def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums,
+                                open_k, open_v, sink_k, sink_v, page_indices, kv_lens, active, *,
+                                partition_size: int, num_sink_tokens: int, dot_dtype: DotDtype = "int8",
+                                num_splits: int | None = None, config: KernelConfig | None = None,
+                                interpret: bool = False):
+    """Append one token per active slot and attend (module docstring; shapes there).
+
+    Args:
+      q: float[batch, num_q_heads, head_dim]; k, v: float[batch, num_kv_heads, head_dim], the new token.
+      k_codes ... sink_v: the cache arrays of one layer (decode_attention.py); sink_k / sink_v may be None
+        when num_sink_tokens == 0.
+      page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held before this token;
+        active: bool[batch].
+      partition_size, num_sink_tokens, dot_dtype, num_splits, config, interpret: as
+        decode_attention.hack_decode_attention (the config is chosen for the lengths after the token).
+
+    Returns:
+      (out f32[batch, num_q_heads, head_dim], open_k, open_v, sink_k, sink_v), the last four in their
+      input dtypes with the token written (sink_k / sink_v as given when num_sink_tokens == 0).
+
+    Raises:
+      ValueError: shapes/dtypes off the layout (as hack_decode_attention), k / v not
+        float[batch, num_kv_heads, head_dim], active not bool[batch].
+    """
+    page_indices, kv_lens, active = common.as_index_arrays(page_indices, kv_lens, active)
+    common.check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
+                                    open_v, sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
+                                    num_sink_tokens=num_sink_tokens)
+    want = (q.shape[0], k_codes.shape[1], q.shape[2])
+    for name, x in (("k", k), ("v", v)):
+        if not hasattr(x, "shape") or tuple(x.shape) != want or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be float{list(want)} (the new token per slot), got "
+                             f"{getattr(x, 'shape', type(x).__name__)} {getattr(x, 'dtype', '')}")
+    if active.shape != (q.shape[0],) or active.dtype != jnp.bool_:
+        raise ValueError(f"active must be bool[{q.shape[0]}], got {active.shape=} {active.dtype=}")
+    config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, dot_dtype=dot_dtype,
+                            num_splits=num_splits, config=config)
+    return _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
+                         open_v, sink_k, sink_v, page_indices, kv_lens, active, partition_size=partition_size,
+                         num_sink_tokens=num_sink_tokens, config=config, interpret=interpret)
