@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hack_jax import kv_cache, paging
+from hack_jax import handoff, kv_cache, paging
 from hack_jax.config import QuantConfig
 from models.generate import Sampling, length_bucket
 from models.llama import CacheStep, Llama
@@ -544,3 +544,59 @@ class Engine:
     self._kv_lens[seq.slot] = 0
     self.times.setdefault(seq.rid, {})["finished"] = time.perf_counter()
     return Event(seq.rid, token, delta, True, reason, logprob)
+
+  # ------------------------------------------- hand-off between engines (models/disagg.py)
+
+  def hand_off(self, request_id: int) -> tuple[bytes, list[int]]:
+    """Exports running request `request_id` right after the step that prefilled it (its first
+    token is in that step's Events) as a hack_jax.handoff payload of its prompt's cache, then
+    removes it from this engine (pages freed, no final Event). Returns (payload, the live page
+    ids it had here). Raises ValueError if the request is not running or has decoded already."""
+    seq = next((s for s in self._slots if s is not None and s.rid == request_id), None)
+    if seq is None or len(seq.tokens) != 1:
+      raise ValueError(f"request {request_id} is not running right after its prefill")
+    kv_len, table = int(self._kv_lens[seq.slot]), self.allocator.page_indices
+    payload = handoff.export_sequence(self.cache, slot=seq.slot, page_indices=table, kv_len=kv_len)
+    self._finish(seq, None, "handed off", "")
+    self.times.pop(seq.rid, None)
+    return payload, self._live_pages(table, seq.slot, kv_len)
+
+  def adopt(self, request: Request, payload: bytes, first_token: int,
+            first_logprob: float) -> tuple[int, list[Event], list[int]]:
+    """Admits a request prefilled by another engine (its `hand_off` payload and first token):
+    the cache is imported into a free slot at the pages this engine's allocator assigns, and
+    decoding continues from it as if it had been prefilled here. Returns (request id, the first
+    token's Events, the live page ids). Raises ValueError, leaving the engine as it was, for a
+    payload that is damaged or does not fit this cache (hack_jax.handoff), a cache length other
+    than the prompt's, a first token outside the vocabulary, or no free slot / pages now."""
+    self.check(request)
+    kv_len = handoff.read_header(payload).kv_len
+    if kv_len != len(request.prompt_ids):
+      raise ValueError(f"hand-off holds {kv_len} tokens, the request's prompt {len(request.prompt_ids)}")
+    if not 0 <= paging.require_int("first_token", first_token) < self.config.vocab_size:
+      raise ValueError(f"first_token {first_token} outside [0, vocab_size={self.config.vocab_size})")
+    with self._lock:
+      need = self._pages_for(request)
+      if None not in self._slots or self._committed + need > self.allocator.num_pages - 1:
+        raise ValueError(f"no free slot or pages for the hand-off: {self.num_running} running, "
+                         f"{self._committed} of {self.allocator.num_pages - 1} pages committed, needs {need}")
+      slot = self._slots.index(None)
+      self.allocator.admit(slot, kv_len)
+      try:
+        self.cache = handoff.import_sequence(self.cache, payload, slot=slot,
+                                             page_indices=self.allocator.page_indices)
+      except ValueError:
+        self.allocator.release(slot)
+        raise
+      rid = next(self._ids)
+      self.times[rid] = dict(submitted=time.perf_counter())
+      seq = _Seq(rid, request, slot, np.asarray(jax.random.key_data(jax.random.key(request.seed))))
+      self._slots[slot], self._kv_lens[slot] = seq, kv_len
+      self._committed += need
+    pages = self._live_pages(self.allocator.page_indices, slot, kv_len)
+    return rid, self._on_token(seq, int(first_token), float(first_logprob)), pages
+
+  def _live_pages(self, table, slot, kv_len) -> list[int]:
+    a = self.allocator
+    n = paging.pages_needed(kv_len, page_size=a.page_size, num_sink_tokens=a.num_sink_tokens)
+    return [int(p) for p in table[slot, :n]]
