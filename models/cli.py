@@ -3,7 +3,9 @@
   hack-jax generate --prompt TEXT [--prompt TEXT ...] [--model PATH] [--kv-format FMT]
                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
                     [--no-chat] [--max-cache-len N] [--dtype D] [--impl I] [--interpret]
+                    [--prefill-attention A] [--prefill-chunk N]
   hack-jax perplexity --text FILE [--tokens N] [--kv-format FMT] [--model PATH] [--dtype D]
+                      [--mode decode|prefill] [--prefill-attention A] [--prefill-chunk N]
   hack-jax eval [--formats all|F,..] [--contexts N,..] [--tokens N] [--windows W] [--text T]
                 [--out FILE.jsonl]      (KV-format accuracy table, models/eval.py)
   hack-jax passkey [--formats F,..] [--lengths N,..] [--depths D,..] [--trials N]
@@ -21,6 +23,7 @@ from typing import Sequence, get_args
 
 from hack_jax import kv_cache
 from hack_jax.config import KVFormat, QuantConfig
+from models.config import PREFILL_ATTENTION
 
 KV_FORMATS = get_args(KVFormat)
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
@@ -41,6 +44,13 @@ def _parser() -> argparse.ArgumentParser:
   common.add_argument("--interpret", action="store_true",
                       help="with --impl pallas: run the kernels in Pallas interpret mode (any "
                       "backend, CPU included; very slow, for testing)")
+  common.add_argument("--prefill-attention", default="auto", choices=PREFILL_ATTENTION,
+                      help="prompt attention (hack_jax.prefill): exact on the fresh 16-bit K/V "
+                      "(auto = cuDNN on a GPU with bf16, the jnp reference on the CPU), or "
+                      "homomorphic over the 2-bit cache (the paper's numerics; not causal)")
+  common.add_argument("--prefill-chunk", type=int, default=None,
+                      help="prefill prompts longer than this in chunks of this many tokens "
+                      "(default: one step, padded to a power of two)")
   g = sub.add_parser("generate", parents=[common], help="generate text for one or more prompts",
                      formatter_class=fmt)
   g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
@@ -61,9 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                   help="score the first N tokens (default: all, up to the context length)")
   pp.add_argument("--mode", default="decode", choices=("decode", "prefill"),
                   help="decode: feed tokens 2..N one decode step at a time, so every prediction "
-                  "sees the cache as generation does; prefill: one prefill pass (fast; for "
-                  "hack each query also sees its own block as 2-bit codes, which decoding never "
-                  "does)")
+                  "sees the cache as generation does; prefill: one prefill pass (fast; with the "
+                  "default --prefill-attention each row attends exactly to the rows before it, "
+                  "with --prefill-chunk the cached prefix through the cache)")
   from models import eval as eval_mod
   eval_mod.add_arguments(sub.add_parser(
       "eval", help="accuracy of KV formats: teacher-forced decode perplexity (models/eval.py)"))
@@ -85,8 +95,11 @@ def _load(args):
 
   from models.gguf_loader import load_checkpoint
   from models.llama import Llama
+  if args.prefill_chunk is not None and args.prefill_chunk < 1:
+    raise ValueError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
   ckpt = load_checkpoint(args.model, dtype=jnp.dtype(DTYPES[args.dtype]), impl=args.impl,
-                         kernel_options={"interpret": True} if args.interpret else {})
+                         kernel_options={"interpret": True} if args.interpret else {},
+                         prefill=args.prefill_attention)
   return ckpt, Llama.from_weights(ckpt.config, ckpt.weights)
 
 
@@ -103,7 +116,8 @@ def _generate(args, parser) -> int:
   prompt_ids = [encode_prompt(ckpt.tokenizer, p, chat=chat) for p in args.prompt]
   need = max(len(p) for p in prompt_ids) + args.max_new_tokens
   max_len = args.max_cache_len if args.max_cache_len is not None else min(need, ckpt.config.max_seq_len)
-  gen = Generator(model, ckpt.tokenizer, quant, max_seqs=len(prompt_ids), max_len=max_len)
+  gen = Generator(model, ckpt.tokenizer, quant, max_seqs=len(prompt_ids), max_len=max_len,
+                  prefill_chunk=args.prefill_chunk)
   result = gen.generate_ids(prompt_ids, args.max_new_tokens, sampling, seed=args.seed,
                             progress=True)
   for prompt, text in zip(args.prompt, result.texts):
@@ -146,7 +160,8 @@ def _perplexity(args, parser) -> int:
     ids = ids[:limit]
   if len(ids) > limit:
     parser.error(f"{len(ids)} tokens exceed the model's context length {limit}")
-  gen = Generator(model, ckpt.tokenizer, quant, max_seqs=1, max_len=len(ids))
+  gen = Generator(model, ckpt.tokenizer, quant, max_seqs=1, max_len=len(ids),
+                  prefill_chunk=args.prefill_chunk)
   if args.mode == "decode":
     ppl, n = gen.decode_perplexity(ids, progress=True)
   else:

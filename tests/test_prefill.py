@@ -254,3 +254,31 @@ def test_prefill_then_decode_matches_the_next_prefill_row(fmt):
     dec_err, hom_err = np.abs(dec - want).mean(), np.abs(at(hom) - want).mean()
     print(f"\nhack decode row mean |err| {dec_err:.3e}, homomorphic row {hom_err:.3e}")
     assert 1e-4 < dec_err <= 1.5 * hom_err
+
+
+# ------------------------------------------------------------------------------------ GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_prefix", [False, True], ids=["one_shot", "chunk"])
+def test_cudnn_prefill_matches_float64_attention(with_prefix):
+    """cuDNN flash attention on bf16 q/k/v (GQA, padding-causal, ragged): within 2x the error of
+    the same math done naively in bf16 (q and output rounded); as a chunk over a cached bf16
+    prefix its float32 log-sum-exp merges to the reference backend's result (same tolerance)."""
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in make_qkv(5))
+    assert hp.resolve("auto", q.dtype, k.dtype) == "cudnn"
+    qf, kf, vf = (np.asarray(x, np.float32) for x in (q, k, v))
+    if not with_prefix:
+        _, out = run("bf16", q, k, v, "cudnn")
+        want = oracle(qf, kf, vf)
+        naive = np.abs(bf16_exact(want) - want).max()
+        assert np.abs(np.asarray(out, np.float64) - want).max() <= 2 * naive + 1e-2 * np.abs(vf).max()
+        return
+    layer, table = setup("bf16")
+    cut = np.minimum(LENGTHS, 64).astype(np.int32)
+    layer, _ = hp.prefill(q[:, :64], k[:, :64], v[:, :64], layer, page_indices=table, lengths=cut)
+    rest = (LENGTHS - cut).astype(np.int32)
+    got = [np.asarray(hp.prefill(q[:, 64:], k[:, 64:], v[:, 64:], layer, page_indices=table,
+                                 lengths=rest, q_start=cut, attention=attn)[1], np.float64)
+           for attn in ("cudnn", "reference")]
+    assert np.abs(got[0] - got[1]).max() <= 1e-2 * np.abs(vf).max()
