@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import json
 import math
 import os
@@ -65,7 +64,7 @@ KV_LENS = (32768, 1024, 131072, 8192)
 QUICK = [("llama3.1-8b", 8, 32768), ("llama3.1-8b", 1, 32768), ("llama3.1-8b", 32, 8192),
          ("llama3.1-8b", 8, 8192), ("llama3.1-8b", 8, 131072), ("smollm2", 8, 32768)]
 SMOKE = [("tiny", 2, 256), ("tiny", 1, 100)]
-IMPLS = ("hack", "dequant", "bf16", "jax_gqa", "xla")
+IMPLS = ("hack", "dequant", "bf16", "jax_gqa", "xla", "triton")
 PAGE_SIZE = 256  # QuantConfig's default
 UNROLL = 8
 ROTATE_BYTES = 256 << 20  # >= 4x the H200's 60 MB L2
@@ -247,33 +246,49 @@ def _one_copy_slots(layer, shape):
     return dataclasses.replace(layer, **per)
 
 
-def hack_variants(dots=("bf16", "int8"), p128=False):
-    """The dot variants hack_decode_attention exposes, as (name, kwargs); p128 adds the default dots on a
-    partition_size=128 cache (page 512): half the per-token INT8 requantization work, lower accuracy
-    (bench/results/accuracy.md), as a speed/accuracy data point."""
-    from pallas_kernels import decode_attention as mod
-    if "dot_dtype" not in inspect.signature(mod.hack_decode_attention).parameters:
-        return [("hack", {})]
-    out = [(f"hack_{d}dot", {"dot_dtype": d}) for d in dots]
+HACK_DOTS = ("int8", "folded_f16", "folded_bf16")  # decode_attention.DOT_DTYPES, the operand modes
+KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k",
+               "open_v", "sink_k", "sink_v")
+
+
+def hack_variants(dots=("int8", "folded_f16"), p128=False):
+    """The operand modes of hack_decode_attention to time, as (row name, kwargs): hack_int8dot (INT8
+    transients, the paper's numerics), hack_folded_f16 / hack_folded_bf16 (scale-folded 16-bit operands);
+    p128 adds the int8 mode on a partition_size=128 cache (page 512): half the per-token INT8
+    requantization work, lower accuracy (bench/results/accuracy.md), as a speed/accuracy data point."""
+    out = [("hack_int8dot" if d == "int8" else f"hack_{d}", {"dot_dtype": d}) for d in dots]
     if p128:
         out.append(("hack_p128_int8dot", {"dot_dtype": "int8", "partition_size": 128}))
     return out
 
 
-HACK_FLAGS: tuple[str, ...] = ()  # --hack-flags: KernelConfig booleans set on top of default_config
+def kivi_call_args(layer):
+    """A kivi LayerCache -> (its arrays in the kernels' order, their static ints) for the Pallas kernels,
+    which take arrays only (hack_jax.attention unpacks a layer the same way)."""
+    return ([getattr(layer, f) for f in KIVI_FIELDS],
+            dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens))
 
 
-def parse_hack_flags(text):
-    """--hack-flags "fast_div,fast_exp" -> ("fast_div", "fast_exp"); ValueError naming an unknown or
-    non-boolean KernelConfig field."""
-    from pallas_kernels.decode_attention import KernelConfig
-    names = tuple(f for f in (text or "").replace(" ", "").split(",") if f)
-    fields = {f.name: f for f in dataclasses.fields(KernelConfig)}
-    for f in names:
-        if f not in fields or not isinstance(getattr(KernelConfig(), f), bool):
-            raise ValueError(f"--hack-flags: {f!r} is not a boolean KernelConfig field "
-                             f"({sorted(k for k in fields if isinstance(getattr(KernelConfig(), k), bool))})")
-    return names
+def prep_triton(shape, key, *, interpret):
+    """The scale-folded jax-triton kernel (pallas_kernels.triton_decode_attention) on the kivi cache; it
+    reads no code sums (not counted in the bytes). GPU only: interpret mode raises (an error row)."""
+    from pallas_kernels import triton_decode_attention as mod
+    if interpret:
+        raise RuntimeError("the jax-triton kernel has no interpret mode (CPU: tests/triton_interpret.py)")
+    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", skip_fields=("k_sums", "v_sums"))
+    lens = jnp.full((shape.batch,), shape.kv_len, jnp.int32)
+    arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=lens)
+    per_copy = shape.batch * pps
+    kc = mod.default_config(batch=shape.batch, num_kv_heads=shape.num_kv_heads, pages_per_seq=pps,
+                            page_size=config.page_size, partition_size=config.partition_size)
+
+    def call(q, i, a):
+        table = a["table"] + (i % n) * per_copy
+        arrays, static = kivi_call_args(_slots(a["layer"], shape, i, n))
+        return mod.hack_triton_decode_attention(q, *arrays, table, a["lens"], **static, config=kc)
+
+    return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={config.page_size} ns=4 {kc}", n,
+                    append=("open_k", "open_v"))
 
 
 def prep_hack(shape, key, *, interpret, variant_kwargs=None):
@@ -281,18 +296,13 @@ def prep_hack(shape, key, *, interpret, variant_kwargs=None):
     kwargs = dict(variant_kwargs or {})
     P = kwargs.pop("partition_size", 64)
     layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", partition_size=P)
-    if HACK_FLAGS:  # the default launch config with these flags on (a config overrides dot_dtype)
-        kc = mod.default_config(batch=shape.batch, num_kv_heads=shape.num_kv_heads, pages_per_seq=pps,
-                                page_size=config.page_size, partition_size=P,
-                                dot_dtype=kwargs.pop("dot_dtype", "int8"))
-        kwargs["config"] = dataclasses.replace(kc, **{f: True for f in HACK_FLAGS})
     arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
     per_copy = shape.batch * pps
 
     def call(q, i, a):
         table = a["table"] + (i % n) * per_copy
-        return mod.hack_decode_attention(q, _slots(a["layer"], shape, i, n), table, a["lens"],
-                                         interpret=interpret, **kwargs)
+        cache, static = kivi_call_args(_slots(a["layer"], shape, i, n))
+        return mod.hack_decode_attention(q, *cache, table, a["lens"], interpret=interpret, **static, **kwargs)
 
     return Prepared(call, arrays, nbytes, f"kivi P={P} page_size={config.page_size} ns=4 default_config {kwargs}", n,
                     append=("open_k", "open_v"))
@@ -306,7 +316,8 @@ def prep_dequant(shape, key, *, interpret):
 
     def call(q, i, a):
         table = a["table"] + (i % n) * per_copy
-        return dequant_decode_attention(q, _slots(a["layer"], shape, i, n), table, a["lens"], interpret=interpret)
+        cache, static = kivi_call_args(_slots(a["layer"], shape, i, n))
+        return dequant_decode_attention(q, *cache, table, a["lens"], interpret=interpret, **static)
 
     return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={PAGE_SIZE} ns=4 default_config "
                     "(HACK cache, codes dequantized in registers; code sums not read)", n,
@@ -548,8 +559,9 @@ def main(argv=None):
     ap.add_argument("--kv-lens", nargs="+", type=int)
     ap.add_argument("--bf16-configs", nargs="*", metavar="BK:SPLITS:WARPS:STAGES",
                     help="extra runs of our bf16 kernel with these configs (a sweep; default config always runs)")
-    ap.add_argument("--hack-dots", nargs="+", default=["bf16", "int8"], choices=("bf16", "int8", "f16"),
-                    help="dot variants of the hack kernel to time (hack_<dot>dot rows)")
+    ap.add_argument("--hack-dots", nargs="+", default=["int8", "folded_f16"], choices=HACK_DOTS,
+                    help="operand modes of the hack kernel to time (rows hack_int8dot, hack_folded_f16, "
+                         "hack_folded_bf16)")
     ap.add_argument("--hack-p128", action="store_true",
                     help="also time the hack kernel on a partition_size=128 cache (hack_p128_int8dot)")
     ap.add_argument("--reps", type=int, default=5)
@@ -557,17 +569,12 @@ def main(argv=None):
     ap.add_argument("--unroll", type=int, default=UNROLL, help="calls per loop iteration")
     ap.add_argument("--wall-calls", type=int, default=20, help="single calls timed for us_wall")
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--hack-flags", default="",
-                    help="comma-separated boolean KernelConfig fields turned on over default_config for the hack "
-                         "rows, e.g. fast_div,fast_exp (bench/NOTES_decode.md 'decode-diet')")
     ap.add_argument("--touch", choices=("append", "all"), default="append",
                     help="cache arrays written per call: what a decode append writes (default) or every array "
                          ">= 1 MiB (the runs before 2026-12-01)")
     ap.add_argument("--append", action="store_true", help="keep the rows already in OUT/decode_attention.jsonl")
     args = ap.parse_args(argv)
     _set_limits(2 if args.smoke else MAX_COPIES, args.unroll, args.touch)
-    global HACK_FLAGS
-    HACK_FLAGS = parse_hack_flags(args.hack_flags)
 
     interpret = args.smoke
     if args.smoke:
@@ -611,7 +618,9 @@ def main(argv=None):
             impls.append(("dequant", lambda s, k: prep_dequant(s, k, interpret=interpret)))
         elif name == "jax_gqa":
             impls.append(("jax_gqa", lambda s, k: prep_jax_gqa(s, k, interpret=interpret)))
-        else:
+        elif name == "triton":  # rows named hack_triton: the hack cache's memory and touch rules apply
+            impls.append(("hack_triton", lambda s, k: prep_triton(s, k, interpret=interpret)))
+        elif name == "xla":
             impls.append(("xla", lambda s, k: prep_xla(s, k, interpret=interpret)))
 
     path = os.path.join(args.out, "decode_attention.jsonl")
@@ -665,7 +674,7 @@ def _shape_key(r):
 
 def write_outputs(rows, args, gpu, roof, roof_parts, timing, interpret):
     """Rewrites all three outputs from every row so far (after each shape: a timeout loses little)."""
-    order = {name: i for i, name in enumerate(("bf16", "hack_bf16dot", "hack_int8dot", "hack", "dequant",
+    order = {name: i for i, name in enumerate(("bf16", "hack_int8dot", "hack_folded_f16", "hack_folded_bf16", "dequant",
                                                "jax_gqa", "xla"))}
     rows.sort(key=lambda r: (_shape_key(r), order.get(r["impl"], 99), r["impl"]))
     base = {_shape_key(r): r["us"] for r in rows if r["impl"] == "bf16" and "us" in r}

@@ -14,6 +14,8 @@ Models call only `decode_attention` / `prefill_attention` (STYLE.md rule 11); `i
     NotImplementedError names the missing kernel when a format has none.
   "pallas_dequant": the fused-dequantization baseline kernel on the same hack cache (HACK.md §7:
     same bytes read, codes dequantized in registers, float math), for benchmarks and comparisons.
+  "triton": decode on the hack kivi cache with scale-folded f16 operands, a jax-triton kernel
+    (pallas_kernels.triton_decode_attention; needs the `cuda` extra).
 
 Query positions. decode: one query per sequence at position kv_lens[s] - 1 (kv_lens include the
 token just appended). prefill: q is left-aligned like write_prefill's k/v: row t of sequence s is
@@ -35,7 +37,7 @@ import numpy as np
 
 from hack_jax import kv_cache, paging, reference
 
-IMPLS = ("reference", "pallas", "pallas_dequant")
+IMPLS = ("reference", "pallas", "pallas_dequant", "triton")
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 # (module, function) of the Pallas kernel per (impl, kind, kv_format); called as fn(q, <cache>,
@@ -48,6 +50,8 @@ _PALLAS = {
     ("pallas", "prefill", "bf16"): ("pallas_kernels.bf16_prefill_attention", "bf16_prefill_attention"),
     ("pallas_dequant", "decode", "hack"): ("pallas_kernels.dequant_decode_attention",
                                            "dequant_decode_attention"),
+    # scale-folded operands, jax-triton (the `cuda` extra); kv_format="hack" kivi decode only
+    ("triton", "decode", "hack"): ("pallas_kernels.triton_decode_attention", "hack_triton_decode_attention"),
 }
 
 
@@ -75,8 +79,8 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens = _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
     if impl != "reference":
-        return _pallas(impl, "decode", layer)(q, *_kernel_cache(layer), page_indices, kv_lens,
-                                              **kernel_options)
+        arrays, static = _decode_kernel_args(layer)
+        return _pallas(impl, "decode", layer)(q, *arrays, page_indices, kv_lens, **static, **kernel_options)
     return _reference(q[:, None], layer, page_indices, kv_lens, None, decode=True)[:, 0]
 
 
@@ -146,6 +150,19 @@ def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
 
 def _kernel_cache(layer):
     return (layer.k, layer.v) if isinstance(layer, kv_cache.DensePages) else (layer,)
+
+
+_KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k",
+                "open_v", "sink_k", "sink_v")
+
+
+def _decode_kernel_args(layer):
+    """(arrays, static ints) of a decode kernel call: bf16 pages (k, v); a kivi layer's arrays in the
+    kernels' order with its partition_size / num_sink_tokens (the kernels take arrays only)."""
+    if isinstance(layer, kv_cache.DensePages):
+        return (layer.k, layer.v), {}
+    return (tuple(getattr(layer, f) for f in _KIVI_FIELDS),
+            dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens))
 
 
 def _pallas(impl, kind, layer):

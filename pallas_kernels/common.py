@@ -1,4 +1,4 @@
-"""Shared pieces of the Pallas kernels: the ONE place with Triton-specific calls.
+"""Shared pieces of the Pallas kernels and most of their Triton-specific calls.
 
 - `compiler_params(num_warps, num_stages)`: `pltriton.CompilerParams`; passing it to `pl.pallas_call`
   is what selects the Triton lowering on GPU (without it Pallas lowers through Mosaic GPU).
@@ -6,24 +6,23 @@
   through, and exactly the Pallas-Triton DeprecationWarning ("The Pallas Triton backend is deprecated",
   jax >= 0.11, emitted while lowering) filtered. The warning is raised when the enclosing jit is lowered,
   which can happen outside any call of ours, so the same single filter is also installed once at import.
-- `load(ref_at, mask, other)`: masked load (always with `other=`: interpret mode leaves masked lanes
-  untouched otherwise).
 - `quiet(fn)`: decorator for public entry points (same filter around eager calls).
-- In-kernel 2-bit plane unpacking for DESIGN.md's planar packing (plane j = bits 2j..2j+1):
-  `widen`, `plane` (int8 / bf16 / f16 operands), `plane_int8_asm` (inline PTX, Triton only),
-  `unbias`, `plane_weights`, `select_rows`; exact integer dots `int_dot`; float32-accurate dots on
-  bf16 tensor cores `f32_bf16_dot`.
+- In-kernel 2-bit plane unpacking for DESIGN.md's planar packing (plane j = bits 2j..2j+1): `plane`
+  (u8 codes), `plane_int8_masked` (int8 dot operands code * 4**e, inline PTX on the GPU),
+  `folded_plane` (exact 16-bit float operands, inline PTX on the GPU); `select_rows`; exact integer
+  dots `int_dot`; float32-accurate dots on bf16 tensor cores `f32_bf16_dot`.
 - The INT8 quantizer of the transient operands (`quantize_rows_int8`, `round_half_even`), repeating
   hack_jax.quantization.quantize's float32 arithmetic; `quantize_rows_int8_codes` gives int8 dot
-  operands, on the GPU optionally rounded + clamped by one PTX cvt (`round_saturate_int8_asm`) and
-  divided by one reciprocal per row (`reciprocal_approx_asm`, the same bits as the GPU's division).
-- `exp`: jnp.exp or the flash-attention form exp2(x log2 e) (one MUFU.EX2 + one FMUL on the GPU).
-- Online softmax: `merge_state` (one part into the running state, NaN-safe for masked parts) or its
-  two halves `merge_weights` + `merge_acc`,
-  `merge_streams` (row blocks of one program), `lse_combine` (split-K partials, plain jnp).
+  operands, on the GPU optionally rounded + clamped by one PTX cvt and divided by one reciprocal per row.
+- `exp`: jnp.exp or the flash-attention form exp2(x log2 e).
+- Online softmax: `merge_state` or its two halves `merge_weights` + `merge_acc`, `merge_streams` (row
+  blocks of one program), `lse_combine` (split-K partials, plain jnp).
+- The paged-kivi decode kernels' shared launch pieces (HACK and fused-dequant): `check_kivi_decode_inputs`,
+  `group_pad`, `split_range`, `load_q_rows`, `empty_state`, `sinks_and_open_block_state`,
+  `combine_splits`, `full_spec`.
 
-A port to another backend (Mosaic GPU, jax-triton) should only need to touch this file and the launch
-wrappers.
+prefill_attention.py also calls inline PTX of its own; a port to another backend touches this file,
+that one and the launch wrappers.
 """
 from __future__ import annotations
 
@@ -82,58 +81,18 @@ def quiet(fn):
     return wrapper
 
 
-def load(ref_at, *, mask=None, other=None):
-    """Load `ref.at[...]`; with a mask, masked lanes read `other` (interpret mode honours only `other`)."""
-    if mask is None:
-        return pltriton.load(ref_at)
-    return pltriton.load(ref_at, mask=mask, other=other)
-
-
 # ----------------------------------------------------------------------------- 2-bit unpacking
 # DESIGN.md packing (hack_jax.packing): byte i of a packing group holds 4 codes, plane j in bits
 # [2j, 2j+1] = position i of the group's block j.
 
-F16_OFFSET = 1024.0  # f16 0x6400: with the code bits OR-ed into the mantissa, the value is 1024 + x
-
-
-def widen(packed_u8: jax.Array, dot_dtype: str) -> jax.Array:
-    """Per-tile preparation shared by the 4 planes: "f16" zero-extends to u16 once."""
-    return packed_u8.astype(jnp.uint16) if dot_dtype == "f16" else packed_u8
-
-
-def plane(tile: jax.Array, j: int, dot_dtype: str) -> jax.Array:
-    """Plane j of a (widened) u8 code tile as a dot operand, without integer-to-float converts where
-    possible (I2F runs at a fraction of the ALU rate):
-
-    "bf16": `byte & (3 << 2j)` = code * 4**j (<= 192, exact) converted to bf16; the 4**-j is undone
-      exactly on the dot result (`plane_weights`), so no shift.
-    "int8": `(byte >> 2j) & 3` in u8, then a same-width (free) cast to int8: 192 would overflow int8,
-      and the Triton dot needs signed operands.
-    "f16": `(u16 & (3 << 2j)) | 0x6400` bitcast to f16 = 1024 + code * 4**j exactly (no convert);
-      the dot result carries 1024 * (row sum of the other operand), removed by `unbias`.
-    """
-    if dot_dtype == "bf16":
-        return (tile & jnp.uint8(3 << (2 * j))).astype(jnp.bfloat16)
-    if dot_dtype == "f16":
-        bits = (tile & jnp.uint16(3 << (2 * j))) | jnp.uint16(0x6400)
-        return jax.lax.bitcast_convert_type(bits, jnp.float16)
+def plane(tile: jax.Array, j: int) -> jax.Array:
+    """Plane j of a u8 code tile as u8 codes 0..3: `(byte >> 2j) & 3`."""
     x = tile >> jnp.uint8(2 * j) if j else tile
-    return (x & jnp.uint8(3)).astype(jnp.int8)
+    return x & jnp.uint8(3)
 
 
-def plane_int8_asm(tile: jax.Array, j: int) -> jax.Array:
-    """"int8" plane j by inline PTX on 4 packed bytes per 32-bit register: `(word >> 2j) & 0x03030303`
-    is 2 instructions per 4 codes instead of ~2 per code (the shift moves other bytes' bits only
-    into bits 2..7, which the mask drops). GPU only: inline asm has no interpret-mode rule."""
-    shift = f"shr.b32 t, $1, {2 * j}; and.b32 $0, t, 0x03030303;" if j else "and.b32 $0, $1, 0x03030303;"
-    [out] = pltriton.elementwise_inline_asm(
-        "{ .reg .b32 t; " + shift + " }", args=[tile], constraints="=r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.int8)])
-    return out
-
-
-# "int8" masked planes: plane j as code * 4**PLANE_SHIFT_EXP[j] <= 48 (int8-safe), the weight 4**-e undone on
-# the dot result (`plane_weights(..., masked=True)`); plane 3 needs one shift (code * 64 = 192 > 127).
+# "int8" masked planes: plane j as code * 4**MASKED_PLANE_EXP[j] <= 48 (int8-safe), the weight 4**-e undone on
+# the dot result (`masked_plane_weights`); plane 3 needs one shift (code * 64 = 192 > 127).
 _MASKED_PLANE = {0: (0, 0x03), 1: (0, 0x0C), 2: (0, 0x30), 3: (2, 0x30)}  # j -> (right shift, byte mask)
 MASKED_PLANE_EXP = (0, 1, 2, 2)  # plane j holds code_j * 4**MASKED_PLANE_EXP[j]
 
@@ -142,8 +101,8 @@ def plane_int8_masked(tile: jax.Array, j: int, *, asm: bool) -> jax.Array:
     """"int8" plane j of a u8 code tile as code_j * 4**MASKED_PLANE_EXP[j] (values <= 48): planes 0-2 are
     `byte & (3 << 2j)` (one AND per 4 codes with inline PTX, no shift), plane 3 `(byte >> 2) & 0x30`;
     the dot results are exact integers (|dot| <= 127 * 48 * inner dim < 2**24) and the caller
-    multiplies them by 4**-MASKED_PLANE_EXP[j] (exact). asm (GPU only): on 4 packed bytes per 32-bit
-    register by `elementwise_inline_asm`, else jnp (interpret mode; same bits)."""
+    multiplies them by 4**-MASKED_PLANE_EXP[j] (`masked_plane_weights`, exact). asm (GPU only): on 4 packed
+    bytes per 32-bit register by `elementwise_inline_asm`, else jnp (interpret mode; same bits)."""
     shift, mask = _MASKED_PLANE[j]
     if not asm:
         x = tile >> jnp.uint8(shift) if shift else tile
@@ -156,24 +115,52 @@ def plane_int8_masked(tile: jax.Array, j: int, *, asm: bool) -> jax.Array:
     return out
 
 
-def unbias(dot: jax.Array, codes: jax.Array, dot_dtype: str) -> jax.Array:
-    """Removes the f16 operands' 1024 offset: dot - 1024 * sum(codes, axis=1), exact (integers
-    < 2**24); identity for the other dot dtypes. codes: the [rows, k] left operand, as float32."""
-    if dot_dtype != "f16":
-        return dot
-    return dot - F16_OFFSET * jnp.sum(codes, axis=1)[:, None]
+# Scale-folded 16-bit planes: dtype, magic exponent bits, mantissa bit of the code's low bit. Plane j of a
+# byte, moved to bits TOP..TOP+1 and OR-ed into the magic's mantissa, reads as MAGIC + code * 2**TOP
+# exactly (f16 1024 + 64 c, ulp 1 there; bf16 128 + 32 c): no integer-to-float convert, and the offset
+# is only MAGIC / (2**TOP * 1.5) ~ 11 (f16) / 2.7 (bf16) times the mean code, so the float32 sums of the
+# dot keep all but ~3.5 / 1.5 bits (a 1024 + code operand would lose ~9.4).
+FOLDED_PLANES = {"folded_f16": (jnp.float16, 0x6400, 1024.0, 6), "folded_bf16": (jnp.bfloat16, 0x4300, 128.0, 5)}
 
 
-def operand_dtype(dot_dtype: str):
-    return {"bf16": jnp.bfloat16, "int8": jnp.int8, "f16": jnp.float16}[dot_dtype]
+def folded_plane_constants(dot_dtype: str):
+    """(weight, offset) of `folded_plane`: dot(a, plane) * weight - offset * sum(a) = dot(a, codes)."""
+    _, _, value, top = FOLDED_PLANES[dot_dtype]
+    return 2.0 ** -top, value * 2.0 ** -top
+
+
+def folded_plane(tile: jax.Array, j: int, dot_dtype: str, *, asm: bool) -> jax.Array:
+    """Plane j of a u8 code tile as 16-bit floats MAGIC + code_j * 2**TOP (FOLDED_PLANES), exact.
+
+    jnp (interpret mode): shift the byte so the code lands at bits TOP..TOP+1, mask, widen, OR the magic
+    exponent, bitcast. asm (GPU only): the same bits on 4 packed bytes per 32-bit register, one shift
+    (none for f16 plane 3) + one AND per 4 codes and two PRMTs that interleave the bytes with the
+    magic's high byte into two f16x2 / bf16x2 registers."""
+    dtype, magic, _, top = FOLDED_PLANES[dot_dtype]
+    shift = top - 2 * j  # > 0: left
+    mask = 3 << top
+    if not asm:
+        x = tile << jnp.uint8(shift) if shift > 0 else tile >> jnp.uint8(-shift) if shift < 0 else tile
+        bits = (x & jnp.uint8(mask)).astype(jnp.uint16) | jnp.uint16(magic)
+        return jax.lax.bitcast_convert_type(bits, dtype)
+    move = (f"shl.b32 t, $2, {shift}; " if shift > 0 else f"shr.b32 t, $2, {-shift}; " if shift < 0
+            else "mov.b32 t, $2; ")
+    hi = f"{magic >> 8:02X}" * 4
+    mask4 = f"{mask:02X}" * 4
+    # prmt selectors: result bytes (lo..hi) = (t.b0, m.b0, t.b1, m.b1) and (t.b2, m.b3, t.b3, m.b3)
+    body = (f"{{ .reg .b32 t, m; {move}and.b32 t, t, 0x{mask4}; mov.b32 m, 0x{hi}; "
+            f"prmt.b32 $0, t, m, 0x5140; prmt.b32 $1, t, m, 0x7372; }}")
+    [out] = pltriton.elementwise_inline_asm(
+        body, args=[tile], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, dtype)])
+    return out
 
 
 def int_dot(a: jax.Array, b: jax.Array, dot_dtype: str, *, trans_b: bool = False) -> jax.Array:
     """Exact dot of integer-valued operands (2-D, same dtype), returned as float32.
 
-    "int8": int8 x int8 -> int32 (the method as written). "bf16" / "f16": float operands holding
-    the same integers (f16: plus 1024), float32 accumulation: exact while partial sums stay below
-    2**24 (bf16: 128 x 192 x 128 = 3.1e6; f16: 128 x 1216 x 64 = 1e7, hence inner dims <= 64).
+    "int8": int8 x int8 -> int32 (the method as written). "bf16": bf16 operands holding the same
+    integers, float32 accumulation: exact while partial sums stay below 2**24 (128 x 192 x 128 = 3.1e6).
     """
     acc = jnp.int32 if dot_dtype == "int8" else jnp.float32
     return jnp.dot(a, b.T if trans_b else b, preferred_element_type=acc).astype(jnp.float32)
@@ -319,15 +306,11 @@ def select_rows(row_plane: jax.Array, parts) -> jax.Array:
     return out
 
 
-def plane_weights(row_plane: jax.Array, dot_dtype: str, *, masked: bool = False) -> jax.Array:
-    """f32[rows]: 4**-row_plane for "bf16"/"f16" operands (masked, unshifted planes), 1 for "int8",
-    4**-MASKED_PLANE_EXP[row_plane] for "int8" masked planes (`plane_int8_masked`)."""
-    if dot_dtype == "int8" and not masked:
-        return jnp.ones(row_plane.shape, jnp.float32)
-    exps = MASKED_PLANE_EXP if dot_dtype == "int8" else (0, 1, 2, 3)
+def masked_plane_weights(row_plane: jax.Array) -> jax.Array:
+    """f32[rows]: 4**-MASKED_PLANE_EXP[row_plane], undoing `plane_int8_masked`'s scaling on the dot."""
     w = jnp.full(row_plane.shape, 1.0, jnp.float32)
     for j in range(1, 4):
-        w = jnp.where(row_plane == j, 4.0 ** (-exps[j]), w)
+        w = jnp.where(row_plane == j, 4.0 ** (-MASKED_PLANE_EXP[j]), w)
     return w
 
 
@@ -440,3 +423,163 @@ def check_kivi_geometry(partition_size: int, head_dim: int, page_size: int) -> N
     if page_size % (4 * partition_size):
         raise ValueError(f"page_size must be a multiple of 4 * partition_size, got {page_size=}, "
                          f"{partition_size=}")
+
+
+# ----------------------------------------------------------------------------- paged-kivi decode launch pieces
+# Shared by decode_attention.py (HACK) and dequant_decode_attention.py (fused dequant): the same grid,
+# rows, sinks / open-block handling and validation (decode_attention.py's header describes them).
+
+NUM_PLANES = 4  # 2-bit codes per byte = blocks per packing group (DESIGN.md "2-bit packing")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def group_pad(num_q_heads: int, num_kv_heads: int) -> int:
+    """Rows per plane stream: G rounded up to a power of two, at least 4 (so R = 4 G_pad >= 16)."""
+    return max(4, _next_pow2(num_q_heads // num_kv_heads))
+
+
+def combine_splits(acc, m, l, num_q_heads: int):
+    """Merge the split-K partials: acc f32[S, H, splits, G_pad, D], m, l f32[S, H, splits, G_pad]
+    -> f32[S, Hq, D] (0 for rows that attended to nothing)."""
+    batch, num_kv_heads, _, _, head_dim = acc.shape
+    out = lse_combine(m, l, acc, axes=2)  # [S, H, G_pad, D]
+    group = num_q_heads // num_kv_heads
+    return out[:, :, :group].reshape(batch, num_q_heads, head_dim)
+
+
+def full_spec(x):
+    """BlockSpec of the whole array as one block (the kernels index the page pools themselves)."""
+    # The whole array is one block: on Triton a pointer base, so whole page pools cost nothing (in
+    # interpret mode every program copies them: keep CPU test pools tiny).
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def split_range(split, num_groups, num_splits):
+    """Packing groups [g_lo, g_hi) of program `split` out of a sequence's `num_groups` (traced):
+    split s takes [s n // S, (s + 1) n // S), so every split gets floor(n / S) or one more, whatever
+    the sequence's length (a short sequence of a ragged batch is spread over all splits too), and
+    split 0, which also takes the sinks and the open block, gets the fewest."""
+    return split * num_groups // num_splits, (split + 1) * num_groups // num_splits
+
+
+def load_q_rows(q_ref, b, h, *, group, group_pad, num_groups, sm_scale):
+    """NP x f32[R, Pc]: q * sm_scale in the (plane j, head g) row layout, gathered from q_ref
+    float[S, Hq, D] (row (j, g) = query head h * G + g; rows g >= G are 0)."""
+    R = NUM_PLANES * group_pad
+    Pc = q_ref.shape[-1] // num_groups
+    g = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) % group_pad
+    head = h * group + jnp.minimum(g, group - 1)  # [R]
+    return [jnp.where((g < group)[:, None], q_ref[b, head, pl.ds(p * Pc, Pc)].astype(jnp.float32) * sm_scale, 0.0)
+            for p in range(num_groups)]
+
+
+def empty_state(rows, width, num_groups):
+    """(m, l, accs) of no keys: -inf, 0, num_groups x zeros[rows, width]."""
+    return (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(num_groups)))
+
+
+def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_len, num_open, row_plane):
+    """Float32 attention over the sinks and the open block's num_open tokens (DESIGN.md: plain
+    float attention on their 16-bit K/V), as one softmax part on the stream-0 rows (row_plane == 0);
+    other rows get the empty state. Rows/tokens beyond the lengths are selected away (NaN-safe).
+
+    q: NP x f32[R, Pc] (q * sm_scale); open_k_ref, open_v_ref: [S, H, P, D]; sink_refs:
+    (sink_k_ref, sink_v_ref) [S, H, ns, D] or (). Returns (m [R], l [R], NP x acc [R, Pc]).
+    """
+    NP = len(q)
+    R, Pc = q[0].shape
+    P = open_k_ref.shape[2]
+    ns = sink_refs[0].shape[2] if sink_refs else 0
+    token = jax.lax.broadcasted_iota(jnp.int32, (P,), 0)
+    open_ok = token < num_open  # [P]
+    zero = jnp.zeros((), jnp.bfloat16)
+    k_open = [jnp.where(open_ok[:, None], open_k_ref[b, h, :, pl.ds(p * Pc, Pc)].astype(jnp.bfloat16), zero)
+              for p in range(NP)]  # NP x bf16[P, Pc]
+    logits = sum(f32_bf16_dot(q[p], k_open[p], trans_b=True) for p in range(NP))  # [R, P]
+    logits = jnp.where(open_ok[None, :], logits, -jnp.inf)
+    sink_logits, sink_v = [], []
+    for t in range(ns):
+        ok = t < kv_len
+        k_t = [jnp.where(ok, sink_refs[0][b, h, t, pl.ds(p * Pc, Pc)].astype(jnp.float32), 0.0)
+               for p in range(NP)]  # NP x [Pc]
+        sink_logits.append(jnp.where(ok, sum(jnp.sum(q[p] * k_t[p][None, :], axis=1) for p in range(NP)),
+                                     -jnp.inf))  # [R]
+        sink_v.append([jnp.where(ok, sink_refs[1][b, h, t, pl.ds(p * Pc, Pc)].astype(jnp.float32), 0.0)
+                       for p in range(NP)])  # NP x [Pc]
+    m = jnp.max(logits, axis=1)
+    for s_t in sink_logits:
+        m = jnp.maximum(m, s_t)
+    stream0 = row_plane == 0
+    m = jnp.where(stream0, m, -jnp.inf)
+    base = jnp.where(m > -jnp.inf, m, 0.0)
+    w = jnp.where(stream0[:, None] & open_ok[None, :], jnp.exp(logits - base[:, None]), 0.0)  # [R, P]
+    w_sinks = [jnp.where(stream0, jnp.exp(s_t - base), 0.0) for s_t in sink_logits]  # ns x [R]
+    l = jnp.sum(w, axis=1) + sum(w_sinks, jnp.zeros((R,), jnp.float32))
+    accs = []
+    for p in range(NP):
+        v_open = jnp.where(open_ok[:, None], open_v_ref[b, h, :, pl.ds(p * Pc, Pc)].astype(jnp.bfloat16), zero)
+        acc = f32_bf16_dot(w, v_open)  # [R, Pc]
+        for w_t, v_t in zip(w_sinks, sink_v):
+            acc = acc + w_t[:, None] * v_t[p][None, :]
+        accs.append(acc)
+    return m, l, tuple(accs)
+
+
+def check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+                    sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens):
+    """Trace-time checks of shapes and dtypes against DESIGN.md's kivi layout; raises ValueError."""
+    P, ns = partition_size, num_sink_tokens
+    for name, x in (("q", q), ("k_codes", k_codes), ("page_indices", page_indices), ("kv_lens", kv_lens)):
+        if not hasattr(x, "shape"):
+            raise TypeError(f"{name} must be an array (the kernels take a layer's arrays; hack_jax.attention "
+                            f"unpacks a cache layer into them), got {type(x).__name__}")
+    if q.ndim != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be float[batch, num_q_heads, head_dim], got {q.shape=}, {q.dtype=}")
+    batch, num_q_heads, head_dim = q.shape
+    if k_codes.ndim != 4:
+        raise ValueError(f"k_codes must be u8[num_pages, num_kv_heads, page_size // 4, head_dim], got {k_codes.shape=}")
+    num_pages, num_kv_heads, quarter, _ = k_codes.shape
+    page_size = 4 * quarter
+    check_kivi_geometry(P, head_dim, page_size)
+    if not isinstance(ns, int) or ns < 0:
+        raise ValueError(f"num_sink_tokens must be an int >= 0, got {num_sink_tokens=}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads must be a multiple of num_kv_heads, got {num_q_heads=}, {num_kv_heads=}")
+    bpp, Pc = page_size // P, min(P, head_dim)
+    NP = head_dim // Pc
+    expect = {
+        "k_codes": ((num_pages, num_kv_heads, page_size // 4, head_dim), (jnp.uint8,)),
+        "v_codes": ((num_pages, num_kv_heads, head_dim, page_size // 4), (jnp.uint8,)),  # token-major
+        "k_scale": ((num_pages, num_kv_heads, bpp, head_dim), None),
+        "k_min": ((num_pages, num_kv_heads, bpp, head_dim), None),
+        "k_sums": ((num_pages, num_kv_heads, page_size, NP), (jnp.uint8, jnp.uint16)),
+        "v_scale": ((num_pages, num_kv_heads, page_size, NP), None),
+        "v_min": ((num_pages, num_kv_heads, page_size, NP), None),
+        "v_sums": ((num_pages, num_kv_heads, bpp, head_dim), (jnp.uint8, jnp.uint16)),
+        "open_k": ((batch, num_kv_heads, P, head_dim), None),
+        "open_v": ((batch, num_kv_heads, P, head_dim), None),
+        "sink_k": ((batch, num_kv_heads, ns, head_dim), None),
+        "sink_v": ((batch, num_kv_heads, ns, head_dim), None),
+    }
+    arrays = dict(k_codes=k_codes, v_codes=v_codes, k_scale=k_scale, k_min=k_min, k_sums=k_sums,
+                  v_scale=v_scale, v_min=v_min, v_sums=v_sums, open_k=open_k, open_v=open_v,
+                  sink_k=sink_k, sink_v=sink_v)
+    for name, (shape, dtypes) in expect.items():
+        x = arrays[name]
+        if x is None and name.startswith("sink") and ns == 0:
+            continue
+        if x is None or tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (DESIGN.md kivi layout), got "
+                             f"{None if x is None else x.shape}")
+        ok = (x.dtype in dtypes) if dtypes else jnp.issubdtype(x.dtype, jnp.floating)
+        if not ok:
+            raise ValueError(f"{name} has dtype {x.dtype}, expected {dtypes or 'a float dtype'}")
+    if page_indices.ndim != 2 or page_indices.shape[0] != batch or page_indices.dtype != jnp.int32:
+        raise ValueError(f"page_indices must be i32[{batch}, pages_per_seq], got {page_indices.shape=}, "
+                         f"{page_indices.dtype=}")
+    if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
+        raise ValueError(f"kv_lens must be i32[{batch}], got {kv_lens.shape=}, {kv_lens.dtype=}")

@@ -8,15 +8,14 @@ softmax weights W in float32, PV = bf16(W) . bf16(V) with float32 accumulation, 
 the open block exactly as in the HACK kernel (float32, first split). This is the "fused dequant"
 baseline HACK.md §7 compares against: same bytes read, no INT8 transients, more ALU per element.
 
-Shapes: as hack_decode_attention (same arguments, same two call forms).
+Shapes: as hack_decode_attention (same arguments).
 
-Tested: CPU interpret mode (jax 0.10.2), tests/test_decode_kernels.py; H200: bench/NOTES_decode.md.
+Measured on one NVIDIA H200 (jax 0.11.2, Triton 3.6): bench/NOTES_decode.md, bench/results/.
 Caveats: bf16 rounding of q, K, V and W makes it less accurate than float32 attention over the
 dequantized cache (the tests bound its error by 2x that of the same math done naively in bf16).
 
-Reference twin: dense float attention over the dequantized codes,
-hack_jax.reference.dequantized_attention_reference / hack_jax.kv_cache.dequantize_cache; the tests
-carry an independent float64 NumPy twin (tests/test_decode_kernels.py::numpy_dequant_decode).
+Reference twin: dense float attention over the dequantized codes (hack_jax.kv_cache.dequantize_cache
+then float attention); the tests carry an independent float64 NumPy twin (tests/test_decode_kernels.py::numpy_dequant_decode).
 """
 from __future__ import annotations
 
@@ -28,10 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.decode_attention import (NUM_PLANES, KernelConfig, _full_spec, _is_layer, combine_splits,
-                                             default_config, empty_state, group_pad, resolve_config,
-                                             load_q_rows, sinks_and_open_block_state, split_range,
-                                             validate_inputs)
+from pallas_kernels.common import NUM_PLANES
+from pallas_kernels.decode_attention import KernelConfig, default_config, resolve_config
 
 __all__ = ["dequant_decode_attention", "KernelConfig", "default_config"]
 
@@ -65,17 +62,17 @@ def _dequant_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_
     after_sinks = jnp.clip(kv_len - ns, 0, max_blocks * P)  # beyond the capacity: clipped (as kv_cache)
     num_blocks = after_sinks // P  # sealed blocks
     num_tile_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
-    g_lo, g_hi = split_range(split, num_tile_groups, num_splits)
+    g_lo, g_hi = common.split_range(split, num_tile_groups, num_splits)
 
     row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R]
-    q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
+    q = common.load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
     q_bf16 = [x.astype(jnp.bfloat16) for x in q]
 
     init = jax.lax.cond(
         split == 0,
-        lambda: sinks_and_open_block_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), b, h, kv_len,
-                                           after_sinks % P, row_plane),
-        lambda: empty_state(R, Pc, NP))
+        lambda: common.sinks_and_open_block_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), b, h,
+                                                  kv_len, after_sinks % P, row_plane),
+        lambda: common.empty_state(R, Pc, NP))
 
     def body(tg, carry):
         m, l, accs = carry
@@ -94,7 +91,7 @@ def _dequant_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_
             for j in range(NUM_PLANES):
                 sigma = k_scale_ref[pid, h, slot0 + j, channels].astype(jnp.float32)  # [Pc]
                 mu = k_min_ref[pid, h, slot0 + j, channels].astype(jnp.float32)  # [Pc]
-                codes = common.plane(k_tile, j, "int8").astype(jnp.float32)  # [P, Pc]
+                codes = common.plane(k_tile, j).astype(jnp.float32)  # [P, Pc]
                 k_deq = (codes * sigma[None, :] + mu[None, :]).astype(jnp.bfloat16)
                 dots.append(jnp.dot(q_bf16[p], k_deq.T, preferred_element_type=jnp.float32))  # [R, P]
             logits += common.select_rows(row_plane, dots)
@@ -114,7 +111,7 @@ def _dequant_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_
                 tokens = pl.ds((slot0 + j) * P, P)
                 tau = v_scale_ref[pid, h, tokens, p].astype(jnp.float32)  # [P]
                 nu = v_min_ref[pid, h, tokens, p].astype(jnp.float32)  # [P]
-                codes = common.plane(v_tile, j, "int8").astype(jnp.float32)  # [P, Pc]
+                codes = common.plane(v_tile, j).astype(jnp.float32)  # [P, Pc]
                 v_deq = (codes * tau[:, None] + nu[:, None]).astype(jnp.bfloat16)
                 pvs.append(jnp.dot(w_bf16, v_deq, preferred_element_type=jnp.float32))  # [R, Pc]
             outs.append(common.select_rows(row_plane, pvs))
@@ -140,7 +137,7 @@ def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k,
     num_pages, num_kv_heads, _, _ = k_codes.shape
     page_size = v_scale.shape[2]
     pages_per_seq = page_indices.shape[1]
-    pad = group_pad(num_q_heads, num_kv_heads)
+    pad = common.group_pad(num_q_heads, num_kv_heads)
     groups_per_page = page_size // (NUM_PLANES * partition_size)
     splits = config.num_splits
     inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q,
@@ -159,13 +156,13 @@ def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k,
                    jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32),
                    jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32)],
         grid=(batch, num_kv_heads, splits),
-        in_specs=[_full_spec(x) for x in inputs],
+        in_specs=[common.full_spec(x) for x in inputs],
         out_specs=[pl.BlockSpec((None, None, None, pad, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
                    pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0)),
                    pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0))],
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
         name="dequant_decode_attention")(*inputs)
-    return combine_splits(acc, m, l, num_q_heads)
+    return common.combine_splits(acc, m, l, num_q_heads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,36 +171,23 @@ def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k,
 
 
 @common.quiet
-def dequant_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=None, v_codes=None, v_scale=None,
-                             v_min=None, v_sums=None, open_k=None, open_v=None, sink_k=None, sink_v=None,
-                             page_indices=None, kv_lens=None, *, partition_size: int | None = None,
-                             num_sink_tokens: int | None = None, num_splits: int | None = None,
-                             config: KernelConfig | None = None, interpret: bool = False):
+def dequant_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+                             sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
+                             num_splits: int | None = None, config: KernelConfig | None = None,
+                             interpret: bool = False):
     """Fused-dequant decode attention over the paged INT2 kivi cache (module docstring).
 
-    Same arguments and call forms as pallas_kernels.decode_attention.hack_decode_attention (the code
-    sums k_sums / v_sums are validated but not read; config.dot_dtype is ignored: the math is bf16
-    operands with float32 accumulation). Returns f32[batch, num_q_heads, head_dim]; ValueError as there.
+    Same arguments as pallas_kernels.decode_attention.hack_decode_attention (the code sums k_sums /
+    v_sums are validated but not read; config.dot_dtype and config.open_split are ignored: the math
+    is bf16 operands with float32 accumulation, the splits as the "int8" kernel's).
+    Returns f32[batch, num_q_heads, head_dim]; ValueError as there.
     """
-    if _is_layer(k_codes):
-        layer, page_indices, kv_lens = k_codes, k_scale, k_min
-        if any(x is not None for x in (k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)):
-            raise ValueError("layer form takes (q, layer, page_indices, kv_lens) only")
-        return dequant_decode_attention(
-            q, layer.k_codes, layer.k_scale, layer.k_min, layer.k_sums, layer.v_codes, layer.v_scale,
-            layer.v_min, layer.v_sums, layer.open_k, layer.open_v, layer.sink_k, layer.sink_v,
-            page_indices, kv_lens, partition_size=layer.config.partition_size,
-            num_sink_tokens=layer.config.num_sink_tokens, num_splits=num_splits, config=config,
-            interpret=interpret)
-    if partition_size is None or num_sink_tokens is None:
-        raise ValueError(f"partition_size and num_sink_tokens are required, got {partition_size=}, "
-                         f"{num_sink_tokens=}")
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
-    validate_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
-                    sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
-                    num_sink_tokens=num_sink_tokens)
+    common.check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
+                                    open_v, sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
+                                    num_sink_tokens=num_sink_tokens)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size,
-                            dot_dtype="bf16", num_splits=num_splits, config=config)
+                            num_splits=num_splits, config=config)
     if num_sink_tokens == 0:
         sink_k = sink_v = None
     return _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v, sink_k, sink_v,

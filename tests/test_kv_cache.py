@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import twin
 from hack_jax import kv_cache, paging
 from hack_jax.config import QuantConfig
 
@@ -49,18 +50,9 @@ def make_kv(seed=0, *, exact=False, num_seqs=len(LENGTHS), t_len=T_LEN):
     return (bf16_exact(k), bf16_exact(v)) if exact else (k, v)
 
 
-def shuffled_table(config, lengths=LENGTHS, *, spare=3, seed=0):
+def shuffled_table(config, lengths=LENGTHS, *, seed=0):
     """(page_indices i32[len(lengths), pages_per_seq], num_pages): pages from a shuffled pool."""
-    ns = kv_cache.sink_tokens(config)
-    need = [paging.pages_needed(n, page_size=config.page_size, num_sink_tokens=ns) for n in lengths]
-    num_pages = 1 + sum(need) + spare
-    perm = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
-    table = np.zeros((len(lengths), max(max(need), 1)), np.int32)
-    nxt = 0
-    for s, n in enumerate(need):
-        table[s, :n] = perm[nxt:nxt + n]
-        nxt += n
-    return table, num_pages
+    return twin.shuffled_table(config, lengths, spare=3, seed=seed)
 
 
 def empty_layer(config, num_pages, max_seqs=len(LENGTHS)):
@@ -72,23 +64,6 @@ prefill_jit = jax.jit(kv_cache.write_prefill)
 append_jit = jax.jit(kv_cache.append, donate_argnums=0)
 
 
-def write(layer, k, v, lengths, table, how, key=None):
-    """Writes sequence s's first lengths[s] tokens by "prefill", "append" or "both" (a prefill of
-    half, then appends); one jitted append call per step for all sequences. Returns the layer."""
-    lengths = np.asarray(lengths, np.int32)
-    pre = {"prefill": lengths, "append": 0 * lengths, "both": lengths // 2}[how]
-    layer = prefill_jit(layer, k, v, lengths=pre, page_indices=table, key=key)
-    cur = pre.copy()
-    rows = np.arange(len(lengths))
-    while (cur < lengths).any():
-        t = np.minimum(cur, k.shape[1] - 1)
-        step_key = None if key is None else jax.random.fold_in(key, int(cur.sum()))
-        layer = append_jit(layer, k[rows, t], v[rows, t], kv_lens=cur, active=cur < lengths,
-                           page_indices=table, key=step_key)
-        cur = cur + (cur < lengths)
-    return layer
-
-
 @functools.lru_cache(maxsize=None)
 def written(fmt, how, *, exact=False, cap=None):
     """(layer, k, v, lengths, table) for FORMATS[fmt]: LENGTHS (capped at cap) written by `how`."""
@@ -96,7 +71,7 @@ def written(fmt, how, *, exact=False, cap=None):
     table, num_pages = shuffled_table(config)
     lengths = np.minimum(LENGTHS, cap or T_LEN).astype(np.int32)
     k, v = make_kv(exact=exact)
-    return write(empty_layer(config, num_pages), k, v, lengths, table, how), k, v, lengths, table
+    return twin.write(empty_layer(config, num_pages), k, v, lengths, table, how), k, v, lengths, table
 
 
 def error_bound(config, x, x_hat, step):
@@ -340,7 +315,7 @@ def test_kivi_code_bytes_by_hand(how):
     lengths = np.array([ns + 13 * P + 5, ns + 8 * P, ns + P - 1], np.int32)
     table, num_pages = shuffled_table(config, lengths, seed=3)
     k, v = make_kv(seed=4, exact=True, num_seqs=3, t_len=int(lengths.max()))
-    layer = write(empty_layer(config, num_pages, 3), k, v, lengths, table, how)
+    layer = twin.write(empty_layer(config, num_pages, 3), k, v, lengths, table, how)
     v_codes, k_codes = np.asarray(layer.v_codes), np.asarray(layer.k_codes)
     assert v_codes.shape == (num_pages, NUM_KV_HEADS, HEAD_DIM, 256 // 4)
     assert k_codes.shape == (num_pages, NUM_KV_HEADS, 256 // 4, HEAD_DIM)
@@ -405,7 +380,7 @@ def test_reused_pages_leak_nothing(fmt):
         cur = cur + (only_9 > cur)
     fresh = prefill_jit(empty_layer(config, layer.num_pages), k2, v2, lengths=only_9,
                         page_indices=new_table)
-    got, want = (kv_cache.gather(x, 9, 600, new_table, return_step=True) for x in (layer, fresh))
+    got, want = (twin.gather(x, 9, 600, new_table, return_step=True) for x in (layer, fresh))
     for a, b in zip(got, want):
         assert np.isfinite(a).all()
         np.testing.assert_array_equal(a, b)
@@ -418,7 +393,7 @@ def test_stochastic_rounding_is_deterministic_per_key():
     table, num_pages = shuffled_table(config)
     lengths = np.minimum(LENGTHS, 140).astype(np.int32)
     k, v = make_kv()
-    run = lambda key, how="both": write(empty_layer(config, num_pages), k, v, lengths, table, how,
+    run = lambda key, how="both": twin.write(empty_layer(config, num_pages), k, v, lengths, table, how,
                                        key=jax.random.key(key))
     a, b, c = run(0), run(0), run(1, "prefill")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -562,10 +537,6 @@ def test_errors():
     with pytest.raises(ValueError, match="num_kv_heads, head_dim"):
         kv_cache.write_prefill(layer, k[..., :64], v[..., :64], lengths=np.array([3, 0]),
                                page_indices=ok_table)
-    with pytest.raises(ValueError, match="seq="):
-        kv_cache.gather(layer, 2, 1, ok_table)
-    with pytest.raises(ValueError, match=r"kv_lens\[0\]=600"):
-        kv_cache.gather(layer, 0, 600, ok_table)
 
 
 def test_bytes_per_token_hand_arithmetic():
@@ -673,3 +644,22 @@ def test_bad_positions_and_values_never_reach_the_cache():
         kv_cache.write_prefill(layer, kp, np.ones_like(kp), lengths=[8, -1], page_indices=table)
     with pytest.raises(ValueError, match=r"kv_lens must be i32\[2\]"):
         kv_cache.dequantize_cache(layer, table, [1, 2, 3])
+
+
+@pytest.mark.parametrize("how", ["prefill", "both"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_readers_match_the_numpy_page_reader(fmt, how):
+    """dequantize_cache (and, for the 2-bit formats, read_blocks behind it) equals twin's float64
+    NumPy decoding of the same pages, on a cache poisoned everywhere no live token is (unused and
+    null pages, slots and planes past each length, stale open-block and sink rows): nothing of the
+    poison leaks, and positions past each length are 0. Small geometry (P 32, pages of 128)."""
+    config = dataclasses.replace(FORMATS[fmt], partition_size=32, page_size=128)
+    cache = twin.build(config, (0, 1, 4, 36, 37, 132, 133, 300), head_dim=64, how=how,
+                       exact=how == "prefill")
+    k, v = (np.asarray(x) for x in dequantize_jit(cache.layer, cache.table, cache.lengths)[:2])
+    assert np.isfinite(k).all() and np.isfinite(v).all()
+    for s, (k_np, v_np) in enumerate(twin.dequantized(cache)):
+        n = int(cache.lengths[s])
+        np.testing.assert_allclose(k[s, :n], k_np, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(v[s, :n], v_np, rtol=1e-6, atol=1e-6)
+        assert (k[s, n:] == 0).all() and (v[s, n:] == 0).all()

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from hack_jax import attention, kv_cache, paging
 from hack_jax.config import QuantConfig
+import twin
 from oracles import q8_rows
 from pallas_kernels import bf16_prefill_attention as bf16_mod
 from pallas_kernels import common
@@ -465,7 +466,7 @@ def numpy_dense_prefill(case, q_start=None, *, bf16=False):
         n = int(case.kv_lens[s])
         if not n:
             continue
-        k, v = (np.asarray(x, np.float64) for x in kv_cache.gather(case.layer, s, n, case.clean_table))
+        k, v = (np.asarray(x, np.float64) for x in twin.gather(case.layer, s, n, case.clean_table))
         pos = q_start[s] + np.arange(T)
         for hq in range(Hq):
             qs = rnd(case.q[s, :, hq] / np.float32(math.sqrt(D)))
