@@ -464,9 +464,9 @@ def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
     t_len = mgen.length_bucket(context)
     tokens = jax.random.randint(jax.random.key(3), (batch, t_len), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((batch,), context, jnp.int32)
-    key, targets = jax.random.key(4), jnp.zeros((batch,), jnp.int32)
+    key, targets, start = jax.random.key(4), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
     t0 = time.perf_counter()
-    step = mgen._prefill_step.lower(state, tokens, lengths, table, cache, key, targets,
+    step = mgen._prefill_step.lower(state, tokens, lengths, table, cache, key, targets, start,
                                     graphdef=graphdef, sampling=mgen.Sampling()).compile()
     compile_s = time.perf_counter() - t0
     print(f"    compiled prefill in {compile_s:.1f} s", flush=True)
@@ -474,7 +474,7 @@ def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
     def run():
         nonlocal cache
         t = time.perf_counter()
-        cache, nxt, _ = step(state, tokens, lengths, table, cache, key, targets)
+        cache, nxt, _ = step(state, tokens, lengths, table, cache, key, targets, start)
         jax.block_until_ready((cache, nxt))
         return time.perf_counter() - t
 

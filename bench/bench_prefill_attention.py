@@ -16,6 +16,12 @@ Impls:
                               contiguous bf16 [B, S, heads, d], GQA native.
   jax_mha                     jax.experimental.pallas.ops.gpu.attention.mha(causal=True), bf16, block
                               128 x 128; MHA only, so K/V are stored repeated to 32 heads (not timed).
+  prefill_*                   the per-layer call the model makes, hack_jax.prefill.prefill(q, k, v, empty
+                              layer, ...): the cache write + the prompt's attention. prefill_exact: hack
+                              cache, exact attention on the 16-bit K/V ("auto": cuDNN on the GPU);
+                              prefill_pallas: the same with our bf16 Pallas kernel; prefill_homomorphic:
+                              hack cache, the paper's homomorphic kernel over the written codes (Pallas,
+                              bf16 dots); prefill_bf16: bf16 cache + cuDNN (a bf16 runtime's prefill).
 
 Timing (us): per impl one jitted lax.fori_loop of n calls; each call's query depends on the previous
 call's output (one element of q += 1e-30 * out[0]), so no call can be hoisted or merged; loops of n
@@ -55,7 +61,11 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)  # Pallas-Triton 
 HEADS = {"llama3.1-8b": (32, 8, 128), "tiny": (4, 2, 64)}
 SEQS = (4096, 16384, 32768)
 SMOKE = [("tiny", 1, 128), ("tiny", 2, 256)]
-IMPLS = ("hack_bf16dot", "hack_int8dot", "hack_write", "bf16", "cudnn", "jax_mha")
+IMPLS = ("hack_bf16dot", "hack_int8dot", "hack_write", "bf16", "cudnn", "jax_mha",
+         "prefill_exact", "prefill_pallas", "prefill_homomorphic", "prefill_bf16")
+PREFILL_PATHS = {  # impl -> (kv_format, hack_jax.prefill attention): the whole per-layer prefill call
+    "prefill_exact": ("hack", "auto"), "prefill_pallas": ("hack", "pallas"),
+    "prefill_homomorphic": ("hack", "homomorphic"), "prefill_bf16": ("bf16", "auto")}
 # --quick's sweep at 16K (name suffix -> KernelConfig fields): rows = block_q * 4 (G = 4).
 QUICK_SWEEP_SEQ = 16384
 HACK_SWEEP = [  # NOTES_prefill.md v2: the offline SASS ranking's candidates (the default is in the matrix)
@@ -171,6 +181,31 @@ def prep_bf16(shape, key, *, interpret, fields=None):
                                           interpret=interpret)
 
     return Prepared(call, arrays, f"paged page_size={PAGE_SIZE} {config}")
+
+
+def prep_prefill(shape, key, *, interpret, kv_format, attention):
+    from hack_jax import kv_cache, paging
+    from hack_jax import prefill as hp
+    from hack_jax.config import QuantConfig
+    config = QuantConfig(kv_format=kv_format, page_size=PAGE_SIZE)
+    _, num_kv_heads, head_dim = shape.dims
+    sinks = kv_cache.sink_tokens(config)
+    pps = paging.pages_needed(shape.seq, page_size=PAGE_SIZE, num_sink_tokens=sinks)
+    k1, k2 = jax.random.split(key)
+    arrays = dict(_contiguous(shape, k2, num_kv_heads), table=shuffled_table(k1, shape.batch, pps),
+                  lens=jnp.full((shape.batch,), shape.seq, jnp.int32),
+                  empty=kv_cache.init_layer(config, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                            num_pages=1 + shape.batch * pps, max_seqs=shape.batch))
+    options = dict(impl="pallas", interpret=interpret) if attention == "homomorphic" else (
+        dict(interpret=interpret) if attention == "pallas" else {})
+
+    def call(q, a):
+        return hp.prefill(q, a["k"], a["v"], a["empty"], page_indices=a["table"], lengths=a["lens"],
+                          attention=attention, **options)[1]
+
+    backend = attention if attention == "homomorphic" else hp.resolve(attention, jnp.bfloat16, jnp.bfloat16)
+    return Prepared(call, arrays, f"hack_jax.prefill.prefill(attention={attention!r} -> {backend}), "
+                    f"kv_format={kv_format} page_size={PAGE_SIZE}, bf16 q/k/v: write + attention")
 
 
 def _contiguous(shape, key, kv_heads):
@@ -333,6 +368,10 @@ def impl_preps(names, interpret, sweep, bf16_sweep=True):
                 label = f"bf16[{','.join(f'{k}={v}' for k, v in fields.items())}]"
                 preps.append((label, QUICK_SWEEP_SEQ, functools.partial(prep_bf16, interpret=interpret,
                                                                        fields=fields)))
+        elif name in PREFILL_PATHS:
+            fmt, attention = PREFILL_PATHS[name]
+            preps.append((name, None, functools.partial(prep_prefill, interpret=interpret, kv_format=fmt,
+                                                        attention=attention)))
         else:
             fn = {"hack_write": prep_hack_write, "cudnn": prep_cudnn, "jax_mha": prep_jax_mha}[name]
             preps.append((name, None, functools.partial(fn, interpret=interpret)))

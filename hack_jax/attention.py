@@ -200,13 +200,43 @@ def _reference(q, layer, page_indices, kv_lens, q_start, *, decode):
     else:
         steps = q_start[:, None] + jnp.arange(t)[None, :]
         q_pos = jnp.where(steps < kv_lens[:, None], steps, -1)  # [S, T]; -1 sees nothing
+    return reference.softmax_state_output(_state(q, layer, page_indices, kv_lens, q_pos))
+
+
+def cached_prefix_state(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens
+                        ) -> reference.SoftmaxState:
+    """Unnormalized attention of queries over EVERY cached token (positions < kv_lens), reference.
+
+    The cached-prefix half of a chunked prefill (hack_jax.prefill): the queries all sit after the
+    cached tokens, so none is masked; the caller merges the state with the chunk's own attention
+    (reference.online_softmax_merge). Same numerics as prefill_attention(impl="reference").
+    Args: q float[max_seqs, T, num_q_heads, head_dim]; layer, page_indices, kv_lens as in
+    prefill_attention (kv_lens = the tokens cached before the chunk; 0 gives an empty state).
+    Returns SoftmaxState with acc f32[max_seqs, T, num_q_heads, head_dim], m, l f32[max_seqs, T,
+    num_q_heads] (m = -inf, l = 0 where nothing is cached). Raises as prefill_attention.
+    """
+    q = jnp.asarray(q)
+    if q.ndim != 4:
+        raise ValueError(f"prefill q must be [max_seqs, T, num_q_heads, head_dim], got {q.shape=}")
+    page_indices, kv_lens = _check(q, layer, page_indices, kv_lens, "reference", {})
+    return _prefix_reference(q, layer, page_indices, kv_lens)
+
+
+@jax.jit
+def _prefix_reference(q, layer, page_indices, kv_lens):
+    q_pos = jnp.broadcast_to(kv_lens[:, None] - 1, q.shape[:2])  # every row sees every cached key
+    return _state(q, layer, page_indices, kv_lens, q_pos)
+
+
+def _state(q, layer, page_indices, kv_lens, q_pos):
+    """SoftmaxState of q [S, T, Hq, D] at positions q_pos i32[S, T]: acc [S, T, Hq, D], m, l [S, T, Hq]."""
     if isinstance(layer, (kv_cache.KiviPages, kv_cache.SeedPages)):
         return _homomorphic(q, layer, page_indices, kv_lens, q_pos)
     return _dense(q, layer, page_indices, kv_lens, q_pos)
 
 
 def _dense(q, layer, page_indices, kv_lens, q_pos):
-    """Dequantize-then-attend: float32 softmax attention over the gathered pages."""
+    """Dequantize-then-attend: the float32 softmax state over the gathered pages (as _state)."""
     k, v = kv_cache.dequantize_cache(layer, page_indices, kv_lens)  # f32[S, C, H, D], 0 beyond kv_lens
     s, t, hq, d = q.shape
     h = k.shape[2]
@@ -217,14 +247,14 @@ def _dense(q, layer, page_indices, kv_lens, q_pos):
     mask = mask[:, None, None]  # [S, 1, 1, T, C]
     m = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
     w = jnp.where(mask, jnp.exp(logits - jnp.where(m == -jnp.inf, 0.0, m)), 0.0)
-    out = reference.softmax_state_output(reference.SoftmaxState(
-        jnp.einsum("skgtc,sckd->skgtd", w, v, precision=_HIGHEST), m[..., 0], w.sum(-1)))
-    return out.transpose(0, 3, 1, 2, 4).reshape(s, t, hq, d)
+    acc = jnp.einsum("skgtc,sckd->skgtd", w, v, precision=_HIGHEST)
+    rows = lambda x: jnp.moveaxis(x, 3, 1).reshape((s, t, hq) + x.shape[4:])  # [S, K, G, T, ...]
+    return reference.SoftmaxState(rows(acc), rows(m[..., 0]), rows(w.sum(-1)))
 
 
 def _homomorphic(q, layer, page_indices, kv_lens, q_pos):
-    """The paged homomorphic reference (module docstring). Query rows per kv head are r = t * G + g,
-    as in hack_jax.reference."""
+    """The paged homomorphic reference (module docstring): its softmax state (as _state). Query rows
+    per kv head are r = t * G + g inside, as in hack_jax.reference."""
     cfg = layer.config
     p, ns = cfg.partition_size, cfg.num_sink_tokens
     blocks = kv_cache.read_blocks(layer, page_indices, kv_lens)
@@ -286,8 +316,9 @@ def _homomorphic(q, layer, page_indices, kv_lens, q_pos):
             q_s, rows_below(layer.open_k, blocks.num_open), open_v, open_vis)
     state = reference.online_softmax_merge(state, open_state)
 
-    out = reference.softmax_state_output(state).reshape(s, h, t, g, d)
-    return out.transpose(0, 2, 1, 3, 4).reshape(s, t, hq, d)
+    rows = lambda x: jnp.swapaxes(x.reshape((s, h, t, g) + x.shape[3:]), 1, 2).reshape(
+        (s, t, hq) + x.shape[3:])  # [S, H, T * G, ...] -> [S, T, Hq, ...]
+    return reference.SoftmaxState(*map(rows, state))
 
 
 def decode_step(q, k, v, layer: kv_cache.LayerCache, *, page_indices, kv_lens, active, impl="reference",

@@ -4,13 +4,14 @@
                     [--temperature T] [--top-k K] [--top-p P] [--seed S] [-n N] [--stop TEXT]
                     [--ignore-eos] [--no-chat] [--no-stream] [--json [--logprobs]] [--quiet]
                     (models/cli_generate.py: the continuous-batching engine, text streamed)
-  hack-jax perplexity --text FILE [--tokens N] [--mode decode|prefill]
+  hack-jax perplexity --text FILE [--tokens N] [--mode decode|prefill] [--prefill-chunk N]
   hack-jax eval [--formats all|F,..] [--contexts N,..] [--tokens N] [--windows W] [--text T]
                 [--out FILE.jsonl]      (KV-format accuracy table, models/eval.py)
   hack-jax passkey [--formats F,..] [--lengths N,..] [--depths D,..] [--trials N]
                    [--haystack T] [--out FILE.jsonl]   (passkey retrieval, models/passkey.py)
   model and cache options of generate / perplexity: [--model PATH] [--kv-format FMT] [--dtype D]
   [--impl I] [--interpret] [--partition-size P] [--num-sink-tokens N] [--rounding R] [--layout L]
+  [--prefill-attention A]
 
 Errors (empty prompt, prompt beyond the cache, bad option values) print
 `hack-jax SUBCOMMAND: error: ...` naming the flag and value on stderr and exit with status 2
@@ -24,6 +25,7 @@ import sys
 from typing import Sequence, get_args
 
 from hack_jax.config import KVFormat
+from models.config import PREFILL_ATTENTION
 
 KV_FORMATS = get_args(KVFormat)
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
@@ -54,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="hack: rounding of the 2-bit codes")
   common.add_argument("--layout", default="kivi", choices=("kivi", "seed"),
                       help="hack: kivi (K per channel, V per token) or seed (K per token)")
+  common.add_argument("--prefill-attention", default="auto", choices=PREFILL_ATTENTION,
+                      help="prompt attention (hack_jax.prefill): exact on the fresh 16-bit K/V "
+                      "(auto = cuDNN on a GPU with bf16, the jnp reference on the CPU), or "
+                      "homomorphic over the 2-bit cache (the paper's numerics; not causal)")
   from models import cli_generate
   g = sub.add_parser("generate", parents=[common], help="generate text for one or more prompts",
                      formatter_class=fmt)
@@ -70,9 +76,12 @@ def _parser() -> argparse.ArgumentParser:
                   help="score the first N tokens (default: all, up to the context length)")
   pp.add_argument("--mode", default="decode", choices=("decode", "prefill"),
                   help="decode: feed tokens 2..N one decode step at a time, so every prediction "
-                  "sees the cache as generation does; prefill: one prefill pass (fast; for "
-                  "hack each query also sees its own block as 2-bit codes, which decoding never "
-                  "does)")
+                  "sees the cache as generation does; prefill: one prefill pass (fast; with the "
+                  "default --prefill-attention each row attends exactly to the rows before it, "
+                  "with --prefill-chunk to the cached prefix through the cache)")
+  pp.add_argument("--prefill-chunk", type=int, default=None,
+                  help="prefill in chunks of this many tokens (default: one step, padded to a "
+                  "power of two)")
   from models import eval as eval_mod
   eval_mod.add_arguments(sub.add_parser(
       "eval", help="accuracy of KV formats: teacher-forced decode perplexity (models/eval.py)"))
@@ -122,7 +131,8 @@ def _load(args):
   from models.gguf_loader import load_checkpoint
   from models.llama import Llama
   ckpt = load_checkpoint(args.model, dtype=jnp.dtype(DTYPES[args.dtype]), impl=args.impl,
-                         kernel_options={"interpret": True} if args.interpret else {})
+                         kernel_options={"interpret": True} if args.interpret else {},
+                         prefill=args.prefill_attention)
   return ckpt, Llama.from_weights(ckpt.config, ckpt.weights)
 
 
@@ -157,7 +167,10 @@ def _perplexity(args, parser) -> int:
     ids = ids[:limit]
   if len(ids) > limit:
     parser.error(f"{len(ids)} tokens exceed the model's context length {limit}")
-  gen = Generator(model, ckpt.tokenizer, quant, max_seqs=1, max_len=len(ids))
+  if args.prefill_chunk is not None and args.prefill_chunk < 1:
+    parser.error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+  gen = Generator(model, ckpt.tokenizer, quant, max_seqs=1, max_len=len(ids),
+                  prefill_chunk=args.prefill_chunk)
   if args.mode == "decode":
     ppl, n = gen.decode_perplexity(ids, progress=True)
   else:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 IMPLS = ("reference", "pallas", "pallas_dequant")  # = hack_jax.attention.IMPLS
+PREFILL_ATTENTION = ("auto", "cudnn", "xla", "pallas", "reference", "homomorphic")  # = hack_jax.prefill's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,9 @@ class ModelConfig:
       (name, value) pairs so the config stays hashable (a dict is accepted and converted), e.g.
       {"interpret": True} to run them in Pallas interpret mode on the CPU. Must be empty with
       impl="reference".
+    prefill: hack_jax.prefill's `attention` ("auto" | "cudnn" | "xla" | "pallas" | "reference":
+      exact causal attention of the prompt on its 16-bit K/V; "homomorphic": the paper's
+      numerics over the 2-bit cache, not causal within a block).
   """
 
   architecture: Literal["llama", "qwen2"]
@@ -56,6 +60,7 @@ class ModelConfig:
   impl: str = "reference"
   kernel_options: Any = ()
   rope_freq_factors: tuple[float, ...] | None = None
+  prefill: str = "auto"
 
   def __post_init__(self):
     if self.rope_freq_factors is not None:
@@ -72,6 +77,8 @@ class ModelConfig:
     if options and self.impl == "reference":
       raise ValueError(f"kernel_options only apply to the Pallas impls, got {options=} with "
                        f"impl='reference'")
+    if self.prefill not in PREFILL_ATTENTION:
+      raise ValueError(f"prefill must be one of {PREFILL_ATTENTION}, got {self.prefill=}")
     if self.architecture not in SUPPORTED_ARCHITECTURES:
       raise ValueError(f"unsupported architecture {self.architecture=}; "
                        f"supported: {SUPPORTED_ARCHITECTURES}")

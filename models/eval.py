@@ -45,12 +45,15 @@ each format compiles once per context; one jsonl row per text.
 
 The evaluation-only paths are installed by `patched(...)` while a format's steps are traced: it
 swaps `models.llama.hack_attention` (kivi2, fake-*), `models.llama.rope` (Hadamard on K) or
-`models.llama.kv_cache` + `hack_attention` (Hadamard on V) for wrappers; the hack_jax cache and
-attention modules themselves are untouched. EvalGenerator jits fresh copies of
+`models.llama.kv_cache` + `hack_attention` (Hadamard on V) for wrappers, and the same two names in
+`hack_jax.prefill`, which the model's prefill goes through; the hack_jax cache and attention
+modules themselves are untouched. EvalGenerator jits fresh copies of
 the Generator's step functions so traces made under a patch are never reused by another format.
 
-Prefill semantics are the cache's: the prompt is written first, and every prompt row attends over
-the cache contents as stored after the write (quantized for int8/hack; for kivi2 the same rule,
+Prefill semantics are the model's (ModelConfig.prefill, hack_jax.prefill): by default the prompt
+rows attend to each other exactly, on their 16-bit K/V, for every format, and the prompt is written
+into the cache for the decode steps; with prefill="homomorphic" every prompt row attends over the
+cache contents as stored after the write (quantized for int8/hack; for kivi2 the same rule,
 fake-quantized with kv_len = prompt length).
 
 Usage: `python bench/bench_accuracy.py --formats all,variants --contexts 512 --tokens 64
@@ -419,6 +422,8 @@ class _RotateV:
       return lambda layer, k, v, **kw: attr(layer, k, rotate(v, self._rot), **kw)
     if not self._cache_side and name in ("decode_attention", "prefill_attention"):
       return lambda *a, **kw: rotate(attr(*a, **kw), self._rot.T)
+    if not self._cache_side and name == "cached_prefix_state":  # acc is a sum of rotated V rows
+      return lambda *a, **kw: (lambda st: st._replace(acc=rotate(st.acc, self._rot.T)))(attr(*a, **kw))
     return attr
 
 
@@ -438,8 +443,10 @@ def _fake_quantizer(fake, num_layers):
 @contextlib.contextmanager
 def patched(fmt: EvalFormat, head_dim: int, num_layers: int = 1):
   """Installs fmt's evaluation-only transforms in models.llama while traced inside the block."""
+  from hack_jax import prefill as hack_prefill
   from models import llama
   saved = llama.hack_attention, llama.rope, llama.kv_cache
+  saved_prefill = hack_prefill.hack_attention, hack_prefill.kv_cache
   try:
     if fmt.fake is not None:
       if not (fmt.fake == "kivi2" or isinstance(fmt.fake, FakeHack)):
@@ -452,9 +459,12 @@ def patched(fmt: EvalFormat, head_dim: int, num_layers: int = 1):
       rot = block_hadamard(head_dim, fmt.v_hadamard)
       llama.kv_cache = _RotateV(saved[2], rot, cache_side=True)
       llama.hack_attention = _RotateV(llama.hack_attention, rot, cache_side=False)
+    # the model's prefill writes and (chunks, "homomorphic") reads the cache through hack_jax.prefill
+    hack_prefill.hack_attention, hack_prefill.kv_cache = llama.hack_attention, llama.kv_cache
     yield
   finally:
     llama.hack_attention, llama.rope, llama.kv_cache = saved
+    hack_prefill.hack_attention, hack_prefill.kv_cache = saved_prefill
 
 
 def _eval_generator_cls():

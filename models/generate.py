@@ -3,7 +3,8 @@
 One Generator owns a fixed-shape cache (max_seqs slots x capacity tokens), so its compiled steps
 never change shape:
   prefill: a ragged batch, every prompt right-padded to one length bucket (a power of two >= 64),
-    written into the cache and attended through hack_jax.attention; returns the first sampled token.
+    or cut into chunks of prefill_chunk tokens, written into the cache and attended through
+    hack_jax.prefill; returns the first sampled token.
   decode: one token per active slot; the cache is donated (updated in place).
 Between steps the host PageAllocator reserves the page the next token needs and the new page table
 goes to the device; the only per-step host round trip is the i32[max_seqs] of sampled tokens
@@ -96,19 +97,23 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, *, chat: bool | None = None
   return tokenizer.encode(prompt)
 
 
-def _prefill_positions(tokens):
-  return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+def _prefill_run(model, tokens, lengths, page_indices, cache, key, start, chunk):
+  """tokens i32[S, T]: row t of slot s is position start[s] + t, rows t < lengths[s] are written
+  (chunk: the slots already hold start tokens, CacheStep "chunk"; else they are empty)."""
+  positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+  step = CacheStep("chunk" if chunk else "prefill", page_indices, lengths, start + lengths, key)
+  return model.run(tokens, positions, cache, step)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
-def _prefill_step(state, tokens, lengths, page_indices, cache, key, targets, *, graphdef,
-                  sampling):
-  """tokens i32[S, T], lengths i32[S], targets i32[S] -> (cache, first sampled token i32[S],
-  log p(targets) f32[S] under the next-token distribution)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "chunk"),
+                   donate_argnames=("cache",))
+def _prefill_step(state, tokens, lengths, page_indices, cache, key, targets, start, *, graphdef,
+                  sampling, chunk=False):
+  """tokens i32[S, T], lengths, start i32[S] (_prefill_run), targets i32[S] -> (cache, token
+  sampled after each slot's last written row i32[S], log p(targets) f32[S] there)."""
   model = nnx.merge(graphdef, state)
   round_key, sample_key = jax.random.split(key)
-  step = CacheStep("prefill", page_indices, lengths, lengths, round_key)
-  cache, hidden = model.run(tokens, _prefill_positions(tokens), cache, step)
+  cache, hidden = _prefill_run(model, tokens, lengths, page_indices, cache, round_key, start, chunk)
   last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
   return cache, *_sample_and_score(model.logits(last), sample_key, sampling, targets)
 
@@ -132,14 +137,14 @@ def _sample_and_score(logits, key, sampling, targets):
   return sample(logits, key, sampling), jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _score_step(state, tokens, lengths, page_indices, cache, key, *, graphdef):
-  """Prefill and score: -log p(tokens[:, t+1] | tokens[:, :t+1]) as f32[S, T-1]."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("cache",))
+def _score_step(state, tokens, lengths, page_indices, cache, key, targets, start, *, graphdef,
+                chunk=False):
+  """Prefill (_prefill_run) and score: -log p(targets[:, t] | positions <= start + t), f32[S, T]."""
   model = nnx.merge(graphdef, state)
-  step = CacheStep("prefill", page_indices, lengths, lengths, key)
-  cache, hidden = model.run(tokens, _prefill_positions(tokens), cache, step)
-  logp = jax.nn.log_softmax(model.logits(hidden[:, :-1]), axis=-1)
-  return cache, -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  cache, hidden = _prefill_run(model, tokens, lengths, page_indices, cache, key, start, chunk)
+  logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
+  return cache, -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
 @dataclasses.dataclass
@@ -167,15 +172,23 @@ class Generator:
     max_seqs: cache slots = prompts per batch (longer prompt lists are run in chunks).
     max_len: tokens per sequence (prompt + generated): the capacity enforced, at most the model's
       context length (the cache itself is allocated in whole pages).
+    prefill_chunk: None = one prefill step per batch, prompts padded to a length bucket; an int
+      C = prompts longer than C are prefilled C tokens per step (one compiled step serves every
+      chunk: each chunk attends to the cached prefix and to itself, hack_jax.prefill), shorter
+      ones in one step of min(bucket, C) tokens. A multiple of 64 (the hack block) is cheapest.
 
   Raises:
     ValueError: bad sizes (from here or QuantConfig / kv_cache).
   """
 
   def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
-               max_seqs: int = 4, max_len: int = 2048):
+               max_seqs: int = 4, max_len: int = 2048, prefill_chunk: int | None = None):
     if max_seqs < 1 or max_len < 2:
       raise ValueError(f"need max_seqs >= 1 and max_len >= 2: {max_seqs=} {max_len=}")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(
+        prefill_chunk, (int, np.integer)) or prefill_chunk < 1):
+      raise ValueError(f"prefill_chunk must be None or an int >= 1: {prefill_chunk=}")
+    self.prefill_chunk = prefill_chunk
     c = model.config
     self.config, self.quant, self.tokenizer, self.max_seqs = c, quant, tokenizer, max_seqs
     self.graphdef, self.state = nnx.split(model)
@@ -292,7 +305,7 @@ class Generator:
     n, s = len(prompts), self.max_seqs
     lengths = np.zeros(s, np.int32)
     lengths[:n] = [len(p) for p in prompts]
-    tokens = np.zeros((s, length_bucket(int(lengths.max()))), np.int32)
+    tokens = np.zeros((s, int(lengths.max())), np.int32)
     for i, p in enumerate(prompts):
       tokens[i, :len(p)] = p
     targets = np.zeros((s, max_new), np.int32)
@@ -306,9 +319,15 @@ class Generator:
     cache = self.new_cache()
 
     t0, compile0 = time.perf_counter(), stats["compile_s"]
-    cache, nxt, logp = self._run(_prefill_step, (self.state, tokens, lengths, alloc.page_indices,
-                                                 cache, keys[0], targets[:, 0]),
-                                 stats, sampling=sampling)
+    nxt = logp = None
+    for i, (c0, tok, write, start) in enumerate(self._chunks(tokens, lengths)):
+      cache, got, got_logp = self._run(
+          _prefill_step, (self.state, tok, write, alloc.page_indices, cache,
+                          keys[0] if i == 0 else jax.random.fold_in(keys[0], i), targets[:, 0],
+                          start), stats, sampling=sampling, chunk=i > 0)
+      ends = (lengths > c0) & (lengths <= c0 + tok.shape[1])  # slots whose prompt ends here
+      nxt = got if nxt is None else jnp.where(ends, got, nxt)
+      logp = got_logp if logp is None else jnp.where(ends, got_logp, logp)
     sampled = np.asarray(nxt)  # waits for the device: prefill time includes the first token
     stats["prefill_s"] += time.perf_counter() - t0 - (stats["compile_s"] - compile0)
     stats["prompt_tokens"] += int(lengths.sum())
@@ -345,6 +364,19 @@ class Generator:
     stats["max_len"] = max(stats["max_len"], int(kv_lens.max()))
     return out, preds, logps
 
+  def _chunks(self, tokens, lengths):
+    """Prefill steps for prompts tokens i32[S, L] of lengths i32[S]: yields (c0, tokens i32[S, T],
+    write i32[S], start i32[S]): positions [c0, c0 + T) of every slot, T = the length bucket
+    (prefill_chunk None or a longer chunk) or prefill_chunk."""
+    longest, chunk = int(lengths.max()), self.prefill_chunk
+    t = length_bucket(longest) if chunk is None else min(length_bucket(longest), chunk)
+    for c0 in range(0, longest, t):
+      tok = np.zeros((tokens.shape[0], t), np.int32)
+      part = tokens[:, c0:c0 + t]
+      tok[:, :part.shape[1]] = part
+      yield (c0, tok, np.clip(lengths - c0, 0, t).astype(np.int32),
+             np.minimum(lengths, c0).astype(np.int32))
+
   # ---------------------------------------------------------------------------------- perplexity
 
   def decode_perplexity(self, token_ids: Sequence[int], *, prefix: int = 1,
@@ -369,10 +401,12 @@ class Generator:
   def perplexity(self, token_ids: Sequence[int], *, seed: int = 0) -> tuple[float, int]:
     """exp(mean NLL of tokens 2..N given their prefixes), prefilled through this cache format.
 
-    The prefill logits attend over the cache contents (quantized for "hack"/"int8"). For "hack"
-    each query also sees its own, still-filling block as 2-bit codes, which decoding never does
-    (there those tokens sit in the 16-bit open block): use decode_perplexity to measure what
-    generation sees. Returns (perplexity, number of predictions = N - 1).
+    The prefill logits are those of the model's prefill (ModelConfig.prefill): by default every
+    prompt row attends exactly to the rows before it on their 16-bit K/V (in chunks of
+    prefill_chunk over the cached prefix, which is then read as stored: 2-bit for "hack");
+    "homomorphic" attends over the cache contents, where for "hack" a query also sees its own,
+    still-filling block as 2-bit codes (not causal). decode_perplexity measures what generation
+    sees. Returns (perplexity, number of predictions = N - 1).
     Raises ValueError for fewer than 2 tokens, more than the cache capacity, or ids outside
     [0, vocab_size).
     """
@@ -381,7 +415,7 @@ class Generator:
       raise ValueError(f"perplexity needs 2 <= tokens <= capacity {self.capacity}: got {n}")
     self._check_ids(token_ids, "token_ids")
     s = self.max_seqs
-    tokens = np.zeros((s, length_bucket(n)), np.int32)
+    tokens = np.zeros((s, n + 1), np.int32)  # + 1: the target after the last row (unused)
     tokens[0, :n] = token_ids
     lengths = np.zeros(s, np.int32)
     lengths[0] = n
@@ -389,8 +423,15 @@ class Generator:
                           kv_cache.sink_tokens(self.quant))
     alloc.admit(0, n)
     stats = dict(compile_s=0.0)
-    _, nll = self._run(_score_step, (self.state, tokens, lengths, alloc.page_indices,
-                                     self.new_cache(), jax.random.key(seed)), stats)
-    nll = np.asarray(nll[0, :n - 1], np.float64)
+    cache, key, nll = self.new_cache(), jax.random.key(seed), []
+    for i, (c0, tok, write, start) in enumerate(self._chunks(tokens[:, :n], lengths)):
+      targets = np.zeros_like(tok)
+      part = tokens[:, c0 + 1:c0 + 1 + tok.shape[1]]
+      targets[:, :part.shape[1]] = part
+      cache, got = self._run(_score_step, (self.state, tok, write, alloc.page_indices, cache,
+                                           jax.random.fold_in(key, i), targets, start),
+                             stats, chunk=i > 0)
+      nll.append(np.asarray(got[0, :int(write[0])], np.float64))
+    nll = np.concatenate(nll)[:n - 1]
     return float(np.exp(nll.mean())), n - 1
 

@@ -12,8 +12,9 @@ Two ways to run:
   model.run(tokens, positions, cache, step) -> (cache, hidden)
                                         cached prefill / decode: each attention layer writes its K/V
                                         into the hack_jax cache and attends through
-                                        hack_jax.attention (the one dispatch; impl=config.impl,
-                                        kernel options config.kernel_options).
+                                        hack_jax.prefill (config.prefill: exact flash attention
+                                        on the fresh 16-bit K/V, or homomorphic) / hack_jax.attention
+                                        (impl=config.impl, kernel options config.kernel_options).
 Einsum axes: B batch, T query tokens, S key tokens, D embed_dim, F hidden_dim, N q heads,
 K kv heads, G q heads per kv head, H head_dim, V vocab.
 """
@@ -30,6 +31,7 @@ from flax import nnx
 
 from hack_jax import attention as hack_attention
 from hack_jax import kv_cache
+from hack_jax import prefill as hack_prefill
 from models.config import ModelConfig
 
 f32 = jnp.float32
@@ -44,7 +46,9 @@ class CacheStep:
 
   Attributes:
     mode: "prefill" (tokens [max_seqs, T], slot s writes its first write_lens[s] tokens into an
-      empty sequence) or "decode" (tokens [max_seqs, 1], one token per slot with write_lens 1).
+      empty sequence), "chunk" (the same into a sequence already holding kv_lens - write_lens
+      tokens: the next chunk of a chunked prefill; hack_jax.prefill) or "decode" (tokens
+      [max_seqs, 1], one token per slot with write_lens 1).
     page_indices: i32[max_seqs, pages_per_seq] from the host PageAllocator.
     write_lens: i32[max_seqs] tokens each slot writes this step (0 = slot untouched / inactive).
     kv_lens: i32[max_seqs] tokens each slot holds after this step (includes the written ones).
@@ -52,7 +56,7 @@ class CacheStep:
     seal: decode only, hack_jax.kv_cache.append's `seal` ("always" | "never": "never" when
       the host knows no slot fills its open block this step, kv_cache.seals_block).
   """
-  mode: Literal["prefill", "decode"]
+  mode: Literal["prefill", "chunk", "decode"]
   page_indices: jax.Array
   write_lens: jax.Array
   kv_lens: jax.Array
@@ -138,12 +142,12 @@ class Attention(nnx.Module):
       out = causal_attention(q, k, v, positions)
     else:
       key = None if step.key is None else jax.random.fold_in(step.key, self.layer_index)
-      if step.mode == "prefill":
-        cache = kv_cache.write_prefill(cache, k, v, lengths=step.write_lens,
-                                       page_indices=step.page_indices, key=key)
-        out = hack_attention.prefill_attention(q, cache, page_indices=step.page_indices,
-                                               kv_lens=step.kv_lens, impl=c.impl,
-                                               **dict(c.kernel_options))
+      if step.mode in ("prefill", "chunk"):
+        q_start = step.kv_lens - step.write_lens if step.mode == "chunk" else None
+        cache, out = hack_prefill.prefill(q, k, v, cache, page_indices=step.page_indices,
+                                          lengths=step.write_lens, q_start=q_start, key=key,
+                                          attention=c.prefill, impl=c.impl,
+                                          **dict(c.kernel_options))
       else:
         cache = kv_cache.append(cache, k[:, 0], v[:, 0], kv_lens=step.kv_lens - step.write_lens,
                                 active=step.write_lens > 0, page_indices=step.page_indices,

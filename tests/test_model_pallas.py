@@ -92,7 +92,8 @@ def _greedy(ckpt, prompts, kv_format, impl):
   """Greedy decoding of the ragged batch. Returns (prefill logits [S, T, V] with rows past each
   prompt zeroed, decode logits [steps, S, V], tokens [S, 1 + steps])."""
   options = {"interpret": True} if impl == "pallas" else {}
-  config = dataclasses.replace(ckpt.config, impl=impl, kernel_options=options)
+  # prefill="homomorphic": the prefill attends over the cache, through the kernel under test
+  config = dataclasses.replace(ckpt.config, impl=impl, kernel_options=options, prefill="homomorphic")
   graphdef, state = nnx.split(Llama.from_weights(config, ckpt.weights))
   quant = QuantConfig(kv_format=kv_format)
   s, lengths = len(prompts), np.array([len(p) for p in prompts], np.int32)

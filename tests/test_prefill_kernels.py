@@ -603,7 +603,7 @@ def model_prefill_logits(ckpt, tokens, quant, impl):
     from flax import nnx
 
     from models.llama import CacheStep, Llama
-    config = dataclasses.replace(ckpt.config, impl=impl)
+    config = dataclasses.replace(ckpt.config, impl=impl, prefill="homomorphic")  # the kernel under test
     graphdef, state = nnx.split(Llama.from_weights(config, ckpt.weights))
     lengths = np.array([len(t) for t in tokens], np.int32)
     t_len = max(64, 1 << (int(lengths.max()) - 1).bit_length())
