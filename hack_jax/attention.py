@@ -1,6 +1,10 @@
 """THE attention dispatch point: decode and prefill attention over a paged cache layer.
 
-Models call only `decode_attention` / `prefill_attention` (STYLE.md rule 11); `impl` picks:
+Models hold a `Backend` (impl + kernel options, frozen and hashable: a jit static) and call its
+`prefill` / `decode` once per layer with the step's fresh q/k/v and the hack_jax.step.Step record;
+the backend writes the K/V into the cache (`write`) and attends through `prefill_attention` /
+`decode_attention` (STYLE.md rule 11). Evaluation variants and benchmark adapters are other objects
+with the same two methods (models/eval.py, bench/bench_generate.py). `impl` picks:
   "reference": pure jnp, jit-able, vectorized over sequences and blocks.
     kv_format="hack": the paged homomorphic reference. Codes, metadata and sums are read from the
       pages through page_indices (`kv_cache.read_blocks`, which zeroes everything beyond a
@@ -25,17 +29,21 @@ Sequences with kv_lens 0 return 0.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hack_jax import kv_cache, paging, reference
+from hack_jax.step import Step
 
-IMPLS = ("reference", "pallas", "pallas_dequant")
+Impl = Literal["reference", "pallas", "pallas_dequant"]
+IMPLS = get_args(Impl)
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 # (module, function) of the Pallas kernel per (impl, kind, kv_format); called as fn(q, <cache>,
@@ -49,6 +57,60 @@ _PALLAS = {
     ("pallas_dequant", "decode", "hack"): ("pallas_kernels.dequant_decode_attention",
                                            "dequant_decode_attention"),
 }
+
+
+def write(layer: kv_cache.LayerCache, k, v, step: Step, *, layer_index) -> kv_cache.LayerCache:
+    """Writes one step's fresh K/V into a layer: kv_cache.write_prefill (step.mode "prefill": k, v
+    float[max_seqs, T, num_kv_heads, head_dim], slot s's first kv_lens[s] rows) or kv_cache.append
+    ("decode": k, v float[max_seqs, num_kv_heads, head_dim], the token at kv_lens[s] - 1 of each
+    active slot). Stochastic rounding uses fold_in(step.key, layer_index) (layer_index: an int, or
+    a traced i32 inside a scan over layers). Raises as write_prefill / append."""
+    key = jax.random.fold_in(step.key, layer_index)
+    if step.mode == "prefill":
+        return kv_cache.write_prefill(layer, k, v, lengths=step.kv_lens,
+                                      page_indices=step.page_indices, key=key)
+    return kv_cache.append(layer, k, v, kv_lens=step.kv_lens - step.active.astype(jnp.int32),
+                           active=step.active, page_indices=step.page_indices, key=key,
+                           seal=step.seal)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """The attention a model runs over its cache: `write` + prefill_attention / decode_attention.
+
+    Attributes:
+      impl: "reference" | "pallas" | "pallas_dequant" (module docstring).
+      options: keyword options for the Pallas kernels as sorted (name, value) pairs (a dict is
+        accepted and converted, so the backend stays hashable), e.g. {"interpret": True} to run them
+        in Pallas interpret mode on the CPU. Must be empty with impl="reference".
+    Raises ValueError for an unknown impl or options with impl="reference".
+    """
+    impl: Impl = "reference"
+    options: Any = ()
+
+    def __post_init__(self):
+        options = self.options.items() if isinstance(self.options, dict) else self.options
+        object.__setattr__(self, "options", tuple(sorted(options)))
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl=}")
+        if self.options and self.impl == "reference":
+            raise ValueError(f"kernel options only apply to the Pallas impls, got {self.options=} "
+                             f"with impl='reference'")
+
+    def prefill(self, q, k, v, layer, step: Step, *, layer_index):
+        """q float[max_seqs, T, num_q_heads, head_dim], k, v float[max_seqs, T, num_kv_heads,
+        head_dim] (the step's tokens, left-aligned) -> (new layer, f32[max_seqs, T, num_q_heads,
+        head_dim]); rows at or past kv_lens[s] are 0."""
+        layer = write(layer, k, v, step, layer_index=layer_index)
+        return layer, prefill_attention(q, layer, page_indices=step.page_indices,
+                                        kv_lens=step.kv_lens, impl=self.impl, **dict(self.options))
+
+    def decode(self, q, k, v, layer, step: Step, *, layer_index):
+        """q float[max_seqs, num_q_heads, head_dim], k, v float[max_seqs, num_kv_heads, head_dim]
+        -> (new layer, f32[max_seqs, num_q_heads, head_dim])."""
+        layer = write(layer, k, v, step, layer_index=layer_index)
+        return layer, decode_attention(q, layer, page_indices=step.page_indices,
+                                       kv_lens=step.kv_lens, impl=self.impl, **dict(self.options))
 
 
 def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, impl="reference",

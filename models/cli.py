@@ -3,6 +3,7 @@
   hack-jax generate --prompt TEXT [--prompt TEXT ...] [--model PATH] [--kv-format FMT]
                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
                     [--no-chat] [--max-cache-len N] [--dtype D] [--impl I] [--interpret]
+                    [--scan-layers on|off]
   hack-jax perplexity --text FILE [--tokens N] [--kv-format FMT] [--model PATH] [--dtype D]
   hack-jax eval [--formats all|F,..] [--contexts N,..] [--tokens N] [--windows W] [--text T]
                 [--out FILE.jsonl]      (KV-format accuracy table, models/eval.py)
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
   common.add_argument("--interpret", action="store_true",
                       help="with --impl pallas: run the kernels in Pallas interpret mode (any "
                       "backend, CPU included; very slow, for testing)")
+  common.add_argument("--scan-layers", default="on", choices=("on", "off"),
+                      help="on: stacked layer weights, one lax.scan over the layers (compiled "
+                      "once); off: the layer loop unrolled (ModelConfig.scan_layers)")
   g = sub.add_parser("generate", parents=[common], help="generate text for one or more prompts",
                      formatter_class=fmt)
   g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
@@ -83,10 +87,12 @@ def _load(args):
     raise ValueError(f"--impl pallas runs the Triton kernels and needs an NVIDIA GPU; jax's "
                      f"backend here is {jax.default_backend()!r}: use --impl reference (or --interpret)")
 
+  from hack_jax.attention import Backend
   from models.gguf_loader import load_checkpoint
   from models.llama import Llama
-  ckpt = load_checkpoint(args.model, dtype=jnp.dtype(DTYPES[args.dtype]), impl=args.impl,
-                         kernel_options={"interpret": True} if args.interpret else {})
+  backend = Backend(args.impl, {"interpret": True} if args.interpret else {})
+  ckpt = load_checkpoint(args.model, dtype=jnp.dtype(DTYPES[args.dtype]), attention=backend,
+                         scan_layers=args.scan_layers == "on")
   return ckpt, Llama.from_weights(ckpt.config, ckpt.weights)
 
 

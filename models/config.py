@@ -7,8 +7,9 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from hack_jax.attention import Backend
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-IMPLS = ("reference", "pallas", "pallas_dequant")  # = hack_jax.attention.IMPLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +27,13 @@ class ModelConfig:
     qkv_bias: True for qwen2 (q/k/v projections carry biases).
     dtype: compute dtype of weights and activations (float32 default; bfloat16 allowed).
       Logits, norms and softmax are always float32.
-    impl: attention implementation passed to hack_jax.attention ("reference" | "pallas" |
-      "pallas_dequant").
-    kernel_options: keyword options for the Pallas kernels behind hack_jax.attention, as sorted
-      (name, value) pairs so the config stays hashable (a dict is accepted and converted), e.g.
-      {"interpret": True} to run them in Pallas interpret mode on the CPU. Must be empty with
-      impl="reference".
+    attention: the attention backend every layer calls with its fresh q/k/v and the step record:
+      a hack_jax.attention.Backend (impl + kernel options), or any hashable object with the same
+      `prefill` / `decode` methods (models/eval.py's evaluation variants, benchmark adapters).
+    scan_layers: True: the layers' weights are stacked (leading num_layers axis) and the cached
+      forward is one jax.lax.scan over a single compiled layer body; False: the layer loop is
+      unrolled in Python (one copy of the layer per layer in the compiled program). Same math; the
+      trade-off (compile time vs a while loop per step) is measured in bench/NOTES_generate.md.
   """
 
   architecture: Literal["llama", "qwen2"]
@@ -48,18 +50,20 @@ class ModelConfig:
   tied_embeddings: bool
   qkv_bias: bool
   dtype: Any = jnp.float32
-  impl: str = "reference"
-  kernel_options: Any = ()
+  attention: Any = Backend()
+  scan_layers: bool = True
 
   def __post_init__(self):
-    options = self.kernel_options
-    options = tuple(sorted((options.items() if isinstance(options, dict) else options)))
-    object.__setattr__(self, "kernel_options", options)
-    if self.impl not in IMPLS:
-      raise ValueError(f"impl must be one of {IMPLS}, got {self.impl=}")
-    if options and self.impl == "reference":
-      raise ValueError(f"kernel_options only apply to the Pallas impls, got {options=} with "
-                       f"impl='reference'")
+    if not (callable(getattr(self.attention, "prefill", None))
+            and callable(getattr(self.attention, "decode", None))):
+      raise TypeError(f"attention must have prefill and decode methods (a hack_jax.attention."
+                      f"Backend), got {self.attention!r}")
+    try:
+      hash(self.attention)
+    except TypeError as e:
+      raise TypeError(f"attention must be hashable (a jit static), got {self.attention!r}") from e
+    if not isinstance(self.scan_layers, bool):
+      raise TypeError(f"scan_layers must be a bool, got {self.scan_layers!r}")
     if self.architecture not in SUPPORTED_ARCHITECTURES:
       raise ValueError(f"unsupported architecture {self.architecture=}; "
                        f"supported: {SUPPORTED_ARCHITECTURES}")

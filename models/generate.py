@@ -29,7 +29,8 @@ from tqdm import tqdm
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
 from hack_jax.paging import PageAllocator
-from models.llama import CacheStep, Llama
+from hack_jax.step import Step
+from models.llama import Llama, init_cache
 from models.tokenizer import Tokenizer
 
 MIN_BUCKET = 64
@@ -100,44 +101,43 @@ def _prefill_positions(tokens):
   return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
-def _prefill_step(state, tokens, lengths, page_indices, cache, key, targets, *, graphdef,
-                  sampling):
-  """tokens i32[S, T], lengths i32[S], targets i32[S] -> (cache, first sampled token i32[S],
-  log p(targets) f32[S] under the next-token distribution)."""
+_STATIC = ("graphdef", "sampling", "attention")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _prefill_step(state, tokens, step, cache, targets, *, graphdef, sampling, attention):
+  """tokens i32[S, T], step a prefill Step (kv_lens = prompt lengths), targets i32[S] -> (cache,
+  first sampled token i32[S], log p(targets) f32[S] under the next-token distribution)."""
   model = nnx.merge(graphdef, state)
-  round_key, sample_key = jax.random.split(key)
-  step = CacheStep("prefill", page_indices, lengths, lengths, round_key)
-  cache, hidden = model.run(tokens, _prefill_positions(tokens), cache, step)
-  last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-  return cache, *_sample_and_score(model.logits(last), sample_key, sampling, targets)
+  cache, hidden = model.run(tokens, _prefill_positions(tokens), cache, step, attention)
+  last = jnp.take_along_axis(hidden, jnp.maximum(step.kv_lens - 1, 0)[:, None, None], axis=1)[:, 0]
+  return cache, *_sample_and_score(model, last, step, sampling, targets)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "seal"), donate_argnames=("cache",))
-def _decode_step(state, tokens, active, page_indices, cache, key, targets, *, graphdef, sampling,
-                 seal="always"):
-  """tokens i32[S] (the token fed per slot), active bool[S], targets i32[S] -> (cache,
-  next sampled i32[S], log p(targets) f32[S]). seal: kv_cache.append's (static: "never" compiles
-  a step without the block-sealing path, for the steps where no slot fills its open block)."""
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _decode_step(state, tokens, step, cache, targets, *, graphdef, sampling, attention):
+  """tokens i32[S] (the token fed per slot, at position step.kv_lens - 1), step a decode Step
+  (its static seal picks the compiled append), targets i32[S] -> (cache, next sampled i32[S],
+  log p(targets) f32[S])."""
   model = nnx.merge(graphdef, state)
-  round_key, sample_key = jax.random.split(key)
-  write = active.astype(jnp.int32)
-  step = CacheStep("decode", page_indices, write, cache.kv_lens + write, round_key, seal)
-  cache, hidden = model.run(tokens[:, None], cache.kv_lens[:, None], cache, step)
-  return cache, *_sample_and_score(model.logits(hidden[:, 0]), sample_key, sampling, targets)
+  cache, hidden = model.run(tokens[:, None], step.kv_lens[:, None] - 1, cache, step, attention)
+  return cache, *_sample_and_score(model, hidden[:, 0], step, sampling, targets)
 
 
-def _sample_and_score(logits, key, sampling, targets):
+def _sample_and_score(model, hidden, step, sampling, targets):
+  """hidden [S, D] -> (sampled i32[S], log p(targets) f32[S]); the sampling key is
+  fold_in(step.key, num_layers) (layer i rounds with fold_in(step.key, i))."""
+  logits = model.logits(hidden)
   logp = jax.nn.log_softmax(logits, axis=-1)
+  key = jax.random.fold_in(step.key, model.config.num_layers)
   return sample(logits, key, sampling), jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _score_step(state, tokens, lengths, page_indices, cache, key, *, graphdef):
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention"), donate_argnames=("cache",))
+def _score_step(state, tokens, step, cache, *, graphdef, attention):
   """Prefill and score: -log p(tokens[:, t+1] | tokens[:, :t+1]) as f32[S, T-1]."""
   model = nnx.merge(graphdef, state)
-  step = CacheStep("prefill", page_indices, lengths, lengths, key)
-  cache, hidden = model.run(tokens, _prefill_positions(tokens), cache, step)
+  cache, hidden = model.run(tokens, _prefill_positions(tokens), cache, step, attention)
   logp = jax.nn.log_softmax(model.logits(hidden[:, :-1]), axis=-1)
   return cache, -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
@@ -167,17 +167,21 @@ class Generator:
     max_seqs: cache slots = prompts per batch (longer prompt lists are run in chunks).
     max_len: tokens per sequence (prompt + generated): the capacity enforced, at most the model's
       context length (the cache itself is allocated in whole pages).
+    attention: the attention backend the steps run (None = model.config.attention): a
+      hack_jax.attention.Backend or a hashable object with its prefill / decode methods
+      (models/eval.py's evaluation variants).
 
   Raises:
     ValueError: bad sizes (from here or QuantConfig / kv_cache).
   """
 
   def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
-               max_seqs: int = 4, max_len: int = 2048):
+               max_seqs: int = 4, max_len: int = 2048, attention: Any = None):
     if max_seqs < 1 or max_len < 2:
       raise ValueError(f"need max_seqs >= 1 and max_len >= 2: {max_seqs=} {max_len=}")
     c = model.config
     self.config, self.quant, self.tokenizer, self.max_seqs = c, quant, tokenizer, max_seqs
+    self.attention = c.attention if attention is None else attention
     self.graphdef, self.state = nnx.split(model)
     sinks = kv_cache.sink_tokens(quant)
     self.pages_per_seq = max(1, math.ceil((max_len - sinks) / quant.page_size))
@@ -188,15 +192,15 @@ class Generator:
   # --------------------------------------------------------------------------------------- setup
 
   def new_cache(self) -> kv_cache.KVCache:
-    c = self.config
-    return kv_cache.init_cache(self.quant, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                               head_dim=c.head_dim, num_pages=self.num_pages,
-                               max_seqs=self.max_seqs, pages_per_seq=self.pages_per_seq)
+    return init_cache(self.config, self.quant, num_pages=self.num_pages, max_seqs=self.max_seqs,
+                      pages_per_seq=self.pages_per_seq)
 
   def _run(self, fn, args, stats, **static):
     """Runs jitted `fn` through an ahead-of-time compiled executable (compile time -> stats)."""
-    shapes = tuple(getattr(a, "shape", None) for a in args[1:3])
-    key = (fn, shapes, tuple(sorted(static.items())))
+    static = dict(static, attention=self.attention)
+    leaves, treedef = jax.tree.flatten(args[1:3])  # tokens and the Step (its static mode / seal)
+    key = (fn, treedef, tuple(getattr(a, "shape", None) for a in leaves),
+           tuple(sorted(static.items(), key=lambda kv: kv[0])))
     if key not in self._executables:
       t0 = time.perf_counter()
       self._executables[key] = fn.lower(*args, graphdef=self.graphdef, **static).compile()
@@ -306,8 +310,8 @@ class Generator:
     cache = self.new_cache()
 
     t0, compile0 = time.perf_counter(), stats["compile_s"]
-    cache, nxt, logp = self._run(_prefill_step, (self.state, tokens, lengths, alloc.page_indices,
-                                                 cache, keys[0], targets[:, 0]),
+    step = Step.prefill(alloc.page_indices, lengths, keys[0])
+    cache, nxt, logp = self._run(_prefill_step, (self.state, tokens, step, cache, targets[:, 0]),
                                  stats, sampling=sampling)
     sampled = np.asarray(nxt)  # waits for the device: prefill time includes the first token
     stats["prefill_s"] += time.perf_counter() - t0 - (stats["compile_s"] - compile0)
@@ -334,10 +338,10 @@ class Generator:
         alloc.reserve(int(j), int(kv_lens[j]) + 1)
       # no slot fills its open block this step (known here): the step without the sealing path
       seal = "always" if kv_cache.seals_block(self.quant, kv_lens, active) else "never"
-      cache, nxt, logp = self._run(
-          _decode_step, (self.state, feed, active.copy(), alloc.page_indices, cache, keys[i + 1],
-                         targets[:, i + 1]), stats, sampling=sampling, seal=seal)
       kv_lens += active
+      step = Step.decode(alloc.page_indices, kv_lens, active, keys[i + 1], seal)
+      cache, nxt, logp = self._run(_decode_step, (self.state, feed, step, cache, targets[:, i + 1]),
+                                   stats, sampling=sampling)
       stats["decode_tokens"] += int(active.sum())
       sampled = np.asarray(nxt)
     stats["decode_s"] += time.perf_counter() - t0 - (stats["compile_s"] - compile0)
@@ -389,8 +393,8 @@ class Generator:
                           kv_cache.sink_tokens(self.quant))
     alloc.admit(0, n)
     stats = dict(compile_s=0.0)
-    _, nll = self._run(_score_step, (self.state, tokens, lengths, alloc.page_indices,
-                                     self.new_cache(), jax.random.key(seed)), stats)
+    step = Step.prefill(alloc.page_indices, lengths, jax.random.key(seed))
+    _, nll = self._run(_score_step, (self.state, tokens, step, self.new_cache()), stats)
     nll = np.asarray(nll[0, :n - 1], np.float64)
     return float(np.exp(nll.mean())), n - 1
 

