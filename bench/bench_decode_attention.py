@@ -65,7 +65,7 @@ KV_LENS = (32768, 1024, 131072, 8192)
 QUICK = [("llama3.1-8b", 8, 32768), ("llama3.1-8b", 1, 32768), ("llama3.1-8b", 32, 8192),
          ("llama3.1-8b", 8, 8192), ("llama3.1-8b", 8, 131072), ("smollm2", 8, 32768)]
 SMOKE = [("tiny", 2, 256), ("tiny", 1, 100)]
-IMPLS = ("hack", "dequant", "bf16", "jax_gqa", "xla")
+IMPLS = ("hack", "dequant", "bf16", "jax_gqa", "xla", "triton")
 PAGE_SIZE = 256  # QuantConfig's default
 UNROLL = 8
 ROTATE_BYTES = 256 << 20  # >= 4x the H200's 60 MB L2
@@ -274,6 +274,26 @@ def parse_hack_flags(text):
             raise ValueError(f"--hack-flags: {f!r} is not a boolean KernelConfig field "
                              f"({sorted(k for k in fields if isinstance(getattr(KernelConfig(), k), bool))})")
     return names
+
+
+def prep_triton(shape, key, *, interpret):
+    """The scale-folded jax-triton kernel (pallas_kernels.triton_decode_attention) on the kivi cache; it
+    reads no code sums (not counted in the bytes). GPU only: interpret mode raises (an error row)."""
+    from pallas_kernels import triton_decode_attention as mod
+    if interpret:
+        raise RuntimeError("the jax-triton kernel has no interpret mode (CPU: tests/triton_interpret.py)")
+    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", skip_fields=("k_sums", "v_sums"))
+    arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
+    per_copy = shape.batch * pps
+    kc = mod.default_config(batch=shape.batch, num_kv_heads=shape.num_kv_heads, pages_per_seq=pps,
+                            page_size=config.page_size, partition_size=config.partition_size)
+
+    def call(q, i, a):
+        table = a["table"] + (i % n) * per_copy
+        return mod.hack_triton_decode_attention(q, _slots(a["layer"], shape, i, n), table, a["lens"], config=kc)
+
+    return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={config.page_size} ns=4 {kc}", n,
+                    append=("open_k", "open_v"))
 
 
 def prep_hack(shape, key, *, interpret, variant_kwargs=None):
@@ -548,7 +568,7 @@ def main(argv=None):
     ap.add_argument("--kv-lens", nargs="+", type=int)
     ap.add_argument("--bf16-configs", nargs="*", metavar="BK:SPLITS:WARPS:STAGES",
                     help="extra runs of our bf16 kernel with these configs (a sweep; default config always runs)")
-    ap.add_argument("--hack-dots", nargs="+", default=["bf16", "int8"], choices=("bf16", "int8", "f16"),
+    ap.add_argument("--hack-dots", nargs="+", default=["bf16", "int8"], choices=("bf16", "int8", "f16", "folded_f16", "folded_bf16"),
                     help="dot variants of the hack kernel to time (hack_<dot>dot rows)")
     ap.add_argument("--hack-p128", action="store_true",
                     help="also time the hack kernel on a partition_size=128 cache (hack_p128_int8dot)")
@@ -611,7 +631,9 @@ def main(argv=None):
             impls.append(("dequant", lambda s, k: prep_dequant(s, k, interpret=interpret)))
         elif name == "jax_gqa":
             impls.append(("jax_gqa", lambda s, k: prep_jax_gqa(s, k, interpret=interpret)))
-        else:
+        elif name == "triton":  # rows named hack_triton: the hack cache's memory and touch rules apply
+            impls.append(("hack_triton", lambda s, k: prep_triton(s, k, interpret=interpret)))
+        elif name == "xla":
             impls.append(("xla", lambda s, k: prep_xla(s, k, interpret=interpret)))
 
     path = os.path.join(args.out, "decode_attention.jsonl")

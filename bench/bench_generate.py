@@ -1,6 +1,6 @@
 """End-to-end generation on real model shapes (random weights): decode TPOT, prefill, capacity, JCT.
 
-Issue 7, "End-to-end speed and memory on the GPU". The whole decoder (models.llama.Llama built from
+The whole decoder (models.llama.Llama built from
 models.config.PRESETS in bf16, random weights: the KV path's speed does not depend on weight values)
 runs the same jitted steps as models.generate.Generator (`_decode_step`, `_prefill_step`), for
 Llama-3.1-8B and Qwen2.5-7B shapes, per cache "format":
@@ -19,15 +19,16 @@ What is measured
            The cache is filled SYNTHETICALLY: every array of every layer gets pseudo-random finite
            values (an integer hash of the element index) in its own layout (codes: any byte; sums:
            [0, 192); scales: [0.01, 0.1]; minima, open blocks, sinks, bf16 K/V: uniform [-2, 2]),
-           pages assigned contiguously per slot; then per context C
-           kv_lens is set to C for every slot (runtime value: one compile serves all contexts; the
-           kernels split work by the runtime length, but their launch config (splits) is chosen for
-           the capacity) and `--steps` decode steps run back to back (each feeds the previous
+           pages assigned contiguously per slot; then per context C the steps' records
+           (hack_jax.step.Step, built before the timed region) hold kv_lens C + 1, C + 2, ... for
+           every slot (runtime values: one compile serves all contexts; the kernels split work by
+           the runtime length, but their launch config (splits) is chosen for the capacity) and
+           `--steps` decode steps run back to back (each feeds the previous
            step's sampled tokens, device to device: no host sync inside), timed as one region with
            block_until_ready; TPOT = median over `--reps` regions / steps (after `--warmup` steps).
            tokens/s = batch / TPOT. Each step appends one real token per slot through
            kv_cache.append (for hack: quantizes and seals blocks) and runs all layers, lm_head and
-           greedy sampling. hack (--seal host, default): as the Generator, two compiled steps, the
+           greedy sampling, in the layer form(s) of --scan-layers. hack (--seal host, default): as the Generator, two compiled steps, the
            one without the sealing path on the steps where no slot fills its open block
            (kv_cache.seals_block); both run once before the timed regions.
   prefill  batch 1 (`--prefill-batches`), one prompt of C random tokens (bucket = C) through

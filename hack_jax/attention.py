@@ -18,6 +18,8 @@ with the same two methods (models/eval.py, bench/bench_generate.py). `impl` pick
     NotImplementedError names the missing kernel when a format has none.
   "pallas_dequant": the fused-dequantization baseline kernel on the same hack cache (HACK.md §7:
     same bytes read, codes dequantized in registers, float math), for benchmarks and comparisons.
+  "triton": decode on the hack kivi cache with scale-folded f16 operands, a jax-triton kernel
+    (pallas_kernels.triton_decode_attention; needs the `cuda` extra).
 
 Query positions. decode: one query per sequence at position kv_lens[s] - 1 (kv_lens include the
 token just appended). prefill: q is left-aligned like write_prefill's k/v: row t of sequence s is
@@ -42,7 +44,7 @@ import numpy as np
 from hack_jax import kv_cache, paging, reference
 from hack_jax.step import Step
 
-Impl = Literal["reference", "pallas", "pallas_dequant"]
+Impl = Literal["reference", "pallas", "pallas_dequant", "triton"]
 IMPLS = get_args(Impl)
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -56,18 +58,21 @@ _PALLAS = {
     ("pallas", "prefill", "bf16"): ("pallas_kernels.bf16_prefill_attention", "bf16_prefill_attention"),
     ("pallas_dequant", "decode", "hack"): ("pallas_kernels.dequant_decode_attention",
                                            "dequant_decode_attention"),
+    # scale-folded operands, jax-triton (the `cuda` extra); kv_format="hack" kivi decode only
+    ("triton", "decode", "hack"): ("pallas_kernels.triton_decode_attention", "hack_triton_decode_attention"),
 }
 
 
 def write(layer: kv_cache.LayerCache, k, v, step: Step, *, layer_index) -> kv_cache.LayerCache:
     """Writes one step's fresh K/V into a layer: kv_cache.write_prefill (step.mode "prefill": k, v
-    float[max_seqs, T, num_kv_heads, head_dim], slot s's first kv_lens[s] rows) or kv_cache.append
-    ("decode": k, v float[max_seqs, num_kv_heads, head_dim], the token at kv_lens[s] - 1 of each
-    active slot). Stochastic rounding uses fold_in(step.key, layer_index) (layer_index: an int, or
-    a traced i32 inside a scan over layers). Raises as write_prefill / append."""
+    float[max_seqs, T, num_kv_heads, head_dim], the first kv_lens[s] rows of each active slot into
+    its empty sequence; inactive slots keep what they hold) or kv_cache.append ("decode": k, v
+    float[max_seqs, num_kv_heads, head_dim], the token at kv_lens[s] - 1 of each active slot).
+    Stochastic rounding uses fold_in(step.key, layer_index) (layer_index: an int, or a traced i32
+    inside a scan over layers). Raises as write_prefill / append."""
     key = jax.random.fold_in(step.key, layer_index)
     if step.mode == "prefill":
-        return kv_cache.write_prefill(layer, k, v, lengths=step.kv_lens,
+        return kv_cache.write_prefill(layer, k, v, lengths=jnp.where(step.active, step.kv_lens, 0),
                                       page_indices=step.page_indices, key=key)
     return kv_cache.append(layer, k, v, kv_lens=step.kv_lens - step.active.astype(jnp.int32),
                            active=step.active, page_indices=step.page_indices, key=key,

@@ -95,11 +95,10 @@ class PageAllocator:
 
     @classmethod
     def for_cache(cls, cache) -> "PageAllocator":
-        """An allocator matching a `hack_jax.kv_cache.KVCache`'s sizes and format."""
-        from hack_jax import kv_cache  # local: paging must stay importable without jax tracing
-
+        """An allocator matching a `hack_jax.kv_cache.KVCache`'s sizes and format (read from its
+        properties, so paging imports nothing of the cache)."""
         return cls(cache.num_pages, cache.max_seqs, cache.pages_per_seq, cache.config.page_size,
-                   kv_cache.sink_tokens(cache.config))
+                   cache.num_sink_tokens)
 
     @property
     def capacity(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -22,6 +23,10 @@ class ModelConfig:
       num_kv_heads, head_dim: sizes. num_q_heads % num_kv_heads == 0 (GQA).
     rms_norm_eps: RMSNorm epsilon.
     rope_theta: RoPE base frequency (rotate-half convention, see models/llama.py).
+    rope_freq_factors: None (plain RoPE) or head_dim // 2 positive floats dividing RoPE's inverse
+      frequencies theta ** (-2i / head_dim), llama.cpp's `rope_freqs` convention: Llama-3.1's
+      scaling (llama3_rope_freq_factors), linear scaling (every factor = the scale). A list or
+      array is accepted and converted to a tuple (the config stays hashable).
     max_seq_len: the checkpoint's trained context length.
     tied_embeddings: True when the output projection reuses the token embedding.
     qkv_bias: True for qwen2 (q/k/v projections carry biases).
@@ -52,8 +57,15 @@ class ModelConfig:
   dtype: Any = jnp.float32
   attention: Any = Backend()
   scan_layers: bool = True
+  rope_freq_factors: tuple[float, ...] | None = None
 
   def __post_init__(self):
+    if self.rope_freq_factors is not None:
+      factors = tuple(float(f) for f in self.rope_freq_factors)
+      object.__setattr__(self, "rope_freq_factors", factors)
+      if len(factors) != self.head_dim // 2 or not all(0 < f < math.inf for f in factors):
+        raise ValueError(f"rope_freq_factors must be {self.head_dim // 2} (head_dim // 2) positive "
+                         f"finite numbers, got {len(factors)}: {factors[:4]}...")
     if not (callable(getattr(self.attention, "prefill", None))
             and callable(getattr(self.attention, "decode", None))):
       raise TypeError(f"attention must have prefill and decode methods (a hack_jax.attention."
@@ -108,13 +120,43 @@ class ModelConfig:
     return cls(**kwargs)
 
 
+def llama3_rope_freq_factors(head_dim: int, theta: float, *, factor: float, low_freq_factor: float,
+                             high_freq_factor: float, original_max_position_embeddings: int
+                             ) -> tuple[float, ...]:
+  """Llama-3.1's RoPE scaling (transformers' rope_type="llama3") as rope_freq_factors: wavelengths
+  shorter than original / high_freq_factor keep their frequency, longer than original /
+  low_freq_factor are slowed by `factor`, and those between interpolate smoothly.
+
+  Returns head_dim // 2 floats f with scaled inverse frequency = theta ** (-2i / head_dim) / f.
+  Raises ValueError unless factor >= 1 and low_freq_factor < high_freq_factor.
+  """
+  if not (factor >= 1 and 0 < low_freq_factor < high_freq_factor):
+    raise ValueError(f"llama3 rope scaling needs factor >= 1 and 0 < low_freq_factor < "
+                     f"high_freq_factor, got {factor=} {low_freq_factor=} {high_freq_factor=}")
+  old = float(original_max_position_embeddings)
+  factors = []
+  for i in range(head_dim // 2):
+    wavelen = 2 * math.pi * theta ** (2 * i / head_dim)
+    if wavelen < old / high_freq_factor:
+      factors.append(1.0)
+    elif wavelen > old / low_freq_factor:
+      factors.append(float(factor))
+    else:
+      smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+      factors.append(1 / ((1 - smooth) / factor + smooth))
+  return tuple(factors)
+
+
 # Real model shapes for benchmarks with random weights (Llama(config, rngs=...)): the KV path's
 # speed does not depend on weight values (docs/MODELS.md, "The GPU machine").
 PRESETS = {
     "llama-3.1-8b": dict(architecture="llama", vocab_size=128256, num_layers=32, embed_dim=4096,
                          hidden_dim=14336, num_q_heads=32, num_kv_heads=8, head_dim=128,
                          rms_norm_eps=1e-5, rope_theta=500000.0, max_seq_len=131072,
-                         tied_embeddings=False, qkv_bias=False),
+                         tied_embeddings=False, qkv_bias=False,
+                         rope_freq_factors=llama3_rope_freq_factors(
+                             128, 500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192)),
     "qwen2.5-7b": dict(architecture="qwen2", vocab_size=152064, num_layers=28, embed_dim=3584,
                        hidden_dim=18944, num_q_heads=28, num_kv_heads=4, head_dim=128,
                        rms_norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=131072,

@@ -5,9 +5,10 @@ never change shape:
   prefill: a ragged batch, every prompt right-padded to one length bucket (a power of two >= 64),
     written into the cache and attended through hack_jax.attention; returns the first sampled token.
   decode: one token per active slot; the cache is donated (updated in place).
-Between steps the host PageAllocator reserves the page the next token needs and the new page table
-goes to the device; the only per-step host round trip is the i32[max_seqs] of sampled tokens
-(needed for the stop test). Steps are compiled ahead of time so the reported tokens/s exclude
+Between steps the host PageAllocator reserves the page the next token needs, and the host builds
+the step's record (hack_jax.step.Step: page table, kv_lens after the step, active slots, key), the
+one place the lengths live; the only per-step device-to-host transfer is the i32[max_seqs] of
+sampled tokens (needed for the stop test). Steps are compiled ahead of time so the reported tokens/s exclude
 compilation (reported separately as compile_s).
 """
 

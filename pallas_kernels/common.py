@@ -156,6 +156,47 @@ def plane_int8_masked(tile: jax.Array, j: int, *, asm: bool) -> jax.Array:
     return out
 
 
+# Scale-folded 16-bit planes: dtype, magic exponent bits, mantissa bit of the code's low bit. Plane j of a
+# byte, moved to bits TOP..TOP+1 and OR-ed into the magic's mantissa, reads as MAGIC + code * 2**TOP
+# exactly (f16 1024 + 64 c, ulp 1 there; bf16 128 + 32 c): no integer-to-float convert, and the offset
+# is only MAGIC / (2**TOP * 1.5) ~ 11 (f16) / 2.7 (bf16) times the mean code, so the float32 sums of the
+# dot keep all but ~3.5 / 1.5 bits (a 1024 + code operand would lose ~9.4).
+FOLDED_PLANES = {"folded_f16": (jnp.float16, 0x6400, 1024.0, 6), "folded_bf16": (jnp.bfloat16, 0x4300, 128.0, 5)}
+
+
+def folded_plane_constants(dot_dtype: str):
+    """(weight, offset) of `folded_plane`: dot(a, plane) * weight - offset * sum(a) = dot(a, codes)."""
+    _, _, value, top = FOLDED_PLANES[dot_dtype]
+    return 2.0 ** -top, value * 2.0 ** -top
+
+
+def folded_plane(tile: jax.Array, j: int, dot_dtype: str, *, asm: bool) -> jax.Array:
+    """Plane j of a u8 code tile as 16-bit floats MAGIC + code_j * 2**TOP (FOLDED_PLANES), exact.
+
+    jnp (interpret mode): shift the byte so the code lands at bits TOP..TOP+1, mask, widen, OR the magic
+    exponent, bitcast. asm (GPU only): the same bits on 4 packed bytes per 32-bit register, one shift
+    (none for f16 plane 3) + one AND per 4 codes and two PRMTs that interleave the bytes with the
+    magic's high byte into two f16x2 / bf16x2 registers."""
+    dtype, magic, _, top = FOLDED_PLANES[dot_dtype]
+    shift = top - 2 * j  # > 0: left
+    mask = 3 << top
+    if not asm:
+        x = tile << jnp.uint8(shift) if shift > 0 else tile >> jnp.uint8(-shift) if shift < 0 else tile
+        bits = (x & jnp.uint8(mask)).astype(jnp.uint16) | jnp.uint16(magic)
+        return jax.lax.bitcast_convert_type(bits, dtype)
+    move = (f"shl.b32 t, $2, {shift}; " if shift > 0 else f"shr.b32 t, $2, {-shift}; " if shift < 0
+            else "mov.b32 t, $2; ")
+    hi = f"{magic >> 8:02X}" * 4
+    mask4 = f"{mask:02X}" * 4
+    # prmt selectors: result bytes (lo..hi) = (t.b0, m.b0, t.b1, m.b1) and (t.b2, m.b3, t.b3, m.b3)
+    body = (f"{{ .reg .b32 t, m; {move}and.b32 t, t, 0x{mask4}; mov.b32 m, 0x{hi}; "
+            f"prmt.b32 $0, t, m, 0x5140; prmt.b32 $1, t, m, 0x7372; }}")
+    [out] = pltriton.elementwise_inline_asm(
+        body, args=[tile], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, dtype)])
+    return out
+
+
 def unbias(dot: jax.Array, codes: jax.Array, dot_dtype: str) -> jax.Array:
     """Removes the f16 operands' 1024 offset: dot - 1024 * sum(codes, axis=1), exact (integers
     < 2**24); identity for the other dot dtypes. codes: the [rows, k] left operand, as float32."""

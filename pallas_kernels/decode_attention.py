@@ -94,7 +94,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 
 NUM_PLANES = 4  # 2-bit codes per byte = blocks per packing group (DESIGN.md "2-bit packing")
-DOT_DTYPES = ("bf16", "int8", "f16")
+DOT_DTYPES = ("bf16", "int8", "f16", "folded_f16", "folded_bf16")
 H200_NUM_SMS = 132
 # Programs of the default config resident per SM at once: 4 warps x 168 registers (ptxas, sm_90,
 # Triton 3.6; bench/NOTES_decode.md v3) -> 3 programs in the 64K registers of an SM.
@@ -150,8 +150,23 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     token = jax.lax.broadcasted_iota(jnp.int32, (P,), 0)  # [P]
     q = load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
     int8 = dot_dtype == "int8"
-    plane_w = common.plane_weights(row_plane, dot_dtype, masked=masked_planes and int8)  # [R]
-    op_dtype = common.operand_dtype(dot_dtype)
+    folded = dot_dtype in common.FOLDED_PLANES
+    if folded:
+        fold_dtype = common.FOLDED_PLANES[dot_dtype][0]
+        fold_w, fold_off = common.folded_plane_constants(dot_dtype)
+        fold_asm = unpack_asm and not interpret
+
+        def fold_dot(x, tile):
+            """x f32[R, n] rounded to 16 bits, dotted with each row's own plane of tile [m, n] -> (f32[R, m]
+            = the rounded x times the codes, the rounded x as f32[R, n])."""
+            xr = x.astype(fold_dtype)
+            dots = [jnp.dot(xr, common.folded_plane(tile, j, dot_dtype, asm=fold_asm).T,
+                            preferred_element_type=jnp.float32) for j in range(NUM_PLANES)]
+            xf = xr.astype(jnp.float32)
+            return fold_w * common.select_rows(row_plane, dots), xf
+    else:
+        plane_w = common.plane_weights(row_plane, dot_dtype, masked=masked_planes and int8)  # [R]
+        op_dtype = common.operand_dtype(dot_dtype)
     if masked_planes and int8:  # code_j * 4**e_j, no shift for planes 0-2; 4**-e_j in plane_w
         asm = unpack_asm and not interpret
         plane = lambda tile, j, _: common.plane_int8_masked(tile, j, asm=asm)  # noqa: E731
@@ -213,6 +228,13 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
         logits = jnp.zeros((R, P), jnp.float32)
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
+            if folded:  # logit_j = sum_c bf(q_c sigma_c) k_jc + q . mu (the plane offset folded into the constant)
+                k_tile = k_codes_ref[pid, h, pl.ds(code_row0, P), channels]  # u8[P, Pc]
+                sigma = rows(k_scale_ref[pid, h, pl.ds(slot0, NUM_PLANES), channels])  # [R, Pc]
+                mu = rows(k_min_ref[pid, h, pl.ds(slot0, NUM_PLANES), channels])  # [R, Pc]
+                dot, a = fold_dot(q[p] * sigma, k_tile)  # [R, P], [R, Pc]
+                logits += dot + jnp.sum(q[p] * mu - fold_off * a, axis=1)[:, None]
+                continue
             k_tile = common.widen(k_codes_ref[pid, h, pl.ds(code_row0, P), channels], dot_dtype)  # u8[P, Pc]
             if dedup:
                 sigma = rows(k_scale_ref[pid, h, pl.ds(slot0, NUM_PLANES), channels])  # [R, Pc]
@@ -240,6 +262,13 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
             # u8[Pc, P], token-major: 4 consecutive tokens per 32-bit word, the int8 MMA's B layout (a
             # channel-major [P, Pc] tile was transposed byte by byte through shared memory)
             v_tile = common.widen(v_codes_ref[pid, h, channels, pl.ds(code_row0, P)], dot_dtype)
+            if folded:  # o_c = sum_j bf(W_j tau_j) v_jc + sum_j W_j nu_j
+                tau = rows(per_token(v_scale_ref, pid, slot0, tok0, p))  # [R, P]
+                nu = rows(per_token(v_min_ref, pid, slot0, tok0, p))  # [R, P]
+                pv, b16 = fold_dot(w * tau, v_tile)  # [R, Pc], [R, P]
+                out = jnp.sum(w * nu - fold_off * b16, axis=1)[:, None] + pv
+                new_accs.append(common.merge_acc(accs[p], out, alpha, beta, valid))
+                continue
             if dedup:
                 tau = rows(per_token(v_scale_ref, pid, slot0, tok0, p))  # [R, P]
                 nu = rows(per_token(v_min_ref, pid, slot0, tok0, p))  # [R, P]
@@ -388,9 +417,10 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
     int8 = dot_dtype == "int8"
     splits, open_split = choose_num_splits(batch * num_kv_heads, groups, RESIDENT_PROGRAMS_PER_SM * num_sms)
+    fast = int8 or dot_dtype in common.FOLDED_PLANES
     return KernelConfig(num_splits=splits, num_warps=4, num_stages=2, dot_dtype=dot_dtype,
-                        unpack_asm=int8, dedup=True, fast_quant=int8, open_split=open_split,
-                        fast_div=int8, fast_exp=int8, block_meta=int8, masked_planes=int8, fma_order=int8)
+                        unpack_asm=fast, dedup=True, fast_quant=int8, open_split=open_split,
+                        fast_div=int8, fast_exp=fast, block_meta=fast, masked_planes=int8, fma_order=int8)
 
 
 def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> tuple[int, bool]:

@@ -1,26 +1,33 @@
-"""Independent float64 NumPy forward of a llama/qwen2 GGUF checkpoint (test oracle).
+"""Independent float64 NumPy forwards of llama/qwen2 checkpoints (test oracles).
 
-Written from the GGUF format and the Llama equations, sharing no code with models/: it reads the
-file itself, keeps llama.cpp's row order for Q/K and therefore applies RoPE to *adjacent* pairs
-(x[2i], x[2i+1]) for llama files (the model un-permutes and uses rotate-half), rotate-half for qwen2.
-Weights are dequantized one layer at a time, in float64.
+Written from the GGUF / safetensors formats and the Llama equations, sharing no code with models/.
+oracle_logits reads a GGUF file itself, keeps llama.cpp's row order for Q/K and therefore applies
+RoPE to *adjacent* pairs (x[2i], x[2i+1]) for llama files (the model un-permutes and uses
+rotate-half), rotate-half for qwen2; Llama-3.1 scaling comes from the `rope_freqs` tensor, as
+llama.cpp applies it. oracle_logits_hf reads a Hugging Face directory (config.json, safetensors),
+rotate-half, with transformers' rope_type "llama3" inverse frequencies written in transformers' own
+form. Weights are read one layer at a time, in float64.
 """
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+
 import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
+from safetensors.numpy import load_file
 
 
 def _rms_norm(x, w, eps):
   return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x, theta, adjacent):
-  """x [T, heads, hd] float64, position of row t = t."""
+def _rope(x, inv, adjacent):
+  """x [T, heads, hd] float64, inverse frequencies inv [hd/2], position of row t = t."""
   t, _, hd = x.shape
-  inv = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)      # [hd/2]
   ang = np.arange(t, dtype=np.float64)[:, None] * inv[None, :]      # [T, hd/2]
   c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
   if adjacent:
@@ -32,35 +39,21 @@ def _rope(x, theta, adjacent):
   return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
 
 
-def oracle_logits(path: str, tokens) -> np.ndarray:
-  """float64 logits [T, vocab] of the token list `tokens` (one sequence, positions 0..T-1)."""
-  reader = GGUFReader(path)
-  meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
-  arch = meta["general.architecture"]
-  tensors = {t.name: t for t in reader.tensors}
-
-  def w(name):
-    t = tensors[name]
-    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64)
-
-  n_head = meta[f"{arch}.attention.head_count"]
-  n_kv = meta[f"{arch}.attention.head_count_kv"]
-  eps = meta[f"{arch}.attention.layer_norm_rms_epsilon"]
-  theta = meta[f"{arch}.rope.freq_base"]
-  adjacent = arch == "llama"
-  emb = w("token_embd.weight")                                        # [V, D]
+def _decoder(tokens, w, *, n_layers, n_head, n_kv, hd, eps, inv, adjacent):
+  """w(name, layer) -> float64 [out, in] matrix / vector, or None for an absent bias. Names: embed,
+  norm, head (None = tied), and per layer attn_norm, q, k, v, o, q_bias, k_bias, v_bias, ffn_norm,
+  gate, up, down."""
+  emb = w("embed", None)                                              # [V, D]
   x = emb[np.asarray(tokens)]                                         # [T, D]
   t_len, d = x.shape
-  hd = d // n_head
   causal = np.tril(np.ones((t_len, t_len), bool))
-  for i in range(meta[f"{arch}.block_count"]):
-    p = f"blk.{i}."
-    h = _rms_norm(x, w(p + "attn_norm.weight"), eps)
-    q, k, v = (h @ w(p + f"attn_{n}.weight").T for n in "qkv")
-    if f"{p}attn_q.bias" in tensors:
-      q, k, v = (a + w(p + f"attn_{n}.bias") for a, n in zip((q, k, v), "qkv"))
-    q = _rope(q.reshape(t_len, n_head, hd), theta, adjacent)
-    k = _rope(k.reshape(t_len, n_kv, hd), theta, adjacent)
+  for i in range(n_layers):
+    h = _rms_norm(x, w("attn_norm", i), eps)
+    q, k, v = (h @ w(n, i).T for n in "qkv")
+    if w("q_bias", i) is not None:
+      q, k, v = (a + w(n + "_bias", i) for a, n in zip((q, k, v), "qkv"))
+    q = _rope(q.reshape(t_len, n_head, hd), inv, adjacent)
+    k = _rope(k.reshape(t_len, n_kv, hd), inv, adjacent)
     v = v.reshape(t_len, n_kv, hd)
     rep = n_head // n_kv
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)     # [T, heads, hd]
@@ -68,11 +61,94 @@ def oracle_logits(path: str, tokens) -> np.ndarray:
     s = np.where(causal[None], s, -np.inf)
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
-    o = np.einsum("hts,shd->thd", s, v).reshape(t_len, d)
-    x = x + o @ w(p + "attn_output.weight").T
-    h = _rms_norm(x, w(p + "ffn_norm.weight"), eps)
-    g, u = h @ w(p + "ffn_gate.weight").T, h @ w(p + "ffn_up.weight").T
-    x = x + (g / (1 + np.exp(-g)) * u) @ w(p + "ffn_down.weight").T
-  x = _rms_norm(x, w("output_norm.weight"), eps)
-  head = w("output.weight") if "output.weight" in tensors else emb
-  return x @ head.T
+    o = np.einsum("hts,shd->thd", s, v).reshape(t_len, n_head * hd)
+    x = x + o @ w("o", i).T
+    h = _rms_norm(x, w("ffn_norm", i), eps)
+    g, u = h @ w("gate", i).T, h @ w("up", i).T
+    x = x + (g / (1 + np.exp(-g)) * u) @ w("down", i).T
+  x = _rms_norm(x, w("norm", None), eps)
+  head = w("head", None)
+  return x @ (emb if head is None else head).T
+
+
+_GGUF_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight", "head": "output.weight",
+               "attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
+               "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
+               "o": "attn_output.weight", "q_bias": "attn_q.bias", "k_bias": "attn_k.bias",
+               "v_bias": "attn_v.bias", "gate": "ffn_gate.weight", "up": "ffn_up.weight",
+               "down": "ffn_down.weight"}
+
+
+def oracle_logits(path: str, tokens) -> np.ndarray:
+  """float64 logits [T, vocab] of the token list `tokens` (one sequence, positions 0..T-1)."""
+  reader = GGUFReader(path)
+  meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+  arch = meta["general.architecture"]
+  tensors = {t.name: t for t in reader.tensors}
+
+  def w(name, layer):
+    full = _GGUF_NAMES[name] if layer is None else f"blk.{layer}.{_GGUF_NAMES[name]}"
+    if full not in tensors:
+      return None
+    t = tensors[full]
+    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64)
+
+  n_head = meta[f"{arch}.attention.head_count"]
+  hd = meta[f"{arch}.embedding_length"] // n_head
+  inv = meta[f"{arch}.rope.freq_base"] ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+  if "rope_freqs.weight" in tensors:  # llama.cpp: theta = pos * base^(-2i/d) / rope_freqs[i]
+    t = tensors["rope_freqs.weight"]
+    inv = inv / np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64)
+  return _decoder(tokens, w, n_layers=meta[f"{arch}.block_count"], n_head=n_head,
+                  n_kv=meta[f"{arch}.attention.head_count_kv"], hd=hd,
+                  eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"], inv=inv,
+                  adjacent=arch == "llama")
+
+
+def _hf_inv_freq(cfg, hd):
+  """transformers' default / llama3 RoPE inverse frequencies (modeling_rope_utils), float64."""
+  inv = 1.0 / (cfg.get("rope_theta", 10000.0) ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+  rs = cfg.get("rope_scaling") or {}
+  if rs.get("rope_type", rs.get("type")) != "llama3":
+    return inv
+  factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+  old = rs["original_max_position_embeddings"]
+  low_wavelen, high_wavelen = old / low, old / high
+  wavelen = 2 * np.pi / inv
+  inv_llama = np.where(wavelen > low_wavelen, inv / factor, inv)
+  smooth = (old / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * inv_llama / factor + smooth * inv_llama
+  is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+  return np.where(is_medium, smoothed, inv_llama)
+
+
+_HF_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
+             "head": "lm_head.weight", "attn_norm": "input_layernorm.weight",
+             "ffn_norm": "post_attention_layernorm.weight", "q": "self_attn.q_proj.weight",
+             "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+             "o": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias",
+             "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+             "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+             "down": "mlp.down_proj.weight"}
+
+
+def oracle_logits_hf(path: str, tokens) -> np.ndarray:
+  """float64 logits [T, vocab] of a Hugging Face llama / mistral / qwen2 directory."""
+  with open(os.path.join(path, "config.json")) as f:
+    cfg = json.load(f)
+  tensors = {}
+  for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+    tensors.update(load_file(file))
+  tied = cfg.get("tie_word_embeddings", False)
+
+  def w(name, layer):
+    if name == "head" and tied:
+      return None
+    full = _HF_NAMES[name] if layer is None else f"model.layers.{layer}.{_HF_NAMES[name]}"
+    return tensors[full].astype(np.float64) if full in tensors else None
+
+  n_head = cfg["num_attention_heads"]
+  hd = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+  return _decoder(tokens, w, n_layers=cfg["num_hidden_layers"], n_head=n_head,
+                  n_kv=cfg.get("num_key_value_heads", n_head), hd=hd, eps=cfg["rms_norm_eps"],
+                  inv=_hf_inv_freq(cfg, hd), adjacent=False)

@@ -222,6 +222,43 @@ def numpy_kivi_decode(q, c, *, P, ns):
     return out
 
 
+def numpy_folded_decode(q, c, *, P, ns, dtype):
+    """The scale-folded decode math done naively at `dtype` (float16 or bfloat16): per sealed block,
+    logits = r(q_s * sigma) . k_codes + q_s . mu and PV = r(W * tau) . v_codes + W . nu with r() the
+    rounding of the transient operand to `dtype` (from float32, as the kernel rounds it) and everything
+    else in float64; sinks and the open block in float64. f64[S, Hq, d]. The rule the folded kernel is
+    held to: its error vs float64 attention over the dequantized cache <= 2x this version's."""
+    rnd = lambda x: _f64(np.asarray(x, np.float32).astype(dtype))  # noqa: E731
+    q = np.asarray(q, np.float32)
+    S, Hq, d = q.shape
+    H = c["k_codes"].shape[1]
+    G, NP = Hq // H, c["k_sums"].shape[3]
+    Pc = d // NP
+    out = np.zeros((S, Hq, d))
+    for b in range(S):
+        for h in range(H):
+            qs32 = q[b, h * G:(h + 1) * G] * np.float32(1.0 / math.sqrt(d))
+            qs = _f64(qs32)
+            parts = []
+            kr, vr = _residual_tokens(c, b, h, P, ns)
+            if len(kr):
+                lg = qs @ kr.T
+                m = lg.max(1)
+                w = np.exp(lg - m[:, None])
+                parts.append((m, w.sum(1), w @ vr))
+            for kc, vc, sigma, mu, _, tau, nu, _ in _sealed_blocks(c, b, h, P, ns):
+                lg = rnd(qs32 * np.float32(sigma)[None]) @ _f64(kc).T + (qs @ _f64(mu))[:, None]
+                m = lg.max(1)
+                w = np.exp(lg - m[:, None])
+                o = np.zeros((G, d))
+                for p in range(NP):
+                    ch = slice(p * Pc, (p + 1) * Pc)
+                    o[:, ch] = rnd(w * _f64(tau)[None, :, p]) @ _f64(vc)[:, ch] + (w @ _f64(nu)[:, p])[:, None]
+                parts.append((m, w.sum(1), o))
+            out[b, h * G:(h + 1) * G] = _finish(parts, G, d)
+    return out
+
+
 def numpy_dequant_decode(q, c, *, P, ns, bf16=False):
     """Dense float64 attention over the dequantized cache; bf16=True rounds q_s, the dequantized
     sealed K/V and the sealed softmax weights (relative to each block's max) to bf16 first: the
@@ -569,6 +606,71 @@ def test_hack_kernel_via_dispatch_on_a_real_cache():
     assert np.abs(out - twin).max() <= TIGHT * scale
     assert np.abs(out - ref).max() <= TIGHT * scale
     assert (out[0] == 0).all()
+
+
+FOLDED_DTYPES = {"folded_f16": np.float16, "folded_bf16": BF16}
+
+
+def within_2x_naive(out, q, c, case, dot_dtype):
+    """(kernel error, naive error) vs float64 attention over the dequantized cache; the naive error is
+    numpy_folded_decode's at the same 16-bit dtype (the flash-attention rule: kernel <= 2x naive, plus
+    float32 order differences)."""
+    exact = numpy_dequant_decode(q, c, P=case.P, ns=case.ns)
+    naive = numpy_folded_decode(q, c, P=case.P, ns=case.ns, dtype=FOLDED_DTYPES[dot_dtype])
+    return np.abs(out - exact).max(), np.abs(naive - exact).max()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case,dot_dtype", [
+    (ODD_CASE, "folded_f16"), (dataclasses.replace(ODD_CASE, num_splits=3), "folded_bf16"),
+    (CASE["d64_P32_g4_int8_s3"], "folded_f16"), (CASE["d128_P128_g8_int8_s2"], "folded_f16"),
+    (CASE["d64_P64_g3_page8P_bf16_s4"], "folded_f16"), (CASE["d64_P128_g1_ns0_bf16_s2"], "folded_bf16")],
+    ids=["llama_f16", "llama_s3_bf16", "d64_P32_s3_f16", "P128_g8_f16", "g3_page8P_s4_f16", "P128_d64_ns0_bf16"])
+def test_folded_kernel_within_2x_naive_16bit(case, dot_dtype, mode):
+    """The scale-folded path (default_config(dot_dtype=folded_*): inline-PTX unpack on the GPU, jnp in
+    interpret mode) vs float64 attention over the dequantized cache: its error is at most 2x that of the
+    same math done naively at the operand dtype (plus float32 order differences), on lengths off page
+    and block boundaries, beyond the capacity and 0, shuffled page tables, NaN metadata in unused slots."""
+    q, c = build(case, seed=0)
+    out = run_kernel(hack_decode_attention, q, c, case, mode, dot_dtype=dot_dtype)
+    assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
+    err, naive = within_2x_naive(out, q, c, case, dot_dtype)
+    assert naive > 0
+    assert err <= 2 * naive + TIGHT * v_scale_of(c), (err, naive)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_folded_kernel_open_split_and_constant_v(mode):
+    """folded_f16 with sinks + open block in their own program (open_split, 3 splits) against the 2x
+    rule; and tau = 0 with one constant nu everywhere returns that constant (the W.nu term is float)."""
+    case = dataclasses.replace(CASE["d64_P32_g4_int8_s3"], num_splits=3)
+    q, c = build(case, seed=1)
+    cfg = dataclasses.replace(default_config(batch=len(case.kv_lens), num_kv_heads=case.num_kv_heads,
+                                             pages_per_seq=case.pages_per_seq, page_size=case.page_size,
+                                             partition_size=case.P, dot_dtype="folded_f16"),
+                              num_splits=3, open_split=True)
+    out = run_config(q, c, case, cfg, mode)
+    err, naive = within_2x_naive(out, q, c, case, "folded_f16")
+    assert err <= 2 * naive + TIGHT * v_scale_of(c), (err, naive)
+    for name in ("v_scale", "v_min"):
+        c[name] = np.where(np.isnan(c[name]), c[name], np.float16(0.0 if name == "v_scale" else 0.75))
+    for name in ("open_v", "sink_v"):
+        c[name] = np.where(np.isnan(_f64(c[name])), c[name], BF16(0.75)).astype(BF16)
+    out = run_config(q, c, case, cfg, mode)
+    live = np.asarray(case.kv_lens) > 0
+    np.testing.assert_allclose(out[live], 0.75, rtol=0, atol=16 * EPS32)
+
+
+def test_folded_plane_bits():
+    """common.folded_plane (jnp form) gives MAGIC + code * 2**TOP exactly for every byte and plane, and
+    folded_plane_constants undo it: weight * value - offset = code."""
+    tile = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
+    codes = np.arange(256).reshape(16, 16)
+    for dot_dtype in FOLDED_DTYPES:
+        weight, offset = common.folded_plane_constants(dot_dtype)
+        for j in range(4):
+            x = np.asarray(common.folded_plane(tile, j, dot_dtype, asm=False), np.float64)
+            np.testing.assert_array_equal(weight * x - offset, (codes >> (2 * j)) & 3)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Tests of models/: tokenizer, decoder vs an independent float64 oracle, perplexity check value,
 cached decode vs full recomputation, HACK vs bf16 KV on real text, and error handling.
 
-All on CPU with the real SmolLM2-135M-Instruct weights, loaded and dequantized once per module.
-Compilation dominates the runtime (each jitted step unrolls 30 layers), so the tests share
+All on CPU with the real SmolLM2-135M-Instruct weights, loaded and dequantized once per module
+(the layer-form test: a tiny random qwen2-shaped decoder).
+Compilation dominates the runtime, so the tests share
 Generators: one bf16 generator serves the batch test and the HACK comparison.
 """
 

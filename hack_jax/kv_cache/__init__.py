@@ -1,0 +1,437 @@
+"""The paged KV cache: functional pytrees holding 2-bit (or baseline) K/V, HACK.md §4 and §6.
+
+One module per format family, each a small frozen pytree dataclass plus its writers and readers,
+behind one registry (`FORMATS`, keyed by `format_of(config)`), so models and benchmarks switch
+formats with the config alone:
+
+    kivi.py  kv_format="hack", layout="kivi": the 2-bit HACK format (default)
+    seed.py  kv_format="hack", layout="seed": the paper's 2-bit layout, reference path only
+    dense.py kv_format="bf16" | "float32"       int8.py  kv_format="int8"
+    hack.py  what the two 2-bit layouts share   common.py  page helpers, checks, the registry record
+
+    init_cache / init_layer -> write_prefill -> append (every decode step) -> hack_jax.attention.
+
+Page layout (DESIGN.md "Paged cache layout"; axes [num_pages, num_kv_heads, ...]):
+- A page holds page_size tokens of every kv head; one (page, kv head) tile is contiguous (8 KiB of
+  K codes at the defaults: 256 tokens / 4 per byte x head_dim 128). page_size defaults to
+  256 = 4 * partition_size, so one page is one packing group (4 blocks of P = 64 tokens packed 4
+  codes per byte along tokens, DESIGN.md "2-bit packing") and a kernel's [P, head_dim] u8 tile
+  holds 4 full blocks (GPU.md: paged streaming needs >= 8 KiB tiles to approach peak bandwidth).
+- kivi V codes are stored token-major, [.., head_dim, page_size // 4]: the same bytes as the
+  channel-major [.., page_size // 4, head_dim] of K, transposed, so 4 consecutive tokens of a
+  channel are one 32-bit word, the int8 MMA's B operand layout for the PV dot.
+- 2-bit formats: token t < num_sink_tokens is a 16-bit sink (per sequence); token t >= it has block
+  position u = t - num_sink_tokens, page column u // page_size, row u % page_size. The newest
+  incomplete block is the 16-bit open block, sealed (quantized into its page slot with its code
+  sums) when it holds P tokens.
+- bf16 / float32 / int8 have no sinks and no open block: token t is in page column t // page_size
+  (`sink_tokens(config)` is 0 for them).
+- Unassigned page_indices entries hold the null page 0 (hack_jax.paging), never handed out. Reads
+  of ids outside [0, num_pages) read the null page, writes to them are dropped, and everything read
+  beyond a sequence's kv_len is masked (metadata zeroed before use), so NaN or stale bytes in
+  unused or reused pages cannot leak. Page ids are validated on the host by `paging` (and eagerly
+  here for concrete inputs).
+
+KVCache.layers is a tuple of one LayerCache per layer: each layer's update is a separate buffer
+that a donated step updates in place, and per-layer arrays can be timed alone.
+
+The writers are jit-able, vectorized over sequences and blocks (no Python loop over tokens or pages
+at run time) and contain no host round trip; callers donate the cache, which the GPU then updates
+in place. `append(seal="always")` computes every slot's sealed block and drops the writes of the
+slots that do not seal, so it is correct at every step; `seal="never"` is a second, cheaper compile
+for the steps where the host knows no block fills (`seals_block`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Union, get_args
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hack_jax import paging
+from hack_jax.config import QuantConfig
+from hack_jax.kv_cache import dense, int8, kivi, seed
+from hack_jax.kv_cache.common import (STATIC, Format, FormatOps, Seal, check_finite, check_kv,
+                                      format_of, is_traced, pytree_dataclass)
+from hack_jax.kv_cache.dense import DensePages
+from hack_jax.kv_cache.hack import HackBlocks
+from hack_jax.kv_cache.int8 import Int8Pages
+from hack_jax.kv_cache.kivi import KiviPages
+from hack_jax.kv_cache.seed import SeedPages
+
+FORMATS: dict[Format, FormatOps] = {
+    "kivi": kivi.OPS, "seed": seed.OPS, "bf16": dense.OPS, "float32": dense.OPS, "int8": int8.OPS}
+SEAL_MODES = get_args(Seal)
+
+LayerCache = Union[KiviPages, SeedPages, DensePages, Int8Pages]
+
+__all__ = [
+    "FORMATS", "SEAL_MODES", "DensePages", "Format", "FormatOps", "HackBlocks", "Int8Pages",
+    "KVCache", "KiviPages", "LayerCache", "Seal", "SeedPages", "append", "bytes_per_token",
+    "cache_bytes_report", "dequantize_cache", "format_of", "gather", "init_cache", "init_layer",
+    "read_blocks", "seals_block", "sink_tokens", "write_prefill",
+]
+
+
+def _ops(layer) -> FormatOps:
+    ops = FORMATS.get(format_of(layer.config)) if hasattr(layer, "config") else None
+    if ops is None or not isinstance(layer, ops.pages):
+        raise ValueError(f"layer must be a kv_cache LayerCache, got {type(layer).__name__}")
+    return ops
+
+
+@pytree_dataclass
+class KVCache:
+    """The whole cache: one LayerCache per layer, the page table and the lengths.
+
+      layers: tuple[LayerCache, ...], one per layer.
+      page_indices: i32[max_seqs, pages_per_seq], from paging.PageAllocator (0 = null page).
+      kv_lens: i32[max_seqs], tokens held per sequence (sinks + sealed + open).
+      config: QuantConfig (static).
+    Sizes are properties read from the array shapes (static under jit, never out of sync).
+    """
+
+    layers: tuple
+    page_indices: jax.Array
+    kv_lens: jax.Array
+    config: QuantConfig = dataclasses.field(metadata=STATIC)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def max_seqs(self) -> int:
+        return self.page_indices.shape[0]
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.page_indices.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.layers[0].num_pages
+
+    @property
+    def num_sink_tokens(self) -> int:
+        """Tokens per sequence kept outside pages (`sink_tokens(config)`)."""
+        return sink_tokens(self.config)
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens one sequence can hold."""
+        return self.num_sink_tokens + self.pages_per_seq * self.config.page_size
+
+
+# ----------------------------------------------------------------------------- sizes and init
+
+
+def sink_tokens(config: QuantConfig) -> int:
+    """Tokens per sequence kept outside pages: num_sink_tokens for "hack", 0 for the baselines."""
+    return config.num_sink_tokens if FORMATS[format_of(config)].blocked else 0
+
+
+def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pages: int,
+               max_seqs: int) -> LayerCache:
+    """An all-zero LayerCache of the format config.kv_format / config.layout (shapes: class docs).
+
+    Raises ValueError for a config that is not a QuantConfig, num_pages < 2 (page 0 is the null
+    page), non-positive sizes, or (hack) head_dim not a multiple of min(partition_size, head_dim);
+    TypeError for a non-integer size.
+    """
+    if not isinstance(config, QuantConfig):
+        raise ValueError(f"config must be a QuantConfig, got {type(config).__name__}")
+    for name, value in dict(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages,
+                            max_seqs=max_seqs).items():
+        paging.require_int(name, value)
+    if num_pages < 2:
+        raise ValueError(f"need the null page plus at least one page: {num_pages=}")
+    if min(num_kv_heads, head_dim, max_seqs) < 1:
+        raise ValueError(f"sizes must be positive: {num_kv_heads=} {head_dim=} {max_seqs=}")
+    ops = FORMATS[format_of(config)]
+    pc = min(config.partition_size, head_dim)
+    if ops.blocked and head_dim % pc:
+        raise ValueError(f"head_dim must be a multiple of min(partition_size, head_dim)={pc}: {head_dim=}")
+    return ops.init(config, num_pages, num_kv_heads, head_dim, max_seqs)
+
+
+def init_cache(config: QuantConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
+               num_pages: int, max_seqs: int, pages_per_seq: int) -> KVCache:
+    """An empty KVCache: num_layers zero LayerCaches, page_indices all null (0), kv_lens 0.
+
+    num_pages counts the reserved null page. Raises ValueError as init_layer, and for
+    num_layers < 1 or pages_per_seq < 1.
+    """
+    paging.require_int("num_layers", num_layers)
+    paging.require_int("pages_per_seq", pages_per_seq)
+    if num_layers < 1 or pages_per_seq < 1:
+        raise ValueError(f"sizes must be positive: {num_layers=} {pages_per_seq=}")
+    layer = init_layer(config, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       num_pages=num_pages, max_seqs=max_seqs)
+    layers = (layer,) + tuple(jax.tree.map(jnp.copy, layer) for _ in range(num_layers - 1))
+    return KVCache(layers=layers, page_indices=jnp.zeros((max_seqs, pages_per_seq), jnp.int32),
+                   kv_lens=jnp.zeros((max_seqs,), jnp.int32), config=config)
+
+
+def _validate_pages(layer, page_indices, kv_lens):
+    """Host check of concrete (non-traced) inputs; inside jit the allocator is the check."""
+    if is_traced(page_indices, kv_lens):
+        return
+    paging.validate_page_indices(page_indices, kv_lens, num_pages=layer.num_pages,
+                                 page_size=layer.config.page_size,
+                                 num_sink_tokens=sink_tokens(layer.config))
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
+                  key=None) -> LayerCache:
+    """Writes prompts, or the next chunk of prompts, into sequence slots (ragged batch).
+
+    Args:
+      layer: the LayerCache.
+      k, v: float[S, T, num_kv_heads, head_dim], S = max_seqs; row t of slot s is token
+        start[s] + t, rows t < lengths[s] are written (left-aligned; rows beyond are ignored).
+        T is static (a length bucket).
+      lengths: i32[S] tokens to write per slot; 0 leaves the slot untouched.
+      page_indices: i32[S, pages_per_seq]; pages must be assigned for start + lengths tokens.
+      start: i32[S] tokens the slot already holds (chunked prefill), or None = all 0 (the slot
+        must then be empty). The new tokens continue the sequence: they fill the remaining sinks,
+        then the open block (sealing it, with its earlier 16-bit tokens, once it holds P), then
+        whole blocks, then a new open block; the packing-group planes of blocks sealed before are
+        kept. With bf16-exact K/V (what the open block stores anyway) and nearest rounding, any
+        split into chunks stores the same bytes as one write_prefill (and as appends).
+      key: PRNG key, required for rounding="stochastic" (ValueError otherwise), ignored for nearest.
+    Returns the new LayerCache. 2-bit formats: complete blocks quantized (all at once, scattered
+    into their page slots with code sums), the remainder into the open block, sinks in 16 bits;
+    baselines: every token into its page row.
+    Raises ValueError on shape mismatch, a length beyond T, a negative start, or (concrete inputs
+    only) negative lengths, bad page ids / over capacity, NaN or inf in k / v; TypeError for
+    non-integer lengths / page_indices / start; under jit, tokens beyond capacity or bound for
+    unassigned pages are dropped.
+    """
+    ops = _ops(layer)
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    check_kv(layer, k, v, 4, "write_prefill")
+    paging.check_index_dtype("write_prefill", lengths=lengths, page_indices=page_indices, start=start)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    page_indices = jnp.asarray(page_indices, jnp.int32)
+    if lengths.shape != (k.shape[0],) or page_indices.shape[0] != k.shape[0]:
+        raise ValueError(f"write_prefill: batch mismatch: {k.shape=} {lengths.shape=} "
+                         f"{page_indices.shape=}")
+    if not is_traced(lengths) and lengths.size and int(lengths.max()) > k.shape[1]:
+        raise ValueError(f"write_prefill: a length exceeds the prompt axis T={k.shape[1]}: "
+                         f"lengths={np.asarray(lengths).tolist()}")
+    if start is not None:
+        start = jnp.asarray(start, jnp.int32)
+        if start.shape != lengths.shape:
+            raise ValueError(f"write_prefill: {start.shape=} must be {lengths.shape}")
+        if not is_traced(start) and start.size and int(start.min()) < 0:
+            raise ValueError(f"write_prefill: start must be >= 0: start={np.asarray(start).tolist()}")
+    if not is_traced(lengths) and lengths.size and int(lengths.min()) < 0:
+        raise ValueError(f"write_prefill: lengths must be >= 0: lengths={np.asarray(lengths).tolist()}")
+    _validate_pages(layer, page_indices, lengths if start is None else start + lengths)
+    if not is_traced(lengths):  # rows t >= lengths[s] are ignored: not checked
+        rows = np.arange(k.shape[1])[None, :] < np.asarray(lengths)[:, None]
+        check_finite(k[rows], v[rows], "write_prefill")
+    return ops.write_prefill(layer, k, v, lengths, page_indices, start, key)
+
+
+def seals_block(config: QuantConfig, kv_lens, active) -> bool:
+    """Host-side: does an `append` at positions kv_lens (int[S], tokens held before the new one)
+    fill some active slot's open block, so that the block must be sealed this step? True iff the
+    format is 2-bit and some active slot s has kv_lens[s] >= num_sink_tokens and
+    (kv_lens[s] - num_sink_tokens) % partition_size == partition_size - 1. A decode loop that
+    knows its lengths on the host (models.generate.Generator) passes seal="never" to `append` on
+    the other steps (P - 1 of every P tokens at batch 1). NumPy only (no device sync)."""
+    if not FORMATS[format_of(config)].blocked:
+        return False
+    lens = np.asarray(kv_lens, np.int64)
+    on = np.asarray(active, bool) & (lens >= config.num_sink_tokens)
+    return bool(np.any(on & ((lens - config.num_sink_tokens) % config.partition_size
+                             == config.partition_size - 1)))
+
+
+def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
+           seal: Seal = "always") -> LayerCache:
+    """Writes one token per active sequence: token number kv_lens[s] of slot s.
+
+    Args:
+      layer: the LayerCache.
+      k, v: float[S, num_kv_heads, head_dim], S = max_seqs (rows of inactive slots ignored).
+      kv_lens: i32[S] tokens held *before* this token (the new token's position).
+      active: bool[S] which slots take a token this step.
+      page_indices: i32[S, pages_per_seq]; the new token's page must be assigned.
+      key: PRNG key for rounding="stochastic" (ValueError if None then); pass a fresh key per step.
+      seal: (2-bit formats; ignored by the others) whether the sealing of full open blocks is
+        compiled in. "always" (default): every slot's sealed block is computed and the writes of
+        the slots that do not seal are dropped (correct at every step; ~10 page-pool scatters per
+        layer and step). "never": the caller promises that no active slot fills its open block this
+        step (`seals_block(config, kv_lens, active)` is False): the seal path is left out.
+        Concrete inputs: a broken promise raises ValueError; under jit it cannot be checked, and a
+        slot that fills its block anyway keeps it unsealed while kv_lens count it as sealed
+        (attention then reads a stale page slot), so pass "never" only from host-side knowledge of
+        the lengths, as models.generate.Generator does.
+    Returns the new LayerCache. 2-bit formats: the token goes into its sink or open-block row; a slot
+    whose open block becomes full is sealed (quantized into its page slot with code sums: the
+    block's packing-group plane is cleared, then OR-ed, since pages are reused) and its open block
+    zeroed; seed: K quantized per token at once into the page, only V goes through the open block.
+    Raises ValueError on shape mismatch, an unknown `seal`, or (concrete inputs only) a negative
+    kv_len, bad page ids / over capacity, NaN or inf in an active slot's k / v, seal="never" with a
+    slot that seals; TypeError for non-integer kv_lens / page_indices. Under jit nothing can raise:
+    a token at a negative position or beyond capacity, or bound for the null page or an id outside
+    [0, num_pages), is dropped (never written elsewhere).
+    """
+    if seal not in SEAL_MODES:
+        raise ValueError(f"append: seal must be one of {SEAL_MODES}, got {seal!r}")
+    ops = _ops(layer)
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    check_kv(layer, k, v, 3, "append")
+    paging.check_index_dtype("append", kv_lens=kv_lens, page_indices=page_indices)
+    kv_lens = jnp.asarray(kv_lens, jnp.int32)
+    active = jnp.asarray(active, bool)
+    page_indices = jnp.asarray(page_indices, jnp.int32)
+    if kv_lens.shape != (k.shape[0],) or active.shape != kv_lens.shape or (
+            page_indices.shape[0] != k.shape[0]):
+        raise ValueError(f"append: batch mismatch: {k.shape=} {kv_lens.shape=} {active.shape=} "
+                         f"{page_indices.shape=}")
+    if not is_traced(kv_lens) and kv_lens.size and int(kv_lens.min()) < 0:
+        raise ValueError(f"append: kv_lens must be >= 0: kv_lens={np.asarray(kv_lens).tolist()}")
+    if not is_traced(active):
+        _validate_pages(layer, page_indices, kv_lens + active.astype(jnp.int32))
+        rows = np.asarray(active)
+        check_finite(k[rows], v[rows], "append")
+    else:
+        check_finite(k, v, "append")
+    if seal == "never" and not is_traced(kv_lens, active) and seals_block(layer.config, kv_lens, active):
+        raise ValueError(f"append: seal='never' but an active slot fills its open block at this step "
+                         f"(kv_lens={np.asarray(kv_lens).tolist()}, "
+                         f"partition_size={layer.config.partition_size}, "
+                         f"num_sink_tokens={layer.config.num_sink_tokens}); use seal='always'")
+    active = active & (kv_lens >= 0)  # under jit: a negative position is dropped, never wrapped
+    return ops.append(layer, k, v, kv_lens, active, page_indices, key, seal)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_blocks(layer: KiviPages | SeedPages, page_indices, kv_lens) -> HackBlocks:
+    """Gathers a 2-bit layer's pages for all sequences (shapes in HackBlocks). jit-able.
+
+    page_indices i32[S, pages_per_seq]; kv_lens i32[S], clipped to the capacity. Ids outside
+    [0, num_pages) read the null page (and whatever they hold is masked). ValueError for a layer
+    of a format without blocks.
+    """
+    ops = _ops(layer)
+    if ops.read_blocks is None:
+        raise ValueError(f"read_blocks needs a 2-bit layer (KiviPages / SeedPages), got "
+                         f"{type(layer).__name__}")
+    return ops.read_blocks(layer, page_indices, kv_lens)
+
+
+def dequantize_cache(layer: LayerCache, page_indices, kv_lens, *, return_step: bool = False):
+    """All sequences' cache contents as float32, in token order. jit-able.
+
+    Args:
+      page_indices: i32[S, pages_per_seq]; kv_lens: i32[S].
+    Returns (k, v) f32[S, capacity, num_kv_heads, head_dim], zero at positions >= kv_lens;
+    with return_step, also (k_step, v_step) of the same shape: the quantization scale of each
+    element (|x - x_hat| <= step / 2 for nearest rounding), 0 for elements stored in 16 bits or
+    unquantized.
+    """
+    ops = _ops(layer)
+    kv_lens = jnp.asarray(kv_lens, jnp.int32)
+    if kv_lens.shape != (jnp.shape(page_indices)[0],):
+        raise ValueError(f"dequantize_cache: kv_lens must be i32[{jnp.shape(page_indices)[0]}] (one per "
+                         f"page-table row), got {kv_lens.shape=}")
+    k, v, ks, vs = ops.dequantize(layer, page_indices, kv_lens)
+    valid = (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[:, :, None, None]
+    k, v, ks, vs = (jnp.where(valid, x, 0.0) for x in (k, v, ks, vs))
+    return (k, v, ks, vs) if return_step else (k, v)
+
+
+def gather(layer: LayerCache, seq: int, kv_len: int, page_indices, *, return_step: bool = False):
+    """Host-side test helper: the dequantized contents of one sequence.
+
+    Args:
+      seq: sequence slot; kv_len: its length; page_indices: i32[S, pages_per_seq].
+    Returns (k, v) np.float32[kv_len, num_kv_heads, head_dim] (and the per-element steps, see
+    dequantize_cache, with return_step).
+    Raises ValueError for a bad slot, a length beyond capacity, or a bad page id in its row.
+    """
+    table = np.asarray(page_indices)
+    if not 0 <= seq < table.shape[0]:
+        raise ValueError(f"sequence slot out of range [0, {table.shape[0]}): {seq=}")
+    lens = np.zeros(table.shape[0], np.int32)
+    paging.validate_page_indices(table[seq:seq + 1], np.array([kv_len]),
+                                 num_pages=layer.num_pages, page_size=layer.config.page_size,
+                                 num_sink_tokens=sink_tokens(layer.config))
+    lens[seq] = kv_len
+    out = _dequantize_jit(layer, jnp.asarray(table, jnp.int32), jnp.asarray(lens), return_step)
+    return tuple(np.asarray(x[seq, :kv_len]) for x in out)
+
+
+_dequantize_jit = jax.jit(
+    lambda layer, table, lens, return_step: dequantize_cache(layer, table, lens,
+                                                             return_step=return_step),
+    static_argnums=3)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _layer_shapes(config, num_kv_heads, head_dim, num_pages, max_seqs):
+    return jax.eval_shape(lambda: init_layer(config, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                             num_pages=num_pages, max_seqs=max_seqs))
+
+
+def _nbytes(x) -> int:
+    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
+def _category(name: str) -> str:
+    if name.startswith(("open", "sink")):
+        return "open_blocks" if name.startswith("open") else "sinks"
+    if name.endswith("sums"):
+        return "sums"
+    if name.endswith(("scale", "min")):
+        return "metadata"
+    return "codes"  # codes, or the K/V values themselves for bf16/float32
+
+
+def bytes_per_token(config: QuantConfig, num_kv_heads: int, head_dim: int, num_layers: int) -> float:
+    """Page bytes per cached token over all layers (codes + metadata + sums, full pages); the
+    per-sequence open blocks and sinks are not per-token and are counted by cache_bytes_report."""
+    shapes = _layer_shapes(config, num_kv_heads, head_dim, 2, 1)
+    page = sum(_nbytes(getattr(shapes, f.name)) for f in dataclasses.fields(shapes)
+               if f.name != "config" and _category(f.name) not in ("open_blocks", "sinks")) / 2
+    return num_layers * page / config.page_size
+
+
+def cache_bytes_report(config: QuantConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                       seq_len: int, max_seqs: int = 1) -> dict:
+    """Device bytes of a cache holding max_seqs sequences of seq_len tokens, vs bf16.
+
+    Pages are counted whole (pages_needed per sequence, plus the null page), and per-sequence open
+    blocks and sinks are included: this is what init_cache would allocate for exactly this load.
+    Returns a dict of ints: codes, metadata, sums, open_blocks, sinks, total, num_pages, and
+    bf16 (a dense bf16 cache of exactly max_seqs * seq_len tokens), plus ratio = total / bf16.
+    """
+    per_seq = paging.pages_needed(seq_len, page_size=config.page_size,
+                                  num_sink_tokens=sink_tokens(config))
+    num_pages = max_seqs * per_seq + 1
+    shapes = _layer_shapes(config, num_kv_heads, head_dim, num_pages, max_seqs)
+    report = dict(codes=0, metadata=0, sums=0, open_blocks=0, sinks=0)
+    for f in dataclasses.fields(shapes):
+        if f.name != "config":
+            report[_category(f.name)] += num_layers * _nbytes(getattr(shapes, f.name))
+    report["total"] = sum(report.values())
+    report["num_pages"] = num_pages
+    report["bf16"] = num_layers * 2 * max_seqs * seq_len * num_kv_heads * head_dim * 2
+    report["ratio"] = report["total"] / report["bf16"]
+    return report

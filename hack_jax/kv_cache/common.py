@@ -1,0 +1,169 @@
+"""Pieces every cache format shares: the pytree dataclass, page-id masking, masked scatters, the
+format registry's record type, and the boundary checks of the public writers."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal
+
+import jax
+import jax.numpy as jnp
+
+from hack_jax import paging
+from hack_jax.config import QuantConfig
+from hack_jax.quantization import quantize
+
+STATIC = dict(static=True)
+ALL = slice(None)
+
+Format = Literal["kivi", "seed", "bf16", "float32", "int8"]
+Seal = Literal["always", "never"]
+
+
+def format_of(config: QuantConfig) -> Format:
+    """The registry key of a config: its layout for kv_format="hack", else its kv_format."""
+    return config.layout if config.kv_format == "hack" else config.kv_format
+
+
+def pytree_dataclass(cls):
+    """A frozen dataclass registered as a pytree (fields with STATIC metadata are static)."""
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+class Pages:
+    """Sizes read from array shapes (static under jit); every format stores [num_pages, H, ...]."""
+
+    @property
+    def _first(self):
+        return getattr(self, dataclasses.fields(self)[0].name)
+
+    @property
+    def num_pages(self) -> int:
+        return self._first.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._first.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self._first.shape[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatOps:
+    """One cache format behind the public functions of hack_jax.kv_cache (one registry entry).
+
+      pages: its LayerCache class.
+      blocked: tokens are kept as sinks + sealed P-token blocks + a 16-bit open block (the 2-bit
+        formats); False: token t lives in page column t // page_size, no sinks.
+      init(config, n, h, d, s): the all-zero layer (sizes already validated).
+      write_prefill(layer, k, v, lengths, page_indices, start, key) and
+      append(layer, k, v, kv_lens, active, page_indices, key, seal): the writers, inputs validated.
+      dequantize(layer, page_indices, kv_lens) -> (k, v, k_step, v_step) f32[S, capacity, H, D],
+        before the mask at kv_lens.
+      read_blocks: (layer, page_indices, kv_lens) -> HackBlocks for the blocked formats, else None.
+    """
+
+    pages: type
+    blocked: bool
+    init: Callable
+    write_prefill: Callable
+    append: Callable
+    dequantize: Callable
+    read_blocks: Callable | None = None
+
+
+def groups(config: QuantConfig, head_dim: int):
+    """(P, Pc, NP, bpp): partition, channel group, channel groups per head, blocks per page."""
+    p = config.partition_size
+    pc = min(p, head_dim)
+    return p, pc, head_dim // pc, config.page_size // p
+
+
+def sums_dtype(group: int):
+    return jnp.uint8 if 3 * group <= 255 else jnp.uint16
+
+
+def safe_ids(page_indices, num_pages):
+    """i32 page table with ids outside [0, num_pages) replaced by the null page (for reads)."""
+    ids = jnp.asarray(page_indices, jnp.int32)
+    return jnp.where((ids >= 0) & (ids < num_pages), ids, paging.NULL_PAGE)
+
+
+def page_ids(page_indices, col, ok, num_pages):
+    """Page id of table column `col` (int[S, ...]) per sequence for writing; num_pages (an
+    out-of-bounds id, dropped by `mode="drop"` writes) where not ok, where the table entry is out of
+    range, or where it is the null page (which writes never touch)."""
+    pps = page_indices.shape[1]
+    flat = col.reshape(col.shape[0], -1)
+    ids = jnp.take_along_axis(page_indices, jnp.clip(flat, 0, pps - 1), axis=1).reshape(col.shape)
+    good = ok & (col >= 0) & (col < pps) & (ids > paging.NULL_PAGE) & (ids < num_pages)
+    return jnp.where(good, ids, num_pages)
+
+
+def put(a, index, x):
+    """a.at[index].set(x), out-of-bounds entries dropped: how every write here is masked."""
+    return a.at[index].set(x.astype(a.dtype), mode="drop")
+
+
+def split_key(key):
+    return (None, None) if key is None else tuple(jax.random.split(key))
+
+
+def token_targets(layer, lengths, page_indices, t_len, start):
+    """(pages i32[S, T], rows i32[S, T]) for rows 0..T-1 (tokens start + t) of the unblocked
+    formats; pages is out of bounds (dropped) for rows t >= lengths[s]."""
+    ps = layer.config.page_size
+    t = jnp.broadcast_to(jnp.arange(t_len), (lengths.shape[0], t_len))
+    ok = t < lengths[:, None]
+    if start is not None:
+        t = t + start[:, None]
+    return page_ids(page_indices, t // ps, ok, layer.num_pages), t % ps
+
+
+def flat_tokens(a, ids):
+    """[N, H, page_size, ...] pages read through ids i32[S, pps] -> f32[S, pps * page_size, H, ...]."""
+    g = jnp.swapaxes(a[ids], 2, 3)  # [S, pps, ps, H, ...]
+    return g.reshape((ids.shape[0], -1) + g.shape[3:]).astype(jnp.float32)
+
+
+def quant_blocks_over_tokens(blocks, config, key):
+    """Per (block, channel): blocks f32[..., NB, P, D] -> codes u8[..., NB, P, D],
+    scale/min f16[..., NB, D], sums i32[..., NB, D] (sum over the block's tokens)."""
+    q = quantize(blocks, bits=2, axis=blocks.ndim - 2, partition_size=config.partition_size,
+                 rounding=config.rounding, key=key, meta_dtype=config.meta_dtype)
+    return q.codes, q.scale[..., 0, :], q.minimum[..., 0, :], q.code_sums[..., 0, :]
+
+
+def quant_tokens_over_channels(x, config, pc, key):
+    """Per (token, channel group): x f32[..., D] -> codes u8[..., D], scale/min f16[..., NP],
+    sums i32[..., NP]."""
+    q = quantize(x, bits=2, axis=x.ndim - 1, partition_size=pc, rounding=config.rounding,
+                 key=key, meta_dtype=config.meta_dtype)
+    return q.codes, q.scale, q.minimum, q.code_sums
+
+
+def is_traced(*xs) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def check_kv(layer, k, v, ndim, what):
+    if k.ndim != ndim or v.ndim != ndim:
+        raise ValueError(f"{what}: k and v must have {ndim} axes, got {k.shape=} {v.shape=}")
+    if k.shape != v.shape:
+        raise ValueError(f"{what}: k and v must have the same shape: {k.shape=} {v.shape=}")
+    if not (jnp.issubdtype(k.dtype, jnp.floating) and jnp.issubdtype(v.dtype, jnp.floating)):
+        raise ValueError(f"{what}: k and v must be floating, got {k.dtype=} {v.dtype=}")
+    if (k.shape[-2], k.shape[-1]) != (layer.num_kv_heads, layer.head_dim):
+        raise ValueError(f"{what}: k's (num_kv_heads, head_dim) must match the cache "
+                         f"({layer.num_kv_heads}, {layer.head_dim}): {k.shape=}")
+
+
+def check_finite(k, v, what):
+    """Concrete K/V only (a host sync; inside jit nothing can raise): ValueError on NaN or inf, which
+    no format can store (2-bit codes would hold garbage for the whole block)."""
+    for name, x in (("k", k), ("v", v)):
+        if not is_traced(x) and x.size and not bool(jnp.isfinite(x).all()):
+            n = int((~jnp.isfinite(x)).sum())
+            raise ValueError(f"{what}: {name} holds {n} NaN or inf value(s) in the rows to be written")

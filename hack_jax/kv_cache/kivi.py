@@ -1,0 +1,131 @@
+"""kv_format="hack", layout="kivi" (the default 2-bit format): K quantized per (block, channel),
+V per (token, channel group); both go through the 16-bit open block (HACK.md §4 "kivi")."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from hack_jax.config import QuantConfig
+from hack_jax.kv_cache import hack
+from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, groups, pytree_dataclass,
+                                      quant_blocks_over_tokens, quant_tokens_over_channels, split_key,
+                                      sums_dtype)
+
+
+@pytree_dataclass
+class KiviPages(Pages):
+    """P = partition_size, Pc = min(P, head_dim), NP = head_dim // Pc, bpp = page_size // P,
+    S = max_seqs, ns = num_sink_tokens, sums dtype u8 when 3 * group <= 255 else u16:
+      k_codes  u8[num_pages, num_kv_heads, page_size // 4, head_dim]  packed per group of 4 blocks
+      k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]      per (block, channel)
+      k_sums   u8[num_pages, num_kv_heads, page_size, NP]              kappa, per (token, channel group)
+      v_codes  u8[num_pages, num_kv_heads, head_dim, page_size // 4]  token-major: bits 2j..2j+1
+               of byte [page, h, c, g * P + r] hold the code of page row (4g + j) P + r (in-block
+               token r of block slot 4g + j: block j of packing group g), channel c, j = 0..3
+      v_scale, v_min  f16[num_pages, num_kv_heads, page_size, NP]      per (token, channel group)
+      v_sums   u8[num_pages, num_kv_heads, bpp, head_dim]              omega, per (block, channel)
+      open_k, open_v  bf16[S, num_kv_heads, P, head_dim]               open block, per sequence
+      sink_k, sink_v  bf16[S, num_kv_heads, ns, head_dim]
+    """
+
+    k_codes: jax.Array
+    k_scale: jax.Array
+    k_min: jax.Array
+    k_sums: jax.Array
+    v_codes: jax.Array
+    v_scale: jax.Array
+    v_min: jax.Array
+    v_sums: jax.Array
+    open_k: jax.Array
+    open_v: jax.Array
+    sink_k: jax.Array
+    sink_v: jax.Array
+    config: QuantConfig = dataclasses.field(metadata=STATIC)
+
+
+def init(config, n, h, d, s):
+    p, pc, np_, bpp = groups(config, d)
+    ps, meta, res, ns = config.page_size, config.meta_dtype, config.residual_dtype, config.num_sink_tokens
+    z = jnp.zeros
+    return KiviPages(
+        k_codes=z((n, h, ps // 4, d), jnp.uint8), k_scale=z((n, h, bpp, d), meta),
+        k_min=z((n, h, bpp, d), meta), k_sums=z((n, h, ps, np_), sums_dtype(pc)),
+        v_codes=z((n, h, d, ps // 4), jnp.uint8), v_scale=z((n, h, ps, np_), meta),
+        v_min=z((n, h, ps, np_), meta), v_sums=z((n, h, bpp, d), sums_dtype(p)),
+        open_k=z((s, h, p, d), res), open_v=z((s, h, p, d), res),
+        sink_k=z((s, h, ns, d), res), sink_v=z((s, h, ns, d), res), config=config)
+
+
+def write_prefill(layer, k, v, lengths, page_indices, start, key):
+    """Complete blocks quantized at once and scattered into their page slots with code sums, the
+    remainder into the open block, sinks in 16 bits."""
+    cfg = layer.config
+    st = hack.PrefillStream(layer, k, v, lengths, page_indices, start)
+    s, h, nb, nu, p, d = st.s, st.h, st.nb, st.nu, st.p, st.d
+    key_k, key_v = split_key(key)
+    ku = st.stream(st.kt, layer.open_k)
+    vu = st.stream(st.vt, layer.open_v)
+    kc, ksc, kmn, _ = quant_blocks_over_tokens(ku.reshape(s, h, nb, p, d), cfg, key_k)
+    kc = kc.reshape(s, h, nu, d)
+    vc, vsc, vmn, _ = quant_tokens_over_channels(vu, cfg, st.pc, key_v)
+    sealed, blk, keep = st.tok_sealed, st.blk_sealed, st.keep(st.b0 * p)
+    return dataclasses.replace(
+        layer,
+        k_codes=st.put_codes(layer.k_codes, kc, sealed, keep),
+        k_scale=st.put_blocks(layer.k_scale, ksc, blk),
+        k_min=st.put_blocks(layer.k_min, kmn, blk),
+        k_sums=st.put_tokens(layer.k_sums, hack.channel_sums(kc, st.np_, st.pc), sealed),
+        v_codes=st.put_codes(layer.v_codes, vc, sealed, keep, token_major=True),
+        v_scale=st.put_tokens(layer.v_scale, vsc, sealed),
+        v_min=st.put_tokens(layer.v_min, vmn, sealed),
+        v_sums=st.put_blocks(layer.v_sums, vc.reshape(s, h, nb, p, d).astype(jnp.int32).sum(3), blk),
+        open_k=st.open_block(ku, layer.open_k), open_v=st.open_block(vu, layer.open_v),
+        sink_k=st.sinks(st.kt, layer.sink_k), sink_v=st.sinks(st.vt, layer.sink_v))
+
+
+def append(layer, k, v, kv_lens, active, page_indices, key, seal):
+    """The token into its sink or open-block row; with seal="always", a slot whose open block fills
+    is sealed: K per channel over the block's tokens, V per token over channel groups."""
+    cfg = layer.config
+    step = hack.AppendStep(layer, kv_lens, active, page_indices)
+    out = dict(step.sinks(layer, k, v), open_k=step.put_open(layer.open_k, k),
+               open_v=step.put_open(layer.open_v, v))
+    if seal == "always":
+        key_k, key_v = split_key(key)
+        kc, ksc, kmn, _ = quant_blocks_over_tokens(out["open_k"].astype(jnp.float32)[:, :, None], cfg, key_k)
+        kc = kc[:, :, 0]  # [S, H, P, D]
+        vc, vsc, vmn, _ = quant_tokens_over_channels(out["open_v"].astype(jnp.float32), cfg, step.pc, key_v)
+        out.update(
+            k_codes=step.put_block_codes(layer.k_codes, kc),
+            k_scale=step.put_block(layer.k_scale, ksc[:, :, 0]),
+            k_min=step.put_block(layer.k_min, kmn[:, :, 0]),
+            k_sums=step.put_block_tokens(layer.k_sums, hack.channel_sums(kc, step.np_, step.pc)),
+            v_codes=step.put_block_codes(layer.v_codes, vc, token_major=True),
+            v_scale=step.put_block_tokens(layer.v_scale, vsc),
+            v_min=step.put_block_tokens(layer.v_min, vmn),
+            v_sums=step.put_block(layer.v_sums, vc.astype(jnp.int32).sum(2)),
+            open_k=step.zero_sealed(out["open_k"]), open_v=step.zero_sealed(out["open_v"]))
+    return dataclasses.replace(layer, **out)
+
+
+def read_blocks(layer, page_indices, kv_lens) -> hack.HackBlocks:
+    r = hack.BlockReader(layer, page_indices, kv_lens)
+    i32 = lambda x: x.astype(jnp.int32)
+    return r.blocks(
+        (r.blk_mask(r.codes(layer.k_codes)), r.blk_mask(r.per_block(layer.k_scale)),
+         r.blk_mask(r.per_block(layer.k_min)), i32(r.blk_mask(r.per_token(layer.k_sums)))),
+        (r.blk_mask(r.codes(layer.v_codes, token_major=True)), r.blk_mask(r.per_token(layer.v_scale)),
+         r.blk_mask(r.per_token(layer.v_min)), i32(r.blk_mask(r.per_block(layer.v_sums)))))
+
+
+def dequantize(layer, page_indices, kv_lens):
+    b = read_blocks(layer, page_indices, kv_lens)
+    return hack.assemble(layer, b, hack.deq_over_tokens(b.k_codes, b.k_scale, b.k_min),
+                         hack.deq_over_channels(b.v_codes, b.v_scale, b.v_min), open_k=layer.open_k)
+
+
+OPS = FormatOps(pages=KiviPages, blocked=True, init=init, write_prefill=write_prefill, append=append,
+                dequantize=dequantize, read_blocks=read_blocks)

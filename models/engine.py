@@ -1,0 +1,469 @@
+"""Continuous batching on the hack_jax paged KV cache: requests join and leave between decode steps.
+
+An Engine owns one fixed-shape cache (max_seqs slots x max_len tokens) and a host PageAllocator.
+Each `step()`:
+  1. finishes cancelled requests (their pages go back to the pool);
+  2. admits waiting requests (first come, first served) into free slots while the pool can hold
+     their prompt + max_tokens, and prefills all of them in one call: tokens [max_seqs, T] with
+     T a length bucket (generate.length_bucket), the rows of the other slots written 0 tokens, so
+     running sequences keep their cache;
+  3. runs one decode step for every running request (one token each).
+Shapes never depend on which slots are busy, so the compiled steps are reused: one prefill
+executable per length bucket, and for decode one per (seal, greedy) pair (kv_cache.seals_block;
+greedy = every running request has temperature 0). Nothing recompiles when a request is admitted.
+
+Sampling settings are per request, passed to the step as arrays (temperature f32[S], top_k i32[S],
+top_p f32[S]); token i of a request is drawn with fold_in(key(request.seed), i), so what a request
+samples does not depend on which requests share its batch.
+
+Output is a stream of Events (`stream()`, `step()`): one per generated token with its text delta,
+and a final one with finished=True and finish_reason "stop" (a stop id or stop string), "length"
+(max_tokens) or "cancelled". Text is decoded incrementally: a delta holds back an incomplete UTF-8
+character and any tail that could be the start of a stop string; a stop string and what follows
+it never appear in the text. The stop id itself is not part of the output (token_id None).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import math
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hack_jax import kv_cache, paging
+from hack_jax.config import QuantConfig
+from hack_jax.step import Step
+from models.generate import Sampling, length_bucket
+from models.llama import Llama, init_cache
+from models.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One generation request.
+
+  Attributes:
+    prompt_ids: token ids (non-empty). max_tokens: tokens to generate at most (>= 1).
+    sampling: generate.Sampling. seed: PRNG seed of this request's sampling.
+    stop: strings that end generation (not included in the text). stop_ids: extra token ids that
+      end it. ignore_eos: do not stop at the tokenizer's stop ids (stop_ids still apply).
+  Raises TypeError / ValueError naming the field for a value of the wrong type or range.
+  """
+  prompt_ids: Sequence[int]
+  max_tokens: int = 64
+  sampling: Sampling = Sampling()
+  stop: Sequence[str] = ()
+  stop_ids: Sequence[int] = ()
+  ignore_eos: bool = False
+  seed: int = 0
+
+  def __post_init__(self):
+    ids = np.asarray(self.prompt_ids)
+    if ids.ndim != 1 or ids.size == 0:
+      raise ValueError(f"prompt_ids must be a non-empty list of token ids, got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+      raise TypeError(f"prompt_ids must be integers, got dtype {ids.dtype}")
+    for name in ("max_tokens", "seed"):
+      paging.require_int(name, getattr(self, name))
+    if self.max_tokens < 1:
+      raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+    if not isinstance(self.sampling, Sampling):
+      raise TypeError(f"sampling must be a generate.Sampling, got {type(self.sampling).__name__}")
+    if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+      raise TypeError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+    for i in self.stop_ids:
+      paging.require_int("stop_ids entry", i)
+    object.__setattr__(self, "prompt_ids", tuple(int(i) for i in ids))
+    object.__setattr__(self, "stop", tuple(self.stop))
+    object.__setattr__(self, "stop_ids", frozenset(int(i) for i in self.stop_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+  """token_id None on a final event that adds no token (a stop id, a cancel); logprob: natural
+  log-probability of token_id under the model's distribution (before temperature / top-k / top-p)."""
+  request_id: int
+  token_id: int | None
+  text: str
+  finished: bool
+  finish_reason: str | None = None
+  logprob: float | None = None
+
+
+@dataclasses.dataclass
+class Completion:
+  """A finished request: tokens (stop id excluded), text, logprobs (one per token), finish_reason,
+  and times (perf_counter seconds): submitted, first_token, finished."""
+  request_id: int
+  prompt_ids: tuple[int, ...]
+  tokens: list[int]
+  text: str
+  logprobs: list[float]
+  finish_reason: str
+  times: dict[str, float]
+
+
+@dataclasses.dataclass
+class _Seq:
+  """Host state of one admitted request."""
+  rid: int
+  req: Request
+  slot: int
+  key: np.ndarray  # u32 key data of jax.random.key(req.seed)
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  sent: int = 0  # characters of the decoded text already emitted
+
+
+def sample_rows(logits, keys, counters, temperature, top_k, top_p):
+  """Per-row sampling. logits f32[S, V]; keys: u32 key data [S, ...] (one per row), counters
+  i32[S] (the row draws with fold_in(key, counter)); temperature f32[S] (0 = argmax), top_k
+  i32[S] (0 = off), top_p f32[S] (1 = off) -> i32[S]. Per row the same filtering as
+  generate.sample: temperature, then top-k, then the smallest top-p nucleus."""
+  v = logits.shape[-1]
+  greedy = temperature <= 0
+  scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+  desc = jnp.sort(scaled, axis=-1)[:, ::-1]
+  kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
+  kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
+  desc = jnp.where(desc < kth, -jnp.inf, desc)
+  probs = jax.nn.softmax(desc, axis=-1)
+  keep = jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]
+  cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+  cutoff = jnp.where(top_p[:, None] < 1, jnp.maximum(cutoff, kth), kth)
+  filtered = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+  row_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys), counters)
+  drawn = jax.vmap(jax.random.categorical)(row_keys, filtered)
+  return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+
+
+def _sample_and_logprob(logits, samp, greedy):
+  token = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else sample_rows(logits, **samp))
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def _round_key(count):  # stochastic rounding of the cache (QuantConfig.rounding): a key per step
+  return jax.random.fold_in(jax.random.key(0), count)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy"), donate_argnames=("cache",))
+def _prefill(state, tokens, step, cache, samp, *, graphdef, greedy):
+  """tokens i32[S, T]; step: a prefill Step whose active slots write their first kv_lens[s] tokens
+  (the other slots keep their cache) -> (cache, first token i32[S], its log-prob f32[S])."""
+  model = nnx.merge(graphdef, state)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  cache, hidden = model.run(tokens, positions, cache, step)
+  last = jnp.take_along_axis(hidden, jnp.maximum(step.kv_lens - 1, 0)[:, None, None], axis=1)[:, 0]
+  return cache, *_sample_and_logprob(model.logits(last), samp, greedy)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy"), donate_argnames=("cache",))
+def _decode(state, tokens, step, cache, samp, *, graphdef, greedy):
+  """tokens i32[S] fed at positions step.kv_lens - 1 (step: a decode Step) -> (cache, next token
+  i32[S], its log-prob f32[S])."""
+  model = nnx.merge(graphdef, state)
+  cache, hidden = model.run(tokens[:, None], step.kv_lens[:, None] - 1, cache, step)
+  return cache, *_sample_and_logprob(model.logits(hidden[:, 0]), samp, greedy)
+
+
+class Engine:
+  """Continuous-batching driver for one model and one cache format (module docstring).
+
+  Args:
+    model: a Llama. tokenizer: its Tokenizer. quant: the cache format.
+    max_seqs: slots (requests decoded together). max_len: tokens per request (prompt + generated),
+      at most the model's context length.
+    num_pages: page pool incl. the null page; None = room for every slot at max_len. With fewer,
+      a request waits until the pool can hold its prompt + max_tokens (no preemption).
+    on_stage: optional callback(stage, info dict), e.g. for a progress display: "compiling"
+      (what) and "compiled" (what, seconds) around each compile; "prefilling" (requests, tokens)
+      and "prefilled" (requests, tokens, seconds incl. the first token, compile excluded) around
+      each prefill call.
+  Thread safety: submit() and cancel() may be called from any thread; step() / stream() from one.
+  Raises ValueError for bad sizes.
+  """
+
+  def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
+               max_seqs: int = 8, max_len: int = 2048, num_pages: int | None = None,
+               on_stage: Callable[[str, dict], None] | None = None):
+    c = model.config
+    if max_seqs < 1 or not 2 <= max_len <= c.max_seq_len:
+      raise ValueError(f"need max_seqs >= 1 and 2 <= max_len <= context length {c.max_seq_len}: "
+                       f"{max_seqs=} {max_len=}")
+    self.config, self.quant, self.tokenizer = c, quant, tokenizer
+    self.max_seqs, self.capacity = max_seqs, max_len
+    self.graphdef, self.state = nnx.split(model)
+    sinks = kv_cache.sink_tokens(quant)
+    pages_per_seq = max(1, math.ceil((max_len - sinks) / quant.page_size))
+    num_pages = 1 + max_seqs * pages_per_seq if num_pages is None else num_pages
+    self.allocator = paging.PageAllocator(num_pages, max_seqs, pages_per_seq, quant.page_size, sinks)
+    self.cache = init_cache(c, quant, num_pages=num_pages, max_seqs=max_seqs,
+                            pages_per_seq=pages_per_seq)
+    self.on_stage = on_stage
+    self.stats = dict(compile_s=0.0, prefill_s=0.0, decode_s=0.0, prompt_tokens=0,
+                      decode_tokens=0, decode_steps=0, prefill_calls=0)
+    self._executables: dict[Any, Any] = {}
+    self._slots: list[_Seq | None] = [None] * max_seqs
+    self._kv_lens = np.zeros(max_seqs, np.int32)
+    self._pending = np.zeros(max_seqs, np.int32)  # the token each running slot feeds next
+    self._committed = 0  # pages promised to running requests (prompt + max_tokens each)
+    self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
+    self._cancelled: set[int] = set()
+    self._lock = threading.Lock()
+    self._ids = itertools.count()
+    self._steps = 0
+    self._key_shape = jax.random.key_data(jax.random.key(0)).shape
+    self.times: dict[int, dict[str, float]] = {}
+
+  # ------------------------------------------------------------------------------ requests
+
+  def check(self, request: Request) -> None:
+    """ValueError if the request can never run here: ids outside [0, vocab_size), prompt +
+    max_tokens beyond max_len, or more pages than the pool has."""
+    ids = np.asarray(request.prompt_ids)
+    bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+    if bad.size:
+      raise ValueError(f"prompt token id {int(bad[0])} outside [0, vocab_size={self.config.vocab_size})")
+    need = len(ids) + request.max_tokens
+    if need > self.capacity:
+      raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {request.max_tokens} = {need} "
+                       f"tokens exceeds the engine's max_len {self.capacity}")
+    if self._pages_for(request) > self.allocator.num_pages - 1:
+      raise ValueError(f"request needs {self._pages_for(request)} pages, the pool has "
+                       f"{self.allocator.num_pages - 1}")
+
+  def submit(self, request: Request) -> int:
+    """Queues a request (validated, see check); returns its request id."""
+    self.check(request)
+    with self._lock:
+      rid = next(self._ids)
+      self._waiting.append((rid, request))
+      self.times[rid] = dict(submitted=time.perf_counter())
+    return rid
+
+  def cancel(self, request_id: int) -> None:
+    """Ends a waiting or running request at the next step (finish_reason "cancelled"); unknown or
+    finished ids are ignored."""
+    with self._lock:
+      self._cancelled.add(request_id)
+
+  @property
+  def has_work(self) -> bool:
+    with self._lock:
+      return bool(self._waiting) or any(s is not None for s in self._slots)
+
+  @property
+  def num_running(self) -> int:
+    return sum(s is not None for s in self._slots)
+
+  def stream(self, requests: Iterable[Request] = ()) -> Iterator[Event]:
+    """Submits `requests`, then steps until no request is waiting or running, yielding Events."""
+    for r in requests:
+      self.submit(r)
+    while self.has_work:
+      yield from self.step()
+
+  def generate(self, requests: Sequence[Request]) -> list[Completion]:
+    """Runs `requests` to the end; Completions in the order given."""
+    rids = [self.submit(r) for r in requests]
+    parts: dict[int, list[Event]] = {rid: [] for rid in rids}
+    for ev in self.stream():
+      parts.setdefault(ev.request_id, []).append(ev)
+    return [self.completion(rid, req, parts[rid]) for rid, req in zip(rids, requests)]
+
+  def completion(self, rid: int, req: Request, events: Sequence[Event]) -> Completion:
+    """Assembles request `rid`'s Events (ending with its final one) into a Completion; takes its
+    times out of self.times."""
+    tok = [e for e in events if e.token_id is not None]
+    return Completion(rid, req.prompt_ids, [e.token_id for e in tok], "".join(e.text for e in events),
+                      [e.logprob for e in tok], events[-1].finish_reason, self.times.pop(rid, {}))
+
+  # ---------------------------------------------------------------------------------- step
+
+  def step(self) -> list[Event]:
+    """One scheduler iteration (module docstring); returns the Events it produced."""
+    events = self._cancel()
+    admitted = self._admit()
+    if admitted:
+      events += self._prefill(admitted)
+    running = [s for s in self._slots if s is not None and s not in admitted]
+    if running:
+      events += self._decode(running)
+    return events
+
+  def _cancel(self) -> list[Event]:
+    with self._lock:
+      gone, self._cancelled = self._cancelled, set()
+      kept = collections.deque((rid, r) for rid, r in self._waiting if rid not in gone)
+      dropped = [rid for rid, _ in self._waiting if rid in gone]
+      self._waiting = kept
+    events = [Event(rid, None, "", True, "cancelled") for rid in dropped]
+    for seq in self._slots:
+      if seq is not None and seq.rid in gone:
+        events.append(self._finish(seq, None, "cancelled", ""))
+    return events
+
+  def _pages_for(self, req: Request) -> int:
+    a = self.allocator
+    return paging.pages_needed(len(req.prompt_ids) + req.max_tokens, page_size=a.page_size,
+                               num_sink_tokens=a.num_sink_tokens)
+
+  def _admit(self) -> list[_Seq]:
+    admitted = []
+    with self._lock:
+      while self._waiting and None in self._slots:
+        rid, req = self._waiting[0]
+        need = self._pages_for(req)
+        if self._committed + need > self.allocator.num_pages - 1:
+          break
+        self._waiting.popleft()
+        slot = self._slots.index(None)
+        self.allocator.admit(slot, len(req.prompt_ids))
+        self._committed += need
+        seq = _Seq(rid, req, slot, np.asarray(jax.random.key_data(jax.random.key(req.seed))))
+        self._slots[slot] = seq
+        admitted.append(seq)
+    return admitted
+
+  def _sampling_arrays(self, seqs):
+    s = self.max_seqs
+    temp, top_k, top_p = np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32)
+    counters = np.zeros(s, np.int32)
+    keys = np.zeros((s,) + self._key_shape, np.uint32)
+    for q in seqs:
+      sm = q.req.sampling
+      temp[q.slot], top_k[q.slot], top_p[q.slot] = sm.temperature, sm.top_k, sm.top_p
+      counters[q.slot], keys[q.slot] = len(q.tokens), q.key
+    samp = dict(keys=keys, counters=counters, temperature=temp, top_k=top_k, top_p=top_p)
+    return samp, bool(np.all(temp == 0))
+
+  def _run(self, fn, args, what, **static):
+    """Runs jitted `fn` through its ahead-of-time compiled executable."""
+    return self._compiled(fn, args, what, **static)(*args)
+
+  def _compiled(self, fn, args, what, **static):
+    """The executable of jitted `fn` for these shapes and statics, compiled once (time -> stats)."""
+    # tokens' shape and the Step's structure (its static mode and seal) pick the executable
+    key = (fn, args[1].shape, jax.tree.structure(args[2]), tuple(sorted(static.items())))
+    if key not in self._executables:
+      self._stage("compiling", what=what)
+      t0 = time.perf_counter()
+      self._executables[key] = fn.lower(*args, graphdef=self.graphdef, **static).compile()
+      dt = time.perf_counter() - t0
+      self.stats["compile_s"] += dt
+      self._stage("compiled", what=what, seconds=dt)
+    return self._executables[key]
+
+  def _stage(self, stage, **info):
+    if self.on_stage is not None:
+      self.on_stage(stage, info)
+
+  def warmup(self, prompt_lengths: Iterable[int], *, greedy: bool = True) -> None:
+    """Compiles ahead of time every step that requests with these prompt lengths can use (one
+    prefill per length bucket; decode with and without block sealing), so that no compile falls
+    inside the run. greedy: compile the greedy variants (all temperatures 0) or the sampling ones."""
+    samp, _ = self._sampling_arrays([])
+    s, pages = self.max_seqs, self.allocator.page_indices
+    zeros = np.zeros(s, np.int32)
+    key = _round_key(0)
+    for bucket in sorted({length_bucket(int(n)) for n in prompt_lengths}):
+      self._compiled(_prefill, (self.state, np.zeros((s, bucket), np.int32),
+                                Step.prefill(pages, zeros, key), self.cache, samp),
+                     f"prefill, {bucket}-token bucket", greedy=greedy)
+    for seal in ("never", "always") if self.quant.kv_format == "hack" else ("never",):
+      self._compiled(_decode, (self.state, zeros, Step.decode(pages, zeros, np.zeros(s, bool), key, seal),
+                               self.cache, samp), "decode step", greedy=greedy)
+
+  def _round_key(self) -> jax.Array:
+    self._steps += 1
+    return _round_key(self._steps)
+
+  def _prefill(self, seqs: list[_Seq]) -> list[Event]:
+    s = self.max_seqs
+    lengths = np.zeros(s, np.int32)
+    for q in seqs:
+      lengths[q.slot] = len(q.req.prompt_ids)
+    bucket = length_bucket(int(lengths.max()))
+    tokens = np.zeros((s, bucket), np.int32)
+    for q in seqs:
+      tokens[q.slot, :lengths[q.slot]] = q.req.prompt_ids
+    kv_lens = np.where(lengths > 0, lengths, self._kv_lens).astype(np.int32)
+    samp, greedy = self._sampling_arrays(seqs)
+    self._stage("prefilling", requests=len(seqs), tokens=int(lengths.sum()))
+    compile0, t0 = self.stats["compile_s"], time.perf_counter()
+    step = Step("prefill", np.array(self.allocator.page_indices), kv_lens, lengths > 0,
+                self._round_key())
+    self.cache, tok, logp = self._run(_prefill, (self.state, tokens, step, self.cache, samp),
+                                      f"prefill, {bucket}-token bucket", greedy=greedy)
+    tok, logp = np.asarray(tok), np.asarray(logp)
+    dt = time.perf_counter() - t0 - (self.stats["compile_s"] - compile0)
+    self._kv_lens = kv_lens
+    self.stats["prefill_s"] += dt
+    self.stats["prompt_tokens"] += int(lengths.sum())
+    self.stats["prefill_calls"] += 1
+    self._stage("prefilled", requests=len(seqs), tokens=int(lengths.sum()), seconds=dt)
+    return [ev for q in seqs for ev in self._on_token(q, int(tok[q.slot]), float(logp[q.slot]))]
+
+  def _decode(self, seqs: list[_Seq]) -> list[Event]:
+    active = np.zeros(self.max_seqs, bool)
+    for q in seqs:
+      active[q.slot] = True
+      self.allocator.reserve(q.slot, int(self._kv_lens[q.slot]) + 1)
+    samp, greedy = self._sampling_arrays(seqs)
+    seal = "always" if kv_cache.seals_block(self.quant, self._kv_lens, active) else "never"
+    compile0, t0 = self.stats["compile_s"], time.perf_counter()
+    step = Step.decode(self.allocator.page_indices, self._kv_lens + active, active,
+                       self._round_key(), seal)
+    self.cache, tok, logp = self._run(_decode, (self.state, self._pending.copy(), step, self.cache,
+                                                samp), "decode step", greedy=greedy)
+    tok, logp = np.asarray(tok), np.asarray(logp)
+    self.stats["decode_s"] += time.perf_counter() - t0 - (self.stats["compile_s"] - compile0)
+    self.stats["decode_tokens"] += len(seqs)
+    self.stats["decode_steps"] += 1
+    self._kv_lens = self._kv_lens + active
+    return [ev for q in seqs for ev in self._on_token(q, int(tok[q.slot]), float(logp[q.slot]))]
+
+  # ------------------------------------------------------------------------------ output
+
+  def _on_token(self, seq: _Seq, token: int, logprob: float) -> list[Event]:
+    req = seq.req
+    if token in req.stop_ids or (not req.ignore_eos and token in self.tokenizer.stop_ids):
+      return [self._finish(seq, None, "stop", self._text(seq)[seq.sent:])]
+    seq.tokens.append(token)
+    times = self.times.setdefault(seq.rid, {})
+    times.setdefault("first_token", time.perf_counter())
+    text = self._text(seq)
+    cut = min((i for i in (text.find(s, max(0, seq.sent - len(s) + 1)) for s in req.stop) if i >= 0),
+              default=-1)
+    if cut >= 0:
+      return [self._finish(seq, token, "stop", text[seq.sent:max(cut, seq.sent)], logprob)]
+    if len(seq.tokens) == req.max_tokens:
+      return [self._finish(seq, token, "length", text[seq.sent:], logprob)]
+    safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes to U+FFFD
+    # hold back the longest tail that may still grow into a stop string
+    safe -= max((k for s in req.stop for k in range(1, min(len(s) - 1, safe) + 1)
+                 if text[safe - k:safe] == s[:k]), default=0)
+    delta = text[seq.sent:max(safe, seq.sent)]
+    seq.sent += len(delta)
+    self._pending[seq.slot] = token
+    return [Event(seq.rid, token, delta, False, None, logprob)]
+
+  def _text(self, seq: _Seq) -> str:
+    return self.tokenizer.decode(seq.tokens)
+
+  def _finish(self, seq, token, reason, delta, logprob=None) -> Event:
+    self.allocator.release(seq.slot)
+    self._committed -= self._pages_for(seq.req)
+    self._slots[seq.slot] = None
+    self._kv_lens[seq.slot] = 0
+    self.times.setdefault(seq.rid, {})["finished"] = time.perf_counter()
+    return Event(seq.rid, token, delta, True, reason, logprob)
