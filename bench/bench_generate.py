@@ -398,16 +398,16 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
             attention=cfg.attention).compile()
     compile_s = time.perf_counter() - t0
 
-    def step_for(lens):  # lens: tokens held before the step -> (executable, its Step)
+    def step_for(lens):  # lens: tokens held after the step -> (executable, its Step)
         mode = modes[0] if len(modes) == 1 else (
             "always" if kv_cache.seals_block(quant, lens, np.ones(batch, bool)) else "never")
-        return compiled[mode], step_record(int(lens[0]) + 1, mode)
+        return compiled[mode], step_record(int(lens[0]), mode)
     print(f"    compiled decode in {compile_s:.1f} s (cache {cache_bytes / 2**30:.2f} GiB, "
           f"filled in {fill_s:.1f} s)", flush=True)
 
     def run(n, ctx):
         nonlocal cache, tokens
-        steps = [step_for(np.full(batch, ctx + i)) for i in range(n)]  # host-side, before timing
+        steps = [step_for(np.full(batch, ctx + 1 + i)) for i in range(n)]  # host-side, before timing
         jax.block_until_ready(steps)
         t = time.perf_counter()
         for exe, step in steps:
@@ -421,7 +421,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
                    kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps,
                    seal=args.seal if fmt == "hack" else None,
-                   seal_steps=sum(kv_cache.seals_block(quant, np.full(batch, ctx + i), np.ones(batch, bool))
+                   seal_steps=sum(kv_cache.seals_block(quant, np.full(batch, ctx + 1 + i), np.ones(batch, bool))
                                   for i in range(args.steps)) if fmt == "hack" else None)
         try:
             row["warmup_s"] = round(run(args.warmup, ctx), 4)  # first one: incl. any lazy kernel compile

@@ -74,9 +74,8 @@ def write(layer: kv_cache.LayerCache, k, v, step: Step, *, layer_index) -> kv_ca
     if step.mode == "prefill":
         return kv_cache.write_prefill(layer, k, v, lengths=jnp.where(step.active, step.kv_lens, 0),
                                       page_indices=step.page_indices, key=key)
-    return kv_cache.append(layer, k, v, kv_lens=step.kv_lens - step.active.astype(jnp.int32),
-                           active=step.active, page_indices=step.page_indices, key=key,
-                           seal=step.seal)
+    return kv_cache.append(layer, k, v, kv_lens=step.kv_lens, active=step.active,
+                           page_indices=step.page_indices, key=key, seal=step.seal)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -419,17 +419,17 @@ class Engine:
       active[q.slot] = True
       self.allocator.reserve(q.slot, int(self._kv_lens[q.slot]) + 1)
     samp, greedy = self._sampling_arrays(seqs)
-    seal = "always" if kv_cache.seals_block(self.quant, self._kv_lens, active) else "never"
+    kv_lens = self._kv_lens + active
+    seal = "always" if kv_cache.seals_block(self.quant, kv_lens, active) else "never"
     compile0, t0 = self.stats["compile_s"], time.perf_counter()
-    step = Step.decode(self.allocator.page_indices, self._kv_lens + active, active,
-                       self._round_key(), seal)
+    step = Step.decode(self.allocator.page_indices, kv_lens, active, self._round_key(), seal)
     self.cache, tok, logp = self._run(_decode, (self.state, self._pending.copy(), step, self.cache,
                                                 samp), "decode step", greedy=greedy)
     tok, logp = np.asarray(tok), np.asarray(logp)
     self.stats["decode_s"] += time.perf_counter() - t0 - (self.stats["compile_s"] - compile0)
     self.stats["decode_tokens"] += len(seqs)
     self.stats["decode_steps"] += 1
-    self._kv_lens = self._kv_lens + active
+    self._kv_lens = kv_lens
     return [ev for q in seqs for ev in self._on_token(q, int(tok[q.slot]), float(logp[q.slot]))]
 
   # ------------------------------------------------------------------------------ output

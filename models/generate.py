@@ -337,9 +337,9 @@ class Generator:
         break
       for j in np.nonzero(active)[0]:
         alloc.reserve(int(j), int(kv_lens[j]) + 1)
+      kv_lens += active
       # no slot fills its open block this step (known here): the step without the sealing path
       seal = "always" if kv_cache.seals_block(self.quant, kv_lens, active) else "never"
-      kv_lens += active
       step = Step.decode(alloc.page_indices, kv_lens, active, keys[i + 1], seal)
       cache, nxt, logp = self._run(_decode_step, (self.state, feed, step, cache, targets[:, i + 1]),
                                    stats, sampling=sampling)
