@@ -447,11 +447,7 @@ def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
     quant = quant_config(fmt)
     sinks = kv_cache.sink_tokens(quant)
     pps = paging.pages_needed(context + MARGIN, page_size=quant.page_size, num_sink_tokens=sinks)
-    cache = kv_cache.init_cache(quant, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                head_dim=cfg.head_dim, num_pages=1 + batch * pps, max_seqs=batch,
-                                pages_per_seq=pps)
-    if cfg.scan_layers:
-        cache = dataclasses.replace(cache, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *cache.layers))
+    cache = mllama.init_cache(cfg, quant, num_pages=1 + batch * pps, max_seqs=batch, pages_per_seq=pps)
     table = jnp.asarray(1 + np.arange(batch * pps, dtype=np.int32).reshape(batch, pps))
     t_len = mgen.length_bucket(context)
     tokens = jax.random.randint(jax.random.key(3), (batch, t_len), 0, cfg.vocab_size, jnp.int32)

@@ -159,12 +159,9 @@ def init_cache(config: ModelConfig, quant: QuantConfig, *, num_pages: int, max_s
   """An empty KVCache in the layout Llama.run reads for `config`: the layers stacked into one
   LayerCache (leading num_layers axis) when config.scan_layers, else a tuple of LayerCaches.
   Raises as kv_cache.init_cache."""
-  cache = kv_cache.init_cache(quant, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                              head_dim=config.head_dim, num_pages=num_pages, max_seqs=max_seqs,
-                              pages_per_seq=pages_per_seq)
-  if config.scan_layers:
-    cache = dataclasses.replace(cache, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *cache.layers))
-  return cache
+  return kv_cache.init_cache(quant, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                             head_dim=config.head_dim, num_pages=num_pages, max_seqs=max_seqs,
+                             pages_per_seq=pages_per_seq, stacked=config.scan_layers)
 
 
 # Per layer: GGUF weight name (models/gguf_loader.py) -> path of the parameter in a Block.

@@ -514,6 +514,13 @@ def test_cache_pytree_and_init():
     leaves, tree = jax.tree.flatten(cache)
     assert len(leaves) == 3 * 12 + 2
     assert jax.tree.unflatten(tree, leaves).config == QuantConfig()
+    # stacked (a model scanning over its layers): one LayerCache, each array [num_layers, ...] zero
+    stacked = kv_cache.init_cache(QuantConfig(), num_layers=3, num_kv_heads=2, head_dim=128,
+                                  num_pages=5, max_seqs=2, pages_per_seq=2, stacked=True)
+    assert stacked.stacked and not cache.stacked
+    assert (stacked.num_layers, stacked.max_seqs, stacked.num_pages, stacked.capacity) == (3, 2, 5, 4 + 512)
+    for a, b in zip(jax.tree.leaves(stacked.layers), jax.tree.leaves(layer)):
+        assert a.shape == (3,) + b.shape and a.dtype == b.dtype and not np.asarray(a).any()
     seed = kv_cache.init_layer(QuantConfig(layout="seed", partition_size=128, page_size=512),
                                num_kv_heads=1, head_dim=128, num_pages=2, max_seqs=1)
     assert seed.k_scale.shape == (2, 1, 512, 1) and seed.v_scale.shape == (2, 1, 4, 128)

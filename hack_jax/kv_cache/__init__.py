@@ -86,9 +86,12 @@ def _ops(layer) -> FormatOps:
 
 @pytree_dataclass
 class KVCache:
-    """The whole cache: one LayerCache per layer, the page table and the lengths.
+    """The whole cache: the layers' pages, the page table and the lengths.
 
-      layers: tuple[LayerCache, ...], one per layer.
+      layers: tuple[LayerCache, ...], one per layer; or (init_cache(stacked=True)) ONE LayerCache
+        whose every array has a leading num_layers axis, for a model that scans over its layers.
+        A stacked LayerCache is a container only: take layer i (jax.tree.map(lambda a: a[i], ...))
+        before handing it to write_prefill / append / the attention.
       page_indices: i32[max_seqs, pages_per_seq], from paging.PageAllocator (0 = null page).
       kv_lens: i32[max_seqs], tokens held per sequence (sinks + sealed + open).
       config: QuantConfig (static).
@@ -101,8 +104,12 @@ class KVCache:
     config: QuantConfig = dataclasses.field(metadata=STATIC)
 
     @property
+    def stacked(self) -> bool:
+        return not isinstance(self.layers, tuple)
+
+    @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        return jax.tree.leaves(self.layers)[0].shape[0] if self.stacked else len(self.layers)
 
     @property
     def max_seqs(self) -> int:
@@ -114,7 +121,7 @@ class KVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.layers[0].num_pages
+        return jax.tree.leaves(self.layers)[0].shape[1] if self.stacked else self.layers[0].num_pages
 
     @property
     def num_sink_tokens(self) -> int:
@@ -160,8 +167,9 @@ def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pag
 
 
 def init_cache(config: QuantConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
-               num_pages: int, max_seqs: int, pages_per_seq: int) -> KVCache:
-    """An empty KVCache: num_layers zero LayerCaches, page_indices all null (0), kv_lens 0.
+               num_pages: int, max_seqs: int, pages_per_seq: int, stacked: bool = False) -> KVCache:
+    """An empty KVCache: num_layers zero LayerCaches (a tuple; stacked=True: one LayerCache with a
+    leading num_layers axis), page_indices all null (0), kv_lens 0.
 
     num_pages counts the reserved null page. Raises ValueError as init_layer, and for
     num_layers < 1 or pages_per_seq < 1.
@@ -172,7 +180,10 @@ def init_cache(config: QuantConfig, *, num_layers: int, num_kv_heads: int, head_
         raise ValueError(f"sizes must be positive: {num_layers=} {pages_per_seq=}")
     layer = init_layer(config, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        num_pages=num_pages, max_seqs=max_seqs)
-    layers = (layer,) + tuple(jax.tree.map(jnp.copy, layer) for _ in range(num_layers - 1))
+    if stacked:
+        layers = jax.tree.map(lambda a: jnp.zeros((num_layers,) + a.shape, a.dtype), layer)
+    else:
+        layers = (layer,) + tuple(jax.tree.map(jnp.copy, layer) for _ in range(num_layers - 1))
     return KVCache(layers=layers, page_indices=jnp.zeros((max_seqs, pages_per_seq), jnp.int32),
                    kv_lens=jnp.zeros((max_seqs,), jnp.int32), config=config)
 
