@@ -70,12 +70,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
