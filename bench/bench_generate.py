@@ -1,15 +1,14 @@
 """End-to-end generation on real model shapes (random weights): decode TPOT, prefill, capacity, JCT.
 
-Issue 7, "End-to-end speed and memory on the GPU". The whole decoder (models.llama.Llama built from
+The whole decoder (models.llama.Llama built from
 models.config.PRESETS in bf16, random weights: the KV path's speed does not depend on weight values)
 runs the same jitted steps as models.generate.Generator (`_decode_step`, `_prefill_step`), for
 Llama-3.1-8B and Qwen2.5-7B shapes, per cache "format":
   hack      kv_format="hack" (kivi, P=64, pages of 256, 4 sinks) + our Pallas kernels (impl=pallas)
   bf16      kv_format="bf16" paged + our bf16 Pallas kernels
   bf16_xla  kv_format="bf16" paged, decode attention by plain jnp/XLA (this file's adapter
-            `xla_paged_decode`: the dispatch has no jax-native impl; the adapter is routed in only
-            for this format, by a shim around models.llama's `hack_attention` module reference, so
-            the library is untouched). It walks the sequence in chunks of CHUNK_PAGES pages (a
+            `xla_paged_decode`: the dispatch has no jax-native impl; the model receives it as its
+            attention backend, XlaDecodeBackend, so the library is untouched). It walks the sequence in chunks of CHUNK_PAGES pages (a
             gather of the chunk's pages, two einsums, an online softmax) for ceil(max kv_len /
             chunk) iterations, so its cost follows the runtime length like a paged kernel's.
   int8      capacity and JCT bytes only (no Pallas kernel exists for it).
@@ -20,15 +19,16 @@ What is measured
            The cache is filled SYNTHETICALLY: every array of every layer gets pseudo-random finite
            values (an integer hash of the element index) in its own layout (codes: any byte; sums:
            [0, 192); scales: [0.01, 0.1]; minima, open blocks, sinks, bf16 K/V: uniform [-2, 2]),
-           pages assigned contiguously per slot; then per context C
-           kv_lens is set to C for every slot (runtime value: one compile serves all contexts; the
-           kernels split work by the runtime length, but their launch config (splits) is chosen for
-           the capacity) and `--steps` decode steps run back to back (each feeds the previous
+           pages assigned contiguously per slot; then per context C the steps' records
+           (hack_jax.step.Step, built before the timed region) hold kv_lens C + 1, C + 2, ... for
+           every slot (runtime values: one compile serves all contexts; the kernels split work by
+           the runtime length, but their launch config (splits) is chosen for the capacity) and
+           `--steps` decode steps run back to back (each feeds the previous
            step's sampled tokens, device to device: no host sync inside), timed as one region with
            block_until_ready; TPOT = median over `--reps` regions / steps (after `--warmup` steps).
            tokens/s = batch / TPOT. Each step appends one real token per slot through
            kv_cache.append (for hack: quantizes and seals blocks) and runs all layers, lm_head and
-           greedy sampling. hack (--seal host, default): as the Generator, two compiled steps, the
+           greedy sampling, in the layer form(s) of --scan-layers. hack (--seal host, default): as the Generator, two compiled steps, the
            one without the sealing path on the steps where no slot fills its open block
            (kv_cache.seals_block); both run once before the timed regions.
   prefill  batch 1 (`--prefill-batches`), one prompt of C random tokens (bucket = C) through
@@ -54,6 +54,7 @@ Usage:
   python bench/bench_generate.py                          # GPU, the default full run (<= ~300 s)
   python bench/bench_generate.py --quick                  # GPU, llama only, batch 1 and 8
   python bench/bench_generate.py --quick --profile-steps 4  # + GPU time per kernel (jax.profiler trace)
+  python bench/bench_generate.py --quick --scan-layers on off  # both layer forms (compile s, TPOT)
   python bench/bench_generate.py --models toy --contexts 256 512 --batches 1 2 --impl reference
                                                           # CPU check of the script at toy shapes
 Outputs (--out, default bench/results): generate.jsonl, generate.md, generate_decode.png,
@@ -69,18 +70,15 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import platform  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
-import types  # noqa: E402
 import warnings  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -91,12 +89,14 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax import lax  # noqa: E402
 
-from hack_jax import attention as hack_attention  # noqa: E402
+from hack_jax.backend import Backend, write  # noqa: E402
+from hack_jax.prefill import PREFILL_ATTENTION  # noqa: E402
 from hack_jax import kv_cache, paging  # noqa: E402
 from hack_jax.config import QuantConfig  # noqa: E402
 from models import generate as mgen  # noqa: E402
 from models import llama as mllama  # noqa: E402
-from models.config import PRESETS, ModelConfig, preset  # noqa: E402
+from hack_jax.step import Step  # noqa: E402
+from models.config import PRESETS, ModelConfig  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # Pallas-Triton, jax >= 0.11
 
@@ -164,46 +164,29 @@ def xla_paged_decode(q, layer, page_indices, kv_lens, *, chunk_pages=CHUNK_PAGES
     return out.reshape(b, hq, d)
 
 
-def _shim_decode(q, layer, *, page_indices, kv_lens, impl="reference", **options):
-    if options.pop("bench_attention", None) == "xla":
-        return xla_paged_decode(q, layer, page_indices, kv_lens)
-    return hack_attention.decode_attention(q, layer, page_indices=page_indices, kv_lens=kv_lens,
-                                           impl=impl, **options)
+@dataclasses.dataclass(frozen=True)
+class XlaDecodeBackend:
+    """bf16_xla's attention backend (hack_jax.backend.Backend's methods): the cache write of
+    hack_jax.backend.write, decode attention by xla_paged_decode. Prefill is not timed for it."""
 
-
-def _shim_prefill(q, layer, *, page_indices, kv_lens, q_start=None, impl="reference", **options):
-    if options.pop("bench_attention", None) is not None:
+    def prefill(self, q, k, v, layer, step, *, layer_index):
         raise NotImplementedError("bf16_xla has a decode adapter only (prefill is not timed for it)")
-    return hack_attention.prefill_attention(q, layer, page_indices=page_indices, kv_lens=kv_lens,
-                                            q_start=q_start, impl=impl, **options)
 
-
-@contextlib.contextmanager
-def attention_shim():
-    """Routes models.llama's attention calls through this file while main runs: configs whose
-    kernel_options carry bench_attention="xla" get xla_paged_decode, every other call goes to
-    hack_jax.attention unchanged. (The option is part of ModelConfig, so jit caches never mix.)"""
-    if getattr(mllama, "hack_attention", None) is not hack_attention:
-        raise RuntimeError("models.llama no longer imports hack_jax.attention as hack_attention")
-    mllama.hack_attention = types.SimpleNamespace(decode_attention=_shim_decode,
-                                                  prefill_attention=_shim_prefill)
-    try:
-        yield
-    finally:
-        mllama.hack_attention = hack_attention
+    def decode(self, q, k, v, layer, step, *, layer_index):
+        layer = write(layer, k, v, step, layer_index=layer_index)
+        return layer, xla_paged_decode(q, layer, step.page_indices, step.kv_lens)
 
 
 # ----------------------------------------------------------------------------- setup
 
-def model_config(name, fmt, impl, interpret):
+def model_config(name, fmt, impl, interpret, scan_layers=True, prefill_attention="auto"):
     fields = dict(TOY[name]) if name in TOY else dict(PRESETS[name])
     if fmt == "bf16_xla":
-        return ModelConfig(**fields, dtype=jnp.bfloat16, impl="pallas",
-                           kernel_options={"bench_attention": "xla"})
-    options = {"interpret": True} if interpret and impl != "reference" else {}
-    if name not in TOY:
-        return preset(name, dtype=jnp.bfloat16, impl=impl, kernel_options=options)
-    return ModelConfig(**fields, dtype=jnp.bfloat16, impl=impl, kernel_options=options)
+        attention = XlaDecodeBackend()
+    else:
+        attention = Backend(impl, {"interpret": True} if interpret and impl != "reference" else {},
+                            prefill_attention=prefill_attention)
+    return ModelConfig(**fields, dtype=jnp.bfloat16, attention=attention, scan_layers=scan_layers)
 
 
 def shape_fields(cfg: ModelConfig):
@@ -298,6 +281,8 @@ def filled_cache(cfg, quant, batch, capacity, seed=1):
         num_pages=num_pages, max_seqs=batch, pages_per_seq=pps))
     fill = layer_fill_fn(shapes.layers[0])
     layers = tuple(fill(jnp.int32(seed * 1000 + i)) for i in range(cfg.num_layers))
+    if cfg.scan_layers:  # one LayerCache with a leading layer axis, as the scanned model reads it
+        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
     table = jnp.asarray(1 + np.arange(batch * pps, dtype=np.int32).reshape(batch, pps))
     cache = dataclasses.replace(shapes, layers=layers, page_indices=table,
                                 kv_lens=jnp.zeros((batch,), jnp.int32))
@@ -396,6 +381,10 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
     key = jax.random.key(2)
     targets = jnp.zeros((batch,), jnp.int32)
     sampling = mgen.Sampling()
+
+    def step_record(ctx, seal):  # the decode step after which every slot holds ctx tokens
+        return Step("decode", table, jnp.full((batch,), ctx, jnp.int32), active, key, seal)
+
     t0 = time.perf_counter()
     compiled = {}
     # --seal host: as models.generate.Generator, the step without the sealing path wherever the host
@@ -403,25 +392,25 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
     modes = ["always", "never"] if args.seal == "host" and fmt == "hack" else [
         "always" if args.seal == "host" else args.seal]
     for mode in modes:
-        compiled[mode] = mgen._decode_step.lower(state, tokens, active, table, cache, key, targets,
-                                                 graphdef=graphdef, sampling=sampling, seal=mode).compile()
+        compiled[mode] = mgen._decode_step.lower(
+            state, tokens, step_record(1, mode), cache, targets, graphdef=graphdef, sampling=sampling,
+            attention=cfg.attention).compile()
     compile_s = time.perf_counter() - t0
 
-    def step_for(lens):
-        if len(compiled) == 1:
-            return next(iter(compiled.values()))
-        return compiled["always" if kv_cache.seals_block(quant, lens, np.ones(batch, bool)) else "never"]
+    def step_for(lens):  # lens: tokens held after the step -> (executable, its Step)
+        mode = modes[0] if len(modes) == 1 else (
+            "always" if kv_cache.seals_block(quant, lens, np.ones(batch, bool)) else "never")
+        return compiled[mode], step_record(int(lens[0]), mode)
     print(f"    compiled decode in {compile_s:.1f} s (cache {cache_bytes / 2**30:.2f} GiB, "
           f"filled in {fill_s:.1f} s)", flush=True)
 
     def run(n, ctx):
         nonlocal cache, tokens
-        cache = dataclasses.replace(cache, kv_lens=jnp.full((batch,), ctx, jnp.int32))
-        jax.block_until_ready(cache.kv_lens)
-        steps = [step_for(np.full(batch, ctx + i)) for i in range(n)]  # host-side, before timing
+        steps = [step_for(np.full(batch, ctx + 1 + i)) for i in range(n)]  # host-side, before timing
+        jax.block_until_ready(steps)
         t = time.perf_counter()
-        for step in steps:
-            cache, tokens, _ = step(state, tokens, active, table, cache, key, targets)
+        for exe, step in steps:
+            cache, tokens, _ = exe(state, tokens, step, cache, targets)
         jax.block_until_ready((cache, tokens))
         return time.perf_counter() - t
 
@@ -431,12 +420,12 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
                    kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps,
                    seal=args.seal if fmt == "hack" else None,
-                   seal_steps=sum(kv_cache.seals_block(quant, np.full(batch, ctx + i), np.ones(batch, bool))
+                   seal_steps=sum(kv_cache.seals_block(quant, np.full(batch, ctx + 1 + i), np.ones(batch, bool))
                                   for i in range(args.steps)) if fmt == "hack" else None)
         try:
             row["warmup_s"] = round(run(args.warmup, ctx), 4)  # first one: incl. any lazy kernel compile
-            for exe in compiled.values():  # --seal host: both executables loaded before the timed regions
-                cache, tokens, _ = exe(state, tokens, active, table, cache, key, targets)
+            for mode, exe in compiled.items():  # --seal host: both loaded before the timed regions
+                cache, tokens, _ = exe(state, tokens, step_record(ctx + 1, mode), cache, targets)
             times = [run(args.steps, ctx) for _ in range(args.reps)]
             tpot = float(np.median(times)) / args.steps
             if not bool(jnp.all((tokens >= 0) & (tokens < cfg.vocab_size))):
@@ -457,24 +446,22 @@ def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
     quant = quant_config(fmt)
     sinks = kv_cache.sink_tokens(quant)
     pps = paging.pages_needed(context + MARGIN, page_size=quant.page_size, num_sink_tokens=sinks)
-    cache = kv_cache.init_cache(quant, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                head_dim=cfg.head_dim, num_pages=1 + batch * pps, max_seqs=batch,
-                                pages_per_seq=pps)
+    cache = mllama.init_cache(cfg, quant, num_pages=1 + batch * pps, max_seqs=batch, pages_per_seq=pps)
     table = jnp.asarray(1 + np.arange(batch * pps, dtype=np.int32).reshape(batch, pps))
     t_len = mgen.length_bucket(context)
     tokens = jax.random.randint(jax.random.key(3), (batch, t_len), 0, cfg.vocab_size, jnp.int32)
-    lengths = jnp.full((batch,), context, jnp.int32)
-    key, targets, start = jax.random.key(4), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
+    record = jax.device_put(Step.prefill(table, np.full((batch,), context, np.int32), jax.random.key(4)))
+    targets = jnp.zeros((batch,), jnp.int32)
     t0 = time.perf_counter()
-    step = mgen._prefill_step.lower(state, tokens, lengths, table, cache, key, targets, start,
-                                    graphdef=graphdef, sampling=mgen.Sampling()).compile()
+    step = mgen._prefill_step.lower(state, tokens, record, cache, targets, graphdef=graphdef,
+                                    sampling=mgen.Sampling(), attention=cfg.attention).compile()
     compile_s = time.perf_counter() - t0
     print(f"    compiled prefill in {compile_s:.1f} s", flush=True)
 
     def run():
         nonlocal cache
         t = time.perf_counter()
-        cache, nxt, _ = step(state, tokens, lengths, table, cache, key, targets, start)
+        cache, nxt, _ = step(state, tokens, record, cache, targets)
         jax.block_until_ready((cache, nxt))
         return time.perf_counter() - t
 
@@ -547,39 +534,44 @@ def _f(x, fmt="{:.2f}"):
     return "-" if x is None else fmt.format(x)
 
 
+def _layers(row):
+    return {True: "scan", False: "unrolled"}.get(row.get("scan_layers"), "-")
+
+
 def write_markdown(rows, path, header):
     ok = lambda r: not r.get("error")  # noqa: E731
     lines = [header, ""]
     dec = [r for r in rows if r.get("kind") == "decode"]
     if dec:
-        base = {(r["model"], r["batch"], r["context"]): r["tpot_ms"] for r in dec
+        base = {(r["model"], r["batch"], r["context"], r.get("scan_layers")): r["tpot_ms"] for r in dec
                 if r["format"] == "bf16" and "tpot_ms" in r}
         lines += ["## Decode (whole model, one token per sequence per step)", "",
-                  "| model | batch | context | format | TPOT ms | tokens/s | TPOT / bf16 | KV GiB "
+                  "| model | batch | context | format | layers | TPOT ms | tokens/s | TPOT / bf16 | KV GiB "
                   "(bytes_per_token x batch x context) | cache alloc GiB | compile s |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in dec:
             if not ok(r):
-                lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | - | - | - "
+                lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | "
+                             f"{_layers(r)} | - | - | - "
                              f"| {r.get('kv_bytes', 0) / 2**30:.2f} | - | - | "
                              f"{r['error'][:100].replace('|', '/')} |")
                 continue
-            b = base.get((r["model"], r["batch"], r["context"]))
-            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | "
+            b = base.get((r["model"], r["batch"], r["context"], r.get("scan_layers")))
+            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | {_layers(r)} | "
                          f"{r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} | "
                          f"{_f(r['tpot_ms'] / b if b else None)} | {r['kv_bytes'] / 2**30:.2f} | "
                          f"{r['cache_alloc_bytes'] / 2**30:.2f} | {r['compile_s']:.1f} |")
         lines.append("")
     pre = [r for r in rows if r.get("kind") == "prefill"]
     if pre:
-        lines += ["## Prefill", "", "| model | batch | context | format | ms | tokens/s | compile s |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["## Prefill", "", "| model | batch | context | format | layers | ms | tokens/s | compile s |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in pre:
             if not ok(r):
-                lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | - | - | "
-                             f"{r['error'][:100].replace('|', '/')} |")
-            else:
                 lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | "
+                             f"{_layers(r)} | - | - | {r['error'][:100].replace('|', '/')} |")
+            else:
+                lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | {_layers(r)} | "
                              f"{r['prefill_ms']:.1f} | {r['prefill_tok_s']:.0f} | {r['compile_s']:.1f} |")
         lines.append("")
     cap = [r for r in rows if r.get("kind") == "capacity"]
@@ -711,6 +703,9 @@ def parse_args(argv):
                     help="default: --contexts (batch 1); >= 64K runs once, last")
     ap.add_argument("--prefill-batches", nargs="*", type=int, default=[1])
     ap.add_argument("--prefill-formats", nargs="*", default=list(PREFILL_FORMATS), choices=PREFILL_FORMATS)
+    ap.add_argument("--prefill-attention", default="auto", choices=PREFILL_ATTENTION,
+                    help="the prompt's own attention (hack_jax.prefill): exact on the fresh 16-bit K/V "
+                         "(auto: cuDNN on a GPU), or homomorphic over the 2-bit cache")
     ap.add_argument("--impl", default="pallas", choices=("pallas", "reference"),
                     help="attention impl of the hack and bf16 formats (reference: CPU checks)")
     ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
@@ -732,6 +727,10 @@ def parse_args(argv):
                     help="hack decode steps: host = as the Generator (a step without the block-sealing "
                          "path where no slot fills its open block, chosen on the host per step), or one "
                          "kv_cache.append seal mode for every step (never: timing only, blocks not sealed)")
+    ap.add_argument("--scan-layers", nargs="+", default=["on"], choices=("on", "off"),
+                    help="layer form(s) to time, in order: on = stacked weights and cache, one "
+                         "lax.scan over the layers (compiled once); off = the layer loop unrolled "
+                         "(ModelConfig.scan_layers). Rows carry scan_layers; JCT uses the first")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing each decode context, trace this many more steps with jax.profiler "
                          "and add the GPU time per step by kernel name to the row (gpu_kernels)")
@@ -764,8 +763,10 @@ def plan(args):
     return [items for items in (core, extended) if items]
 
 
-def run_model(name, items, args, start, rows, emit, flush, common, compile_est, capacity_done):
-    """Random weights for `name` (freed at the end), capacity rows (once per model), then `items`."""
+def run_model(name, items, args, start, rows, emit, flush, common, compile_est, capacity_done,
+              scan_layers):
+    """Random weights for `name` in one layer form (scan_layers: stacked + lax.scan, else unrolled;
+    freed at the end), capacity rows (once per model), then `items`."""
     device = jax.devices()[0]
     elapsed = time.perf_counter() - start
     if elapsed > args.max_seconds:
@@ -774,7 +775,7 @@ def run_model(name, items, args, start, rows, emit, flush, common, compile_est, 
                 emit(dict(common, kind=kind, model=name, format=fmt, batch=batch, context=c,
                           error=f"skipped: --max-seconds budget ({elapsed:.0f} s elapsed)"))
         return
-    cfg0 = model_config(name, "bf16", args.impl, args.interpret)
+    cfg0 = model_config(name, "bf16", args.impl, args.interpret, scan_layers, args.prefill_attention)
     t0 = time.perf_counter()
     try:
         _, state, wbytes = random_state(cfg0, init=args.init)
@@ -797,6 +798,7 @@ def run_model(name, items, args, start, rows, emit, flush, common, compile_est, 
     print(f"{name}: random bf16 weights {wbytes / 2**30:.2f} GiB in {init_s:.1f} s; free for KV "
           f"{free / 2**30:.1f} GiB ({source})", flush=True)
     rows.append(dict(common, kind="model", model=name, **shape_fields(cfg0), weight_bytes=wbytes,
+                     scan_layers=scan_layers,
                      init_s=round(init_s, 2), memory_source=source, free_bytes=int(free)))
     if name not in capacity_done:
         capacity_done.add(name)
@@ -804,11 +806,11 @@ def run_model(name, items, args, start, rows, emit, flush, common, compile_est, 
     flush()
     graphdefs = {}
     for kind, fmt, batch, ctx in items:
-        cfg = model_config(name, fmt, args.impl, args.interpret)
+        cfg = model_config(name, fmt, args.impl, args.interpret, scan_layers, args.prefill_attention)
         if fmt not in graphdefs:  # same weights, format-specific static config
             graphdefs[fmt] = nnx.split(nnx.eval_shape(lambda c=cfg: mllama.Llama(c, rngs=nnx.Rngs(0))))[0]
         base = dict(common, model=name, format=fmt, kv_format=KV_FORMAT[fmt], batch=batch,
-                    impl=("xla adapter" if fmt == "bf16_xla" else args.impl),
+                    impl=("xla adapter" if fmt == "bf16_xla" else args.impl), scan_layers=scan_layers,
                     **shape_fields(cfg), weight_bytes=wbytes)
         quant = quant_config(fmt)
         if kind == "decode":
@@ -824,7 +826,7 @@ def run_model(name, items, args, start, rows, emit, flush, common, compile_est, 
         if not targets_ctx:
             continue
         # Predicted cost: the last item of this kind and format (else the dearest item so far).
-        est = compile_est.get((kind, fmt), max(compile_est.values(), default=0.0))
+        est = compile_est.get((kind, fmt, scan_layers), max(compile_est.values(), default=0.0))
         if kind == "prefill" and ctx >= LONG_PREFILL:
             est *= 2.5  # quadratic attention: a 64K prefill runs ~16x a 16K one (one timed run)
         elapsed = time.perf_counter() - start
@@ -846,7 +848,7 @@ def run_model(name, items, args, start, rows, emit, flush, common, compile_est, 
                 if c not in done:
                     emit(dict(base, kind=kind, context=c, error=f"{type(e).__name__}: {str(e)[:1500]}",
                               traceback=traceback.format_exc()[-2000:]))
-        compile_est[(kind, fmt)] = time.perf_counter() - t_item  # wall of the whole item
+        compile_est[(kind, fmt, scan_layers)] = time.perf_counter() - t_item  # wall of the whole item
         gc.collect()
     del state
     gc.collect()
@@ -902,13 +904,16 @@ def main(argv=None):
         flush()
 
     compile_est, capacity_done = {}, set()
-    with attention_shim():
-        for items in plan(args):
-            for name in args.models:
-                run_model(name, items, args, start, rows, emit, flush, common, compile_est, capacity_done)
-    for name in args.models:  # JCT from every pass's prefill and batch-1 decode rows
+    for items in plan(args):
+        for name in args.models:
+            for scan in args.scan_layers:
+                run_model(name, items, args, start, rows, emit, flush, common, compile_est,
+                          capacity_done, scan == "on")
+    for name in args.models:  # JCT from every pass's prefill and batch-1 decode rows (first layer form)
         cfg0 = model_config(name, "bf16", args.impl, args.interpret)
-        rows.extend(jct_rows(rows, cfg0, name, args.output_tokens, common))
+        first = [r for r in rows if r.get("scan_layers", args.scan_layers[0] == "on")
+                 == (args.scan_layers[0] == "on")]
+        rows.extend(jct_rows(first, cfg0, name, args.output_tokens, common))
     total = time.perf_counter() - start
     rows.append(dict(common, kind="run", wall_s=round(total, 1), command=command, timing=timing, fill=fill))
     flush()

@@ -42,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from hack_jax.backend import Backend  # noqa: E402
 from hack_jax.config import QuantConfig  # noqa: E402
 from models.config import PRESETS, ModelConfig, preset  # noqa: E402
 from models.engine import Engine, Request  # noqa: E402
@@ -64,15 +65,15 @@ class NullTokenizer:
 
 def load(args):
   """-> (model, tokenizer, label)."""
-  options = {"interpret": True} if args.interpret else {}
+  backend = Backend(args.impl, {"interpret": True} if args.interpret else {})
   if args.model == "smollm2":
     from models.gguf_loader import load_checkpoint
-    ckpt = load_checkpoint(impl=args.impl, kernel_options=options)
+    ckpt = load_checkpoint(attention=backend)
     return Llama.from_weights(ckpt.config, ckpt.weights), ckpt.tokenizer, "SmolLM2-135M (Q4_1)"
   if args.model == "toy":
-    cfg = ModelConfig(**TOY, impl=args.impl, kernel_options=options)
+    cfg = ModelConfig(**TOY, attention=backend)
   else:
-    cfg = preset(args.model, dtype=jnp.bfloat16, impl=args.impl, kernel_options=options)
+    cfg = preset(args.model, dtype=jnp.bfloat16, attention=backend)
   return Llama(cfg, rngs=nnx.Rngs(0)), NullTokenizer(), f"{args.model} (random bf16 weights)"
 
 

@@ -58,11 +58,13 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from hack_jax import kv_cache  # noqa: E402
+from hack_jax.attention import Backend  # noqa: E402
 from hack_jax.config import QuantConfig  # noqa: E402
 from hack_jax.paging import PageAllocator  # noqa: E402
+from hack_jax.step import Step  # noqa: E402
 from models.generate import Generator, encode_prompt, length_bucket  # noqa: E402
 from models.gguf_loader import load_checkpoint  # noqa: E402
-from models.llama import CacheStep, Llama  # noqa: E402
+from models.llama import Llama, init_cache  # noqa: E402
 
 FORMATS = ("hack", "bf16")
 IMPLS = ("pallas", "reference")
@@ -175,7 +177,7 @@ class Models:
     self.models = {}
     for impl in IMPLS:
       options = {"interpret": True} if impl != "reference" and args.interpret else {}
-      config = dataclasses.replace(self.ckpt.config, impl=impl, kernel_options=options)
+      config = dataclasses.replace(self.ckpt.config, attention=Backend(impl, options))
       self.models[impl] = Llama.from_weights(config, self.ckpt.weights)
     self.generators = {}
     self.warm = {}      # (fmt, impl, slots) -> compile_s, warmup_s
@@ -227,19 +229,17 @@ class PrefillLogits:
     alloc = PageAllocator(1 + s * pages, s, pages, quant.page_size, sinks)
     for i in range(s):
       alloc.admit(i, int(lengths[i]))
-    cache = kv_cache.init_cache(quant, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                                head_dim=c.head_dim, num_pages=1 + s * pages, max_seqs=s,
-                                pages_per_seq=pages)
+    cache = init_cache(c, quant, num_pages=1 + s * pages, max_seqs=s, pages_per_seq=pages)
     graphdef, self.state = nnx.split(model)
 
-    def fn(state, tokens, lengths, page_indices, cache):
+    def fn(state, tokens, step, cache):
       m = nnx.merge(graphdef, state)
-      step = CacheStep("prefill", page_indices, lengths, lengths)
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
       _, hidden = m.run(tokens, positions, cache, step)
       return m.logits(hidden)
 
-    self.args = (jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(alloc.page_indices), cache)
+    self.args = (jnp.asarray(tokens), Step.prefill(alloc.page_indices, lengths, jax.random.key(0)),
+                 cache)
     t = time.perf_counter()
     self.compiled = jax.jit(fn).lower(self.state, *self.args).compile()
     self.compile_s = time.perf_counter() - t

@@ -1,6 +1,10 @@
 """THE attention dispatch point: decode and prefill attention over a paged cache layer.
 
-Models call only `decode_attention` / `prefill_attention` (STYLE.md rule 11); `impl` picks:
+Models hold a `Backend` (impl + kernel options, frozen and hashable: a jit static) and call its
+`prefill` / `decode` once per layer with the step's fresh q/k/v and the hack_jax.step.Step record;
+the backend writes the K/V into the cache (`write`) and attends through `prefill_attention` /
+`decode_attention` (STYLE.md rule 11). Evaluation variants and benchmark adapters are other objects
+with the same two methods (models/eval.py, bench/bench_generate.py). `impl` picks:
   "reference": pure jnp, jit-able, vectorized over sequences and blocks.
     kv_format="hack": the paged homomorphic reference. Codes, metadata and sums are read from the
       pages through page_indices (`kv_cache.read_blocks`, which zeroes everything beyond a
@@ -31,14 +35,17 @@ import dataclasses
 import functools
 import importlib
 import math
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hack_jax import kv_cache, paging, reference
+from hack_jax.step import Step
 
-IMPLS = ("reference", "pallas", "pallas_dequant", "triton")
+Impl = Literal["reference", "pallas", "pallas_dequant", "triton"]
+IMPLS = get_args(Impl)
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 # (module, function) of the Pallas kernel per (impl, kind, kv_format); called as fn(q, <cache>,

@@ -25,6 +25,7 @@ caller's cache is untouched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import struct
@@ -93,12 +94,18 @@ def export_sequence(cache: kv_cache.KVCache, *, slot: int, page_indices, kv_len:
         raise ValueError(f"kv_len={kv_len} outside [0, capacity={cache.capacity}]")
     slot, ids = _live_pages(cache, slot, page_indices, kv_len)
     chunks, arrays = [], []
-    for i, layer in enumerate(cache.layers):
-        for name, x in _take_sequence(layer, jnp.asarray(ids, jnp.int32), slot).items():
+    ids_dev = jnp.asarray(ids, jnp.int32)
+    if cache.stacked:  # one gather over all layers, split per layer here
+        taken = {name: np.asarray(x) for name, x in _take_sequence(cache.layers, ids_dev, slot, 1).items()}
+        per_layer = [{name: a[i] for name, a in taken.items()} for i in range(cache.num_layers)]
+    else:
+        per_layer = [_take_sequence(layer, ids_dev, slot, 0) for layer in cache.layers]
+    for i, fields in enumerate(per_layer):
+        for name, x in fields.items():
             a = np.ascontiguousarray(np.asarray(x))
             chunks.append(a.tobytes())
             arrays.append([i, name, a.dtype.name, list(a.shape), a.nbytes])
-    first = cache.layers[0]
+    first = _layer(cache, 0)
     header = json.dumps(dict(version=VERSION, config=_config_dict(cache.config), num_layers=cache.num_layers,
                              num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, kv_len=kv_len,
                              num_pages=int(ids.size), arrays=arrays)).encode()
@@ -150,7 +157,7 @@ def import_sequence(cache: kv_cache.KVCache, payload: bytes, *, slot: int, page_
     """
     header = read_header(payload)
     payload = bytes(payload)
-    first = cache.layers[0]
+    first = _layer(cache, 0)
     want = dict(config=cache.config, num_layers=cache.num_layers, num_kv_heads=first.num_kv_heads,
                 head_dim=first.head_dim)
     got = dict(config=header.config, num_layers=header.num_layers, num_kv_heads=header.num_kv_heads,
@@ -162,12 +169,12 @@ def import_sequence(cache: kv_cache.KVCache, payload: bytes, *, slot: int, page_
     if ids.size != header.num_pages:
         raise ValueError(f"slot {slot} has {ids.size} pages for kv_len={header.kv_len}, payload {header.num_pages}")
     offset = len(MAGIC) + 4 + struct.unpack_from("<I", payload, len(MAGIC))[0]
-    per_layer = [dict() for _ in cache.layers]
+    per_layer = [dict() for _ in range(cache.num_layers)]
     for layer_i, name, dtype, shape, nbytes in header.arrays:
-        layer = cache.layers[layer_i] if 0 <= layer_i < cache.num_layers else None
+        layer = first if 0 <= layer_i < cache.num_layers else None
         if layer is None or name not in _array_fields(layer):
             raise ValueError(f"KV payload array {name!r} of layer {layer_i} does not exist in the receiving cache")
-        dst = getattr(layer, name)
+        dst = getattr(layer, name)  # layer 0's shapes: every layer's are the same
         expect = dst.shape[1:] if name in SEQUENCE_FIELDS else (ids.size,) + dst.shape[1:]
         if tuple(shape) != tuple(expect) or np.dtype(dst.dtype).name != dtype:
             raise ValueError(f"KV payload array {name} of layer {layer_i}: {dtype}{list(shape)} does not fit "
@@ -176,22 +183,36 @@ def import_sequence(cache: kv_cache.KVCache, payload: bytes, *, slot: int, page_
                                                  offset=offset).reshape(shape)
         offset += nbytes
     for i, fields in enumerate(per_layer):
-        if set(fields) != set(_array_fields(cache.layers[i])):
-            raise ValueError(f"KV payload lacks arrays of layer {i}: {sorted(set(_array_fields(cache.layers[i])) - set(fields))}")
-    layers = tuple(_put_sequence(layer, fields, jnp.asarray(ids, jnp.int32), slot)
-                   for layer, fields in zip(cache.layers, per_layer))
+        if set(fields) != set(_array_fields(first)):
+            raise ValueError(f"KV payload lacks arrays of layer {i}: {sorted(set(_array_fields(first)) - set(fields))}")
+    ids_dev = jnp.asarray(ids, jnp.int32)
+    if cache.stacked:
+        stacked = {name: np.stack([f[name] for f in per_layer]) for name in per_layer[0]}
+        layers = _put_sequence(cache.layers, stacked, ids_dev, slot, 1)
+    else:
+        layers = tuple(_put_sequence(layer, fields, ids_dev, slot, 0)
+                       for layer, fields in zip(cache.layers, per_layer))
     return dataclasses.replace(cache, layers=layers, kv_lens=jnp.asarray(cache.kv_lens, jnp.int32).at[slot].set(header.kv_len),
                                page_indices=jnp.asarray(page_indices, jnp.int32))
 
 
-@jax.jit
-def _take_sequence(layer, ids, slot):
-    return {name: getattr(layer, name)[slot] if name in SEQUENCE_FIELDS else getattr(layer, name)[ids]
-            for name in _array_fields(layer)}
+def _layer(cache, i):
+    """Layer i of a KVCache; of a stacked cache its shapes only (a LayerCache of ShapeDtypeStructs)."""
+    if cache.stacked:
+        return jax.eval_shape(lambda layers: jax.tree.map(lambda a: a[i], layers), cache.layers)
+    return cache.layers[i]
 
 
-@jax.jit
-def _put_sequence(layer, fields, ids, slot):
-    return dataclasses.replace(layer, **{
-        name: (getattr(layer, name).at[slot].set(x) if name in SEQUENCE_FIELDS
-               else getattr(layer, name).at[ids].set(x)) for name, x in fields.items()})
+def _index(name, ids, slot, axis):  # the sequence's rows: its slot, or its pages, behind `axis` layer axes
+    return (slice(None),) * axis + ((slot,) if name in SEQUENCE_FIELDS else (ids,))
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _take_sequence(layer, ids, slot, axis):
+    return {name: getattr(layer, name)[_index(name, ids, slot, axis)] for name in _array_fields(layer)}
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _put_sequence(layer, fields, ids, slot, axis):
+    return dataclasses.replace(layer, **{name: getattr(layer, name).at[_index(name, ids, slot, axis)].set(x)
+                                         for name, x in fields.items()})

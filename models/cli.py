@@ -25,7 +25,7 @@ import sys
 from typing import Sequence, get_args
 
 from hack_jax.config import KVFormat
-from models.config import PREFILL_ATTENTION
+from hack_jax.prefill import PREFILL_ATTENTION
 
 KV_FORMATS = get_args(KVFormat)
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="prompt attention (hack_jax.prefill): exact on the fresh 16-bit K/V "
                       "(auto = cuDNN on a GPU with bf16, the jnp reference on the CPU), or "
                       "homomorphic over the 2-bit cache (the paper's numerics; not causal)")
+  common.add_argument("--scan-layers", default="on", choices=("on", "off"),
+                      help="on: stacked layer weights, one lax.scan over the layers (compiled "
+                      "once); off: the layer loop unrolled (ModelConfig.scan_layers)")
   from models import cli_generate
   g = sub.add_parser("generate", parents=[common], help="generate text for one or more prompts",
                      formatter_class=fmt)
@@ -128,11 +131,13 @@ def _load(args):
 
   from models.cli_generate import check_model_path
   check_model_path(args.model)
+  from hack_jax.backend import Backend
   from models.gguf_loader import load_checkpoint
   from models.llama import Llama
-  ckpt = load_checkpoint(args.model, dtype=jnp.dtype(DTYPES[args.dtype]), impl=args.impl,
-                         kernel_options={"interpret": True} if args.interpret else {},
-                         prefill=args.prefill_attention)
+  backend = Backend(args.impl, {"interpret": True} if args.interpret else {},
+                    prefill_attention=args.prefill_attention)
+  ckpt = load_checkpoint(args.model, dtype=jnp.dtype(DTYPES[args.dtype]), attention=backend,
+                         scan_layers=args.scan_layers == "on")
   return ckpt, Llama.from_weights(ckpt.config, ckpt.weights)
 
 

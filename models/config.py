@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
+from hack_jax.backend import Backend
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-IMPLS = ("reference", "pallas", "pallas_dequant")  # = hack_jax.attention.IMPLS
-PREFILL_ATTENTION = ("auto", "cudnn", "xla", "pallas", "reference", "homomorphic")  # = hack_jax.prefill's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,15 +32,13 @@ class ModelConfig:
     qkv_bias: True for qwen2 (q/k/v projections carry biases).
     dtype: compute dtype of weights and activations (float32 default; bfloat16 allowed).
       Logits, norms and softmax are always float32.
-    impl: attention implementation passed to hack_jax.attention ("reference" | "pallas" |
-      "pallas_dequant").
-    kernel_options: keyword options for the Pallas kernels behind hack_jax.attention, as sorted
-      (name, value) pairs so the config stays hashable (a dict is accepted and converted), e.g.
-      {"interpret": True} to run them in Pallas interpret mode on the CPU. Must be empty with
-      impl="reference".
-    prefill: hack_jax.prefill's `attention` ("auto" | "cudnn" | "xla" | "pallas" | "reference":
-      exact causal attention of the prompt on its 16-bit K/V; "homomorphic": the paper's
-      numerics over the 2-bit cache, not causal within a block).
+    attention: the attention backend every layer calls with its fresh q/k/v and the step record:
+      a hack_jax.backend.Backend (impl + kernel options), or any hashable object with the same
+      `prefill` / `decode` methods (models/eval.py's evaluation variants, benchmark adapters).
+    scan_layers: True: the layers' weights are stacked (leading num_layers axis) and the cached
+      forward is one jax.lax.scan over a single compiled layer body; False: the layer loop is
+      unrolled in Python (one copy of the layer per layer in the compiled program). Same math; the
+      trade-off (compile time vs a while loop per step) is measured in bench/NOTES_generate.md.
   """
 
   architecture: Literal["llama", "qwen2"]
@@ -57,10 +55,9 @@ class ModelConfig:
   tied_embeddings: bool
   qkv_bias: bool
   dtype: Any = jnp.float32
-  impl: str = "reference"
-  kernel_options: Any = ()
+  attention: Any = Backend()
+  scan_layers: bool = True
   rope_freq_factors: tuple[float, ...] | None = None
-  prefill: str = "auto"
 
   def __post_init__(self):
     if self.rope_freq_factors is not None:
@@ -69,16 +66,16 @@ class ModelConfig:
       if len(factors) != self.head_dim // 2 or not all(0 < f < math.inf for f in factors):
         raise ValueError(f"rope_freq_factors must be {self.head_dim // 2} (head_dim // 2) positive "
                          f"finite numbers, got {len(factors)}: {factors[:4]}...")
-    options = self.kernel_options
-    options = tuple(sorted((options.items() if isinstance(options, dict) else options)))
-    object.__setattr__(self, "kernel_options", options)
-    if self.impl not in IMPLS:
-      raise ValueError(f"impl must be one of {IMPLS}, got {self.impl=}")
-    if options and self.impl == "reference":
-      raise ValueError(f"kernel_options only apply to the Pallas impls, got {options=} with "
-                       f"impl='reference'")
-    if self.prefill not in PREFILL_ATTENTION:
-      raise ValueError(f"prefill must be one of {PREFILL_ATTENTION}, got {self.prefill=}")
+    if not (callable(getattr(self.attention, "prefill", None))
+            and callable(getattr(self.attention, "decode", None))):
+      raise TypeError(f"attention must have prefill and decode methods (a hack_jax.backend."
+                      f"Backend), got {self.attention!r}")
+    try:
+      hash(self.attention)
+    except TypeError as e:
+      raise TypeError(f"attention must be hashable (a jit static), got {self.attention!r}") from e
+    if not isinstance(self.scan_layers, bool):
+      raise TypeError(f"scan_layers must be a bool, got {self.scan_layers!r}")
     if self.architecture not in SUPPORTED_ARCHITECTURES:
       raise ValueError(f"unsupported architecture {self.architecture=}; "
                        f"supported: {SUPPORTED_ARCHITECTURES}")

@@ -99,7 +99,8 @@ def load(spec: WorkerSpec):
       tokenizer = Tokenizer.from_gguf_metadata(read_metadata(GGUFReader(spec.tokenizer)))
     return Llama(spec.random, rngs=nnx.Rngs(spec.seed)), tokenizer
   from models.gguf_loader import load_checkpoint
-  ckpt = load_checkpoint(spec.model, dtype=jnp.dtype(spec.dtype), impl=spec.impl)
+  from hack_jax.backend import Backend
+  ckpt = load_checkpoint(spec.model, dtype=jnp.dtype(spec.dtype), attention=Backend(spec.impl))
   return Llama.from_weights(ckpt.config, ckpt.weights), ckpt.tokenizer
 
 

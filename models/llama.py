@@ -10,58 +10,35 @@ so one RoPE serves every architecture (qwen2 files are already rotate-half).
 Two ways to run:
   model(tokens)                         full causal forward without a cache (tests, oracle checks);
   model.run(tokens, positions, cache, step) -> (cache, hidden)
-                                        cached prefill / decode: each attention layer writes its K/V
-                                        into the hack_jax cache and attends through
-                                        hack_jax.prefill (config.prefill: exact flash attention
-                                        on the fresh 16-bit K/V, or homomorphic) / hack_jax.attention
-                                        (impl=config.impl, kernel options config.kernel_options).
+                                        cached prefill / decode: each layer hands its fresh q/k/v, its
+                                        cache layer and the step record (hack_jax.step.Step,
+                                        unchanged) to the attention backend (config.attention, a
+                                        hack_jax.backend.Backend unless overridden), which writes
+                                        the K/V and attends.
+Layers: config.scan_layers=True stacks the layer weights (one Block whose parameters carry a leading
+num_layers axis) and runs the layers as one jax.lax.scan (the cache's layers stacked the same way,
+kv_cache.init_cache(stacked=True)); False keeps one Block per layer and a Python loop over a tuple of
+layer caches. The layer index goes to the backend explicitly (an int, or a traced i32 in the scan).
 Einsum axes: B batch, T query tokens, S key tokens, D embed_dim, F hidden_dim, N q heads,
-K kv heads, G q heads per kv head, H head_dim, V vocab.
+K kv heads, G q heads per kv head, H head_dim, V vocab, L layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from hack_jax import attention as hack_attention
 from hack_jax import kv_cache
-from hack_jax import prefill as hack_prefill
+from hack_jax.config import QuantConfig
+from hack_jax.step import Step
 from models.config import ModelConfig
 
 f32 = jnp.float32
-
-
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["page_indices", "write_lens", "kv_lens", "key"],
-                   meta_fields=["mode", "seal"])
-@dataclasses.dataclass(frozen=True)
-class CacheStep:
-  """What one cached forward step writes into the cache and attends over.
-
-  Attributes:
-    mode: "prefill" (tokens [max_seqs, T], slot s writes its first write_lens[s] tokens into an
-      empty sequence), "chunk" (the same into a sequence already holding kv_lens - write_lens
-      tokens: the next chunk of a chunked prefill; hack_jax.prefill) or "decode" (tokens
-      [max_seqs, 1], one token per slot with write_lens 1).
-    page_indices: i32[max_seqs, pages_per_seq] from the host PageAllocator.
-    write_lens: i32[max_seqs] tokens each slot writes this step (0 = slot untouched / inactive).
-    kv_lens: i32[max_seqs] tokens each slot holds after this step (includes the written ones).
-    key: PRNG key for stochastic rounding (None with rounding="nearest").
-    seal: decode only, hack_jax.kv_cache.append's `seal` ("always" | "never": "never" when
-      the host knows no slot fills its open block this step, kv_cache.seals_block).
-  """
-  mode: Literal["prefill", "chunk", "decode"]
-  page_indices: jax.Array
-  write_lens: jax.Array
-  kv_lens: jax.Array
-  key: jax.Array | None = None
-  seal: str = "always"
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float,
@@ -114,9 +91,9 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
 class Attention(nnx.Module):
   """GQA self-attention with RoPE and optional q/k/v bias (qwen2)."""
 
-  def __init__(self, config: ModelConfig, layer_index: int, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c, dt = config, config.dtype
-    self.config, self.layer_index = config, layer_index
+    self.config = config
     self.q = _normal(rngs, (c.embed_dim, c.num_q_heads, c.head_dim), dt)
     self.k = _normal(rngs, (c.embed_dim, c.num_kv_heads, c.head_dim), dt)
     self.v = _normal(rngs, (c.embed_dim, c.num_kv_heads, c.head_dim), dt)
@@ -126,10 +103,11 @@ class Attention(nnx.Module):
       self.k_bias = nnx.Param(jnp.zeros((c.num_kv_heads, c.head_dim), dt))
       self.v_bias = nnx.Param(jnp.zeros((c.num_kv_heads, c.head_dim), dt))
 
-  def __call__(self, x: jax.Array, positions: jax.Array, cache: Any = None,
-               step: CacheStep | None = None) -> tuple[Any, jax.Array]:
-    """x [B, T, D], positions i32[B, T]; cache: this layer's hack_jax layer cache or None.
-    Returns (new layer cache or None, out [B, T, D] in x.dtype)."""
+  def __call__(self, x: jax.Array, positions: jax.Array, cache: Any = None, step: Step | None = None,
+               attention: Any = None, layer_index: Any = 0) -> tuple[Any, jax.Array]:
+    """x [B, T, D], positions i32[B, T]; cache: this layer's hack_jax LayerCache or None;
+    attention: the backend (prefill / decode methods). Returns (new layer cache or None,
+    out [B, T, D] in x.dtype)."""
     c = self.config
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...])
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k[...])
@@ -140,21 +118,11 @@ class Attention(nnx.Module):
     k = rope(k, positions, c.rope_theta, c.rope_freq_factors)
     if cache is None:
       out = causal_attention(q, k, v, positions)
+    elif step.mode in ("prefill", "chunk"):
+      cache, out = attention.prefill(q, k, v, cache, step, layer_index=layer_index)
     else:
-      key = None if step.key is None else jax.random.fold_in(step.key, self.layer_index)
-      if step.mode in ("prefill", "chunk"):
-        q_start = step.kv_lens - step.write_lens if step.mode == "chunk" else None
-        cache, out = hack_prefill.prefill(q, k, v, cache, page_indices=step.page_indices,
-                                          lengths=step.write_lens, q_start=q_start, key=key,
-                                          attention=c.prefill, impl=c.impl,
-                                          **dict(c.kernel_options))
-      else:
-        cache = kv_cache.append(cache, k[:, 0], v[:, 0], kv_lens=step.kv_lens - step.write_lens,
-                                active=step.write_lens > 0, page_indices=step.page_indices,
-                                key=key, seal=step.seal)
-        out = hack_attention.decode_attention(q[:, 0], cache, page_indices=step.page_indices,
-                                              kv_lens=step.kv_lens, impl=c.impl,
-                                              **dict(c.kernel_options))[:, None]
+      cache, out = attention.decode(q[:, 0], k[:, 0], v[:, 0], cache, step, layer_index=layer_index)
+      out = out[:, None]
     return cache, jnp.einsum("BTNH,NHD->BTD", out.astype(x.dtype), self.o[...])
 
 
@@ -174,37 +142,65 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-  def __init__(self, config: ModelConfig, layer_index: int, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.attn_norm = RMSNorm(config.embed_dim, config.rms_norm_eps, config.dtype)
-    self.attn = Attention(config, layer_index, rngs=rngs)
+    self.attn = Attention(config, rngs=rngs)
     self.ffn_norm = RMSNorm(config.embed_dim, config.rms_norm_eps, config.dtype)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x, positions, cache=None, step=None):
-    cache, h = self.attn(self.attn_norm(x), positions, cache, step)
+  def __call__(self, x, positions, cache=None, step=None, attention=None, layer_index=0):
+    cache, h = self.attn(self.attn_norm(x), positions, cache, step, attention, layer_index)
     x = x + h
     return cache, x + self.mlp(self.ffn_norm(x))
 
 
+def init_cache(config: ModelConfig, quant: QuantConfig, *, num_pages: int, max_seqs: int,
+               pages_per_seq: int) -> kv_cache.KVCache:
+  """An empty KVCache in the layout Llama.run reads for `config`: the layers stacked into one
+  LayerCache (leading num_layers axis) when config.scan_layers, else a tuple of LayerCaches.
+  Raises as kv_cache.init_cache."""
+  return kv_cache.init_cache(quant, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                             head_dim=config.head_dim, num_pages=num_pages, max_seqs=max_seqs,
+                             pages_per_seq=pages_per_seq, stacked=config.scan_layers)
+
+
+# Per layer: GGUF weight name (models/gguf_loader.py) -> path of the parameter in a Block.
+_BLOCK_PARAMS = dict(attn_norm=("attn_norm", "scale"), ffn_norm=("ffn_norm", "scale"),
+                     q=("attn", "q"), k=("attn", "k"), v=("attn", "v"), o=("attn", "o"),
+                     q_bias=("attn", "q_bias"), k_bias=("attn", "k_bias"),
+                     v_bias=("attn", "v_bias"), gate=("mlp", "gate"), up=("mlp", "up"),
+                     down=("mlp", "down"))
+
+
+def _stack_blocks(blocks: list[Block]) -> Block:
+  """One Block whose every parameter is the layers' parameters stacked on a leading axis."""
+  state = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
+  return nnx.merge(nnx.graphdef(blocks[0]), state)
+
+
 class Llama(nnx.Module):
-  """The decoder. Llama(config, rngs=...) initializes random weights (benchmarks on real shapes);
-  Llama.from_weights(config, weights) loads those of models.gguf_loader."""
+  """The decoder. Llama(config, rngs=...) initializes random weights (benchmarks on real shapes;
+  the same weights with either config.scan_layers); Llama.from_weights(config, weights) loads those
+  of models.gguf_loader."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
     self.config = c
     self.embed = _normal(rngs, (c.vocab_size, c.embed_dim), c.dtype)
-    self.layers = nnx.List([Block(c, i, rngs=rngs) for i in range(c.num_layers)])
+    blocks = [Block(c, rngs=rngs) for _ in range(c.num_layers)]
+    self.layers = _stack_blocks(blocks) if c.scan_layers else nnx.List(blocks)
     self.final_norm = RMSNorm(c.embed_dim, c.rms_norm_eps, c.dtype)
     if not c.tied_embeddings:
       self.lm_head = _normal(rngs, (c.embed_dim, c.vocab_size), c.dtype)
 
   @classmethod
   def from_weights(cls, config: ModelConfig, weights: dict[str, Any]) -> "Llama":
-    """Builds the module without random init and fills it with `weights` (gguf_loader layout).
+    """Builds the module without random init and fills it with `weights` (gguf_loader layout:
+    embed, final_norm, lm_head unless tied, layers = one dict per layer); with scan_layers the
+    per-layer weights are stacked.
 
     Raises:
-      ValueError: a weight's shape differs from the config's.
+      ValueError: a weight's shape differs from the config's, or the layer count does.
     """
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
 
@@ -217,29 +213,60 @@ class Llama(nnx.Module):
     put(model.final_norm.scale, weights["final_norm"])
     if not config.tied_embeddings:
       put(model.lm_head, weights["lm_head"])
-    for block, w in zip(model.layers, weights["layers"], strict=True):
-      put(block.attn_norm.scale, w["attn_norm"])
-      put(block.ffn_norm.scale, w["ffn_norm"])
-      for name in ("q", "k", "v", "o") + (("q_bias", "k_bias", "v_bias") if config.qkv_bias else ()):
-        put(getattr(block.attn, name), w[name])
-      for name in ("gate", "up", "down"):
-        put(getattr(block.mlp, name), w[name])
+    layers = weights["layers"]
+    if len(layers) != config.num_layers:
+      raise ValueError(f"{len(layers)} layers of weights != {config.num_layers=}")
+    names = [n for n in _BLOCK_PARAMS if config.qkv_bias or not n.endswith("_bias")]
+    param = lambda block, name: getattr(getattr(block, _BLOCK_PARAMS[name][0]), _BLOCK_PARAMS[name][1])
+    for name in names:
+      if config.scan_layers:
+        put(param(model.layers, name), np.stack([np.asarray(w[name]) for w in layers]))
+      else:
+        for block, w in zip(model.layers, layers):
+          put(param(block, name), w[name])
     return model
 
   def run(self, tokens: jax.Array, positions: jax.Array, cache: Any = None,
-          step: CacheStep | None = None) -> tuple[Any, jax.Array]:
-    """tokens i32[B, T], positions i32[B, T]; cache: hack_jax KVCache (B = max_seqs) or None.
+          step: Step | None = None, attention: Any = None) -> tuple[Any, jax.Array]:
+    """tokens i32[B, T], positions i32[B, T]; cache: hack_jax KVCache (B = max_seqs; layers
+    stacked iff config.scan_layers) or None; step: the hack_jax.step.Step record (with a cache);
+    attention: the backend, None = config.attention.
 
     Returns (new KVCache or None, final-normed hidden [B, T, D] in config.dtype).
     """
+    attention = self.config.attention if attention is None else attention
     x = jnp.take(self.embed[...], tokens, axis=0)
-    layers = [None] * len(self.layers) if cache is None else list(cache.layers)
-    for i, block in enumerate(self.layers):
-      layers[i], x = block(x, positions, layers[i], step)
+    layers = None if cache is None else cache.layers
+    if self.config.scan_layers:
+      x, layers = self._scan(x, positions, layers, step, attention)
+    else:
+      layers = [None] * len(self.layers) if layers is None else list(layers)
+      for i, block in enumerate(self.layers):
+        layers[i], x = block(x, positions, layers[i], step, attention, i)
+      layers = tuple(layers)
     if cache is not None:
-      cache = dataclasses.replace(cache, layers=tuple(layers), page_indices=step.page_indices,
-                                  kv_lens=step.kv_lens)
+      cache = dataclasses.replace(cache, layers=layers)
     return cache, self.final_norm(x)
+
+  def _scan(self, x, positions, layers, step, attention):
+    """The layer loop as one jax.lax.scan over (stacked weights, layer index); the stacked cache
+    rides in the carry and each layer's slice is read and written back in place."""
+    graphdef, params = nnx.split(self.layers)
+
+    def body(carry, xs):
+      x, layers = carry
+      p, i = xs
+      layer = None if layers is None else jax.tree.map(
+          lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layers)
+      layer, x = nnx.merge(graphdef, p)(x, positions, layer, step, attention, i)
+      if layers is not None:
+        layers = jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, i, 0),
+                              layers, layer)
+      return (x, layers), None
+
+    index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+    (x, layers), _ = jax.lax.scan(body, (x, layers), (params, index))
+    return x, layers
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> f32[..., V]."""

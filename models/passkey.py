@@ -12,7 +12,7 @@ joins can move it by a few tokens; the rows record the real lengths), and the ne
 to `depth` (0..1) of the haystack's characters. Each trial uses another passage of the book and
 another random 5-digit key. The answer is decoded greedily (max_new_tokens tokens) through the
 format's cache, exactly as generation runs (models/generate.Generator, with models/eval.py's
-evaluation-only patches for kivi2 / rotations); a trial is correct when the first run of digits in
+evaluation-only attention backends for kivi2 / rotations); a trial is correct when the first run of digits in
 the continuation equals the key.
 
 Usage: `python bench/bench_passkey.py --formats float32,int8,kivi2,hack-p64 --lengths 1024,2048
@@ -131,11 +131,10 @@ def evaluate(fmt, model, tokenizer, prompts: Sequence[PasskeyPrompt], *, max_new
   Returns dict(correct: list[bool], answers: list[str], timings)."""
   from models import eval as ev
   n = max_new_tokens
-  gen = ev._eval_generator_cls()(model, tokenizer, fmt.quant, max_seqs=len(prompts),
-                                 max_len=max(len(p.ids) for p in prompts) + n)
+  gen = ev.eval_generator(fmt, model, tokenizer, max_seqs=len(prompts),
+                          max_len=max(len(p.ids) for p in prompts) + n)
   t0 = time.perf_counter()
-  with ev.patched(fmt, model.config.head_dim, model.config.num_layers):
-    res = gen.generate_ids([p.ids for p in prompts], n, seed=seed, stop_on_eos=True)
+  res = gen.generate_ids([p.ids for p in prompts], n, seed=seed, stop_on_eos=True)
   answers = res.texts
   correct = [answer_of(a) == p.key for a, p in zip(answers, prompts)]
   return dict(correct=correct, answers=answers, wall_s=time.perf_counter() - t0,

@@ -78,8 +78,8 @@ def test_reused_pages_with_nan_leave_decode_finite_and_correct(fmt):
     reused = dataclasses.replace(layer, **{f: poison(f, getattr(layer, f)) for f in pages})
     reused = prefill_jit(reused, k2, v2, lengths=cur, page_indices=new_table)  # slot 9 restarts
     while cur[9] < 600:
-        reused = append_jit(reused, k2[:, cur[9]], v2[:, cur[9]], kv_lens=cur, active=only_9 > cur,
-                            page_indices=new_table)
+        reused = append_jit(reused, k2[:, cur[9]], v2[:, cur[9]], kv_lens=cur + (only_9 > cur),
+                            active=only_9 > cur, page_indices=new_table)
         cur = cur + (only_9 > cur)
     reused = dataclasses.replace(reused, **{f: poison(f, getattr(reused, f)) for f in fields
                                             if f not in pages})

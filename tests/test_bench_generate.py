@@ -1,7 +1,7 @@
 """Smoke test of bench/bench_generate.py at toy shapes on the CPU (impl="reference").
 
-Runs the script's main() in-process on a 2-layer toy model (one bf16 decode config, no prefill,
-so it stays well under 30 s), then checks the JSON rows' fields and that every reported KV byte
+Runs the script's main() in-process on a 2-layer toy model (one bf16 decode config in both layer
+forms, --scan-layers on off; no prefill, so it stays well under a minute), then checks the JSON rows' fields and that every reported KV byte
 count equals bytes-per-token x tokens computed here, independently, in float64 NumPy from the
 layout formulas of docs/DESIGN.md ("Paged cache layout"), not by calling hack_jax.kv_cache.
 """
@@ -60,7 +60,8 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_generate")
     bench.main(["--models", "toy", "--contexts", "256", "--batches", "1", "--formats", "bf16",
                 "--prefill-contexts", "--impl", "reference", "--init", "hash", "--steps", "2", "--reps", "2",
-                "--warmup", "1", "--output-tokens", "16", "--max-seconds", "120", "--out", str(out)])
+                "--warmup", "1", "--output-tokens", "16", "--max-seconds", "120", "--scan-layers", "on", "off",
+                "--out", str(out)])
     with open(out / "generate.jsonl") as f:
         rows = [json.loads(line) for line in f]
     return out, rows
@@ -74,8 +75,10 @@ def test_outputs_and_fields(run):
     assert {"model", "capacity", "decode", "jct", "run"} <= kinds
     for r in rows:
         assert r["jax_version"] and r["gpu"] and r["platform"] == "cpu", r
-    (dec,) = [r for r in rows if r["kind"] == "decode"]
-    assert "error" not in dec, dec.get("error")
+    decs = [r for r in rows if r["kind"] == "decode"]
+    assert sorted(r["scan_layers"] for r in decs) == [False, True]  # --scan-layers on off
+    assert all("error" not in r for r in decs), [r.get("error") for r in decs]
+    dec = decs[0]
     for field in ("model", "format", "kv_format", "batch", "context", "num_layers", "embed_dim",
                   "num_q_heads", "num_kv_heads", "head_dim", "vocab_size", "tpot_ms",
                   "tokens_per_s", "compile_s", "kv_bytes", "bytes_per_token", "cache_alloc_bytes"):

@@ -35,7 +35,8 @@ def filled(config, *, num_pages=12, max_seqs=2, pages_per_seq=4, slots=(0, 1), s
         for _ in range(3):
             k1, v1 = rng.normal(size=(2, max_seqs, h, d)).astype(np.float32)
             active = lens > 0
-            layer = kv_cache.append(layer, k1, v1, kv_lens=lens, active=active, page_indices=alloc.page_indices)
+            layer = kv_cache.append(layer, k1, v1, kv_lens=lens + active, active=active,
+                                    page_indices=alloc.page_indices)
             lens = lens + active
         layers.append(layer)
     kv_lens = lengths + 3 * (lengths > 0)

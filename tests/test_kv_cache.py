@@ -64,6 +64,23 @@ prefill_jit = jax.jit(kv_cache.write_prefill)
 append_jit = jax.jit(kv_cache.append, donate_argnums=0)
 
 
+def write(layer, k, v, lengths, table, how, key=None):
+    """Writes sequence s's first lengths[s] tokens by "prefill", "append" or "both" (a prefill of
+    half, then appends); one jitted append call per step for all sequences. Returns the layer."""
+    lengths = np.asarray(lengths, np.int32)
+    pre = {"prefill": lengths, "append": 0 * lengths, "both": lengths // 2}[how]
+    layer = prefill_jit(layer, k, v, lengths=pre, page_indices=table, key=key)
+    cur = pre.copy()
+    rows = np.arange(len(lengths))
+    while (cur < lengths).any():
+        t = np.minimum(cur, k.shape[1] - 1)
+        step_key = None if key is None else jax.random.fold_in(key, int(cur.sum()))
+        layer = append_jit(layer, k[rows, t], v[rows, t], kv_lens=cur + (cur < lengths),
+                           active=cur < lengths, page_indices=table, key=step_key)
+        cur = cur + (cur < lengths)
+    return layer
+
+
 @functools.lru_cache(maxsize=None)
 def written(fmt, how, *, exact=False, cap=None):
     """(layer, k, v, lengths, table) for FORMATS[fmt]: LENGTHS (capped at cap) written by `how`."""
@@ -130,17 +147,18 @@ def test_prefill_and_appends_store_identical_bytes(fmt):
 
 
 def test_seals_block_against_its_definition():
-    """seals_block: an active hack slot at or past the sinks whose new token is the last of its
-    block (kv_len - ns = P - 1 mod P); never for the baselines or inactive slots."""
+    """seals_block (kv_lens after the append, new token included): an active hack slot whose new
+    token, at position n - 1 >= ns, is the last of its block (n - 1 - ns = P - 1 mod P); never for
+    the baselines or inactive slots."""
     kivi, seed, bf16 = FORMATS["kivi"], FORMATS["seed"], FORMATS["bf16"]  # ns 4 / 0, P 64
-    for n in range(0, 300):
-        want = n >= 4 and (n - 4) % 64 == 63
+    for n in range(1, 300):
+        want = n - 1 >= 4 and (n - 1 - 4) % 64 == 63
         assert kv_cache.seals_block(kivi, [n], [True]) == want, n
         assert not kv_cache.seals_block(kivi, [n], [False])
-        assert kv_cache.seals_block(seed, [n], [True]) == (n % 64 == 63)
+        assert kv_cache.seals_block(seed, [n], [True]) == ((n - 1) % 64 == 63)
         assert not kv_cache.seals_block(bf16, [n], [True])
-    assert kv_cache.seals_block(kivi, [5, 67, 9], [True, True, False])
-    assert not kv_cache.seals_block(kivi, [5, 67, 131], [True, False, False])
+    assert kv_cache.seals_block(kivi, [6, 68, 10], [True, True, False])
+    assert not kv_cache.seals_block(kivi, [6, 68, 132], [True, False, False])
 
 
 APPEND_BY_SEAL = {mode: jax.jit(functools.partial(kv_cache.append, seal=mode), donate_argnums=0)
@@ -164,7 +182,8 @@ def test_append_seal_modes_store_identical_bytes(fmt):
         cur = start.copy()
         while (cur < lengths).any():
             active = cur < lengths
-            layer = APPEND_BY_SEAL[choose(cur, active)](layer, k[rows, cur], v[rows, cur], kv_lens=cur, active=active, page_indices=table)
+            after = cur + active
+            layer = APPEND_BY_SEAL[choose(after, active)](layer, k[rows, cur], v[rows, cur], kv_lens=after, active=active, page_indices=table)
             cur = cur + active
         return layer
 
@@ -181,12 +200,12 @@ def test_append_seal_never_refuses_a_sealing_step():
     layer = empty_layer(config, num_pages, 2)
     x = jnp.ones((2, NUM_KV_HEADS, HEAD_DIM), jnp.float32)
     with pytest.raises(ValueError, match="seal='never'"):  # slot 1's token 67 = ns + 63 fills its block
-        kv_cache.append(layer, x, x, kv_lens=np.array([10, 67], np.int32), active=np.array([True, True]),
+        kv_cache.append(layer, x, x, kv_lens=np.array([11, 68], np.int32), active=np.array([True, True]),
                         page_indices=table, seal="never")
-    kv_cache.append(layer, x, x, kv_lens=np.array([10, 67], np.int32), active=np.array([True, False]),
+    kv_cache.append(layer, x, x, kv_lens=np.array([11, 67], np.int32), active=np.array([True, False]),
                     page_indices=table, seal="never")  # the sealing slot is inactive: fine
     with pytest.raises(ValueError, match="seal must be one of"):
-        kv_cache.append(layer, x, x, kv_lens=np.array([10, 11], np.int32), active=np.array([True, True]),
+        kv_cache.append(layer, x, x, kv_lens=np.array([11, 12], np.int32), active=np.array([True, True]),
                         page_indices=table, seal="sometimes")
 
 
@@ -375,8 +394,8 @@ def test_reused_pages_leak_nothing(fmt):
     cur = np.where(only_9 > 0, 520, 0).astype(np.int32)
     layer = prefill_jit(layer, k2, v2, lengths=cur, page_indices=new_table)
     while cur[9] < 600:  # crosses a block seal into a reused page
-        layer = append_jit(layer, k2[:, cur[9]], v2[:, cur[9]], kv_lens=cur, active=only_9 > cur,
-                           page_indices=new_table)
+        layer = append_jit(layer, k2[:, cur[9]], v2[:, cur[9]], kv_lens=cur + (only_9 > cur),
+                           active=only_9 > cur, page_indices=new_table)
         cur = cur + (only_9 > cur)
     fresh = prefill_jit(empty_layer(config, layer.num_pages), k2, v2, lengths=only_9,
                         page_indices=new_table)
@@ -436,7 +455,8 @@ def test_one_append_compile_for_a_decode_loop_with_churn():
             alloc.reserve(int(s), int(kv_lens[s]) + 1)
         k = rng.standard_normal((max_seqs, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
         v = rng.standard_normal((max_seqs, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
-        layer = append_jit(layer, k, v, kv_lens=kv_lens, active=active, page_indices=alloc.page_indices)
+        layer = append_jit(layer, k, v, kv_lens=kv_lens + active, active=active,
+                           page_indices=alloc.page_indices)
         compiled = compiled or append_jit._cache_size()
         for s in np.nonzero(active)[0]:
             history[s].append((k[s], v[s]))
@@ -486,6 +506,13 @@ def test_cache_pytree_and_init():
     leaves, tree = jax.tree.flatten(cache)
     assert len(leaves) == 3 * 12 + 2
     assert jax.tree.unflatten(tree, leaves).config == QuantConfig()
+    # stacked (a model scanning over its layers): one LayerCache, each array [num_layers, ...] zero
+    stacked = kv_cache.init_cache(QuantConfig(), num_layers=3, num_kv_heads=2, head_dim=128,
+                                  num_pages=5, max_seqs=2, pages_per_seq=2, stacked=True)
+    assert stacked.stacked and not cache.stacked
+    assert (stacked.num_layers, stacked.max_seqs, stacked.num_pages, stacked.capacity) == (3, 2, 5, 4 + 512)
+    for a, b in zip(jax.tree.leaves(stacked.layers), jax.tree.leaves(layer)):
+        assert a.shape == (3,) + b.shape and a.dtype == b.dtype and not np.asarray(a).any()
     seed = kv_cache.init_layer(QuantConfig(layout="seed", partition_size=128, page_size=512),
                                num_kv_heads=1, head_dim=128, num_pages=2, max_seqs=1)
     assert seed.k_scale.shape == (2, 1, 512, 1) and seed.v_scale.shape == (2, 1, 4, 128)
@@ -523,10 +550,10 @@ def test_errors():
         kv_cache.write_prefill(layer, k, v, lengths=np.array([300, 10]),
                                page_indices=np.array([[1, 3], [3, 0]], np.int32))
     with pytest.raises(ValueError, match="capacity"):
-        kv_cache.append(layer, k[:, 0], v[:, 0], kv_lens=np.array([4 + 512, 0]),
+        kv_cache.append(layer, k[:, 0], v[:, 0], kv_lens=np.array([4 + 512 + 1, 0]),
                         active=np.array([True, False]), page_indices=ok_table)
     full = jax.tree.map(jnp.copy, layer)  # under jit nothing raises: a token beyond capacity is dropped
-    after = jax.jit(kv_cache.append)(full, k[:, 0], v[:, 0], kv_lens=np.array([4 + 512, 0]),
+    after = jax.jit(kv_cache.append)(full, k[:, 0], v[:, 0], kv_lens=np.array([4 + 512 + 1, 1]),
                                      active=np.array([True, True]), page_indices=ok_table)
     assert (np.asarray(after.sink_k[1, :, 0]) != 0).all()  # the other slot's token is written
     for f in dataclasses.fields(layer):
@@ -606,33 +633,36 @@ def test_write_errors_name_the_problem():
     table = np.array([[1]], np.int32)
     ok = np.zeros((1, 1, 64), np.float32)
     with pytest.raises(ValueError, match="3 axes"):
-        kv_cache.append(layer, ok[None], ok[None], kv_lens=[0], active=[True], page_indices=table)
+        kv_cache.append(layer, ok[None], ok[None], kv_lens=[1], active=[True], page_indices=table)
     with pytest.raises(ValueError, match="floating"):
-        kv_cache.append(layer, ok.astype(np.int32), ok.astype(np.int32), kv_lens=[0], active=[True],
+        kv_cache.append(layer, ok.astype(np.int32), ok.astype(np.int32), kv_lens=[1], active=[True],
                         page_indices=table)
 
 
 def test_bad_positions_and_values_never_reach_the_cache():
-    """A negative position raises eagerly and is dropped under jit (it used to wrap into the last
-    sink row); NaN / inf in the rows to be written and float lengths / positions raise, naming them."""
+    """A negative length, or an active slot with no room for its new token (kv_len 0 after the
+    append), raises eagerly; under jit such a token is dropped (it used to wrap into the last sink
+    row); NaN / inf in the rows to be written and float lengths / positions raise, naming them."""
     config = QuantConfig()  # kivi, 4 sinks
     layer = kv_cache.init_layer(config, num_kv_heads=1, head_dim=64, num_pages=3, max_seqs=2)
     table = np.array([[1], [2]], np.int32)
     k = np.ones((2, 1, 64), np.float32)
     with pytest.raises(ValueError, match=r"kv_lens must be >= 0: kv_lens=\[-1, 0\]"):
-        kv_cache.append(layer, k, k, kv_lens=[-1, 0], active=[True, False], page_indices=table)
-    out = jax.jit(kv_cache.append)(layer, k, k, kv_lens=jnp.array([-1, 0]), active=jnp.array([True, False]),
+        kv_cache.append(layer, k, k, kv_lens=[-1, 0], active=[False, False], page_indices=table)
+    with pytest.raises(ValueError, match=r"active slot must hold >= 1 token.*kv_lens=\[0, 0\]"):
+        kv_cache.append(layer, k, k, kv_lens=[0, 0], active=[True, False], page_indices=table)
+    out = jax.jit(kv_cache.append)(layer, k, k, kv_lens=jnp.array([0, 0]), active=jnp.array([True, False]),
                                    page_indices=table)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(layer)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # nothing written anywhere
     with pytest.raises(TypeError, match="kv_lens must be integers"):
-        kv_cache.append(layer, k, k, kv_lens=[0.5, 0.0], active=[True, False], page_indices=table)
+        kv_cache.append(layer, k, k, kv_lens=[1.5, 0.0], active=[True, False], page_indices=table)
     nan = k.copy()
     nan[0, 0, 3] = np.nan
     with pytest.raises(ValueError, match="v holds 1 NaN or inf"):
-        kv_cache.append(layer, k, nan, kv_lens=[0, 0], active=[True, False], page_indices=table)
+        kv_cache.append(layer, k, nan, kv_lens=[1, 0], active=[True, False], page_indices=table)
     # the same NaN in an inactive slot's row is ignored, as the row is
-    kv_cache.append(layer, k, nan, kv_lens=[0, 0], active=[False, True], page_indices=table)
+    kv_cache.append(layer, k, nan, kv_lens=[0, 1], active=[False, True], page_indices=table)
     kp = np.ones((2, 8, 1, 64), np.float32)
     kp[1, 5, 0, 0] = np.inf
     with pytest.raises(ValueError, match="k holds 1 NaN or inf"):

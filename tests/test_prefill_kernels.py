@@ -598,12 +598,14 @@ MODEL_TEXT = (
     "another. Newspapers, pamphlets and scientific journals followed, and with them arguments that ")
 
 
-def model_prefill_logits(ckpt, tokens, quant, impl):
-    """f32[S, T, vocab]: logits of every prompt position after a cached prefill through `impl`."""
+def model_prefill_logits(ckpt, tokens, quant, backend):
+    """f32[S, T, vocab]: logits of every prompt position after a cached prefill through the
+    attention `backend` (a hack_jax.attention.Backend or a wrapper with its methods)."""
     from flax import nnx
 
-    from models.llama import CacheStep, Llama
-    config = dataclasses.replace(ckpt.config, impl=impl, prefill="homomorphic")  # the kernel under test
+    from hack_jax.step import Step
+    from models.llama import Llama, init_cache
+    config = dataclasses.replace(ckpt.config, attention=backend)
     graphdef, state = nnx.split(Llama.from_weights(config, ckpt.weights))
     lengths = np.array([len(t) for t in tokens], np.int32)
     t_len = max(64, 1 << (int(lengths.max()) - 1).bit_length())
@@ -616,19 +618,18 @@ def model_prefill_logits(ckpt, tokens, quant, impl):
                                  kv_cache.sink_tokens(quant))
     for i, n in enumerate(lengths):
         alloc.admit(i, int(n))
-    cache = kv_cache.init_cache(quant, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                                head_dim=config.head_dim, num_pages=1 + len(tokens) * pages_per_seq,
-                                max_seqs=len(tokens), pages_per_seq=pages_per_seq)
+    cache = init_cache(config, quant, num_pages=1 + len(tokens) * pages_per_seq, max_seqs=len(tokens),
+                       pages_per_seq=pages_per_seq)
 
     @jax.jit
-    def run(state, ids, lengths, page_indices, cache):
+    def run(state, ids, step, cache):
         m = nnx.merge(graphdef, state)
-        step = CacheStep("prefill", page_indices, lengths, lengths, None)
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
         _, hidden = m.run(ids, positions, cache, step)
         return m.logits(hidden)
 
-    return np.asarray(run(state, ids, lengths, alloc.page_indices, cache)), lengths
+    step = Step.prefill(alloc.page_indices, lengths, jax.random.key(0))
+    return np.asarray(run(state, ids, step, cache)), lengths
 
 
 def layer_v_scale(layer):
@@ -640,7 +641,7 @@ def layer_v_scale(layer):
 
 
 @pytest.mark.gpu
-def test_model_prefill_on_smollm2(monkeypatch):
+def test_model_prefill_on_smollm2():
     """SmolLM2-135M-Instruct (30 layers, 9 q / 3 kv heads, head_dim 64), hack cache (kivi, P 64,
     4 sinks), a ragged batch: a 37-token chat prompt (below the first sealed block: sinks and open
     block only) and a 102-token passage (one sealed block per layer).
@@ -666,7 +667,6 @@ def test_model_prefill_on_smollm2(monkeypatch):
         ckpt = gguf_loader.load_checkpoint()
     except (FileNotFoundError, ImportError, ValueError) as e:
         pytest.skip(f"SmolLM2 checkpoint unavailable: {e}")
-    import models.llama
     from models.generate import encode_prompt
     tokens = [encode_prompt(ckpt.tokenizer, "What is the capital of France?"),
               ckpt.tokenizer.encode(MODEL_TEXT)]
@@ -674,26 +674,26 @@ def test_model_prefill_on_smollm2(monkeypatch):
 
     records = []
 
-    class BothPrefills:  # the dispatch as models.llama sees it, checking the kernel at every layer
-        def __getattr__(self, name):
-            return getattr(attention, name)
-
-        def prefill_attention(self, q, layer, **kw):
+    @dataclasses.dataclass(frozen=True)
+    class BothPrefills:  # the model's attention backend, checking the kernel at every layer
+        def prefill(self, q, k, v, layer, step, *, layer_index):
+            layer = attention.write(layer, k, v, step, layer_index=layer_index)
+            kw = dict(page_indices=step.page_indices, kv_lens=step.kv_lens)
             ref = attention.prefill_attention(q, layer, **kw)
-            out = attention.prefill_attention(q, layer, **{**kw, "impl": "pallas"})
-            jax.debug.callback(lambda *a: records.append(tuple(map(np.asarray, a))), ref, out,
-                               layer_v_scale(layer))
-            return ref
+            out = attention.prefill_attention(q, layer, **kw, impl="pallas")
+            jax.debug.callback(lambda *a: records.append(tuple(map(np.asarray, a))), layer_index,
+                               ref, out, layer_v_scale(layer))
+            return layer, ref
 
-    monkeypatch.setattr(models.llama, "hack_attention", BothPrefills())
-    ref, lengths = model_prefill_logits(ckpt, tokens, quant, "reference")
+        decode = prefill  # not called: a prefill only
+
+    ref, lengths = model_prefill_logits(ckpt, tokens, quant, BothPrefills())
     jax.effects_barrier()
-    monkeypatch.undo()
-    assert len(records) == ckpt.config.num_layers
-    for i, (layer_ref, layer_out, v_scale) in enumerate(records):
-        check_close(layer_out, layer_ref, float(v_scale), "gpu", label=f"SmolLM2 layer {i}")
+    assert sorted(int(r[0]) for r in records) == list(range(ckpt.config.num_layers))
+    for index, layer_ref, layer_out, v_scale in sorted(records, key=lambda r: int(r[0])):
+        check_close(layer_out, layer_ref, float(v_scale), "gpu", label=f"SmolLM2 layer {int(index)}")
 
-    out, _ = model_prefill_logits(ckpt, tokens, quant, "pallas")
+    out, _ = model_prefill_logits(ckpt, tokens, quant, attention.Backend("pallas"))
     assert np.isfinite(out).all()
     n0, n1 = (len(t) for t in tokens)
     chat_diff = np.abs(out[0, :n0] - ref[0, :n0]).max()

@@ -86,9 +86,12 @@ def _ops(layer) -> FormatOps:
 
 @pytree_dataclass
 class KVCache:
-    """The whole cache: one LayerCache per layer, the page table and the lengths.
+    """The whole cache: the layers' pages, the page table and the lengths.
 
-      layers: tuple[LayerCache, ...], one per layer.
+      layers: tuple[LayerCache, ...], one per layer; or (init_cache(stacked=True)) ONE LayerCache
+        whose every array has a leading num_layers axis, for a model that scans over its layers.
+        A stacked LayerCache is a container only: take layer i (jax.tree.map(lambda a: a[i], ...))
+        before handing it to write_prefill / append / the attention.
       page_indices: i32[max_seqs, pages_per_seq], from paging.PageAllocator (0 = null page).
       kv_lens: i32[max_seqs], tokens held per sequence (sinks + sealed + open).
       config: QuantConfig (static).
@@ -101,8 +104,12 @@ class KVCache:
     config: QuantConfig = dataclasses.field(metadata=STATIC)
 
     @property
+    def stacked(self) -> bool:
+        return not isinstance(self.layers, tuple)
+
+    @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        return jax.tree.leaves(self.layers)[0].shape[0] if self.stacked else len(self.layers)
 
     @property
     def max_seqs(self) -> int:
@@ -114,7 +121,7 @@ class KVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.layers[0].num_pages
+        return jax.tree.leaves(self.layers)[0].shape[1] if self.stacked else self.layers[0].num_pages
 
     @property
     def num_sink_tokens(self) -> int:
@@ -160,8 +167,9 @@ def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pag
 
 
 def init_cache(config: QuantConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
-               num_pages: int, max_seqs: int, pages_per_seq: int) -> KVCache:
-    """An empty KVCache: num_layers zero LayerCaches, page_indices all null (0), kv_lens 0.
+               num_pages: int, max_seqs: int, pages_per_seq: int, stacked: bool = False) -> KVCache:
+    """An empty KVCache: num_layers zero LayerCaches (a tuple; stacked=True: one LayerCache with a
+    leading num_layers axis), page_indices all null (0), kv_lens 0.
 
     num_pages counts the reserved null page. Raises ValueError as init_layer, and for
     num_layers < 1 or pages_per_seq < 1.
@@ -172,7 +180,10 @@ def init_cache(config: QuantConfig, *, num_layers: int, num_kv_heads: int, head_
         raise ValueError(f"sizes must be positive: {num_layers=} {pages_per_seq=}")
     layer = init_layer(config, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        num_pages=num_pages, max_seqs=max_seqs)
-    layers = (layer,) + tuple(jax.tree.map(jnp.copy, layer) for _ in range(num_layers - 1))
+    if stacked:
+        layers = jax.tree.map(lambda a: jnp.zeros((num_layers,) + a.shape, a.dtype), layer)
+    else:
+        layers = (layer,) + tuple(jax.tree.map(jnp.copy, layer) for _ in range(num_layers - 1))
     return KVCache(layers=layers, page_indices=jnp.zeros((max_seqs, pages_per_seq), jnp.int32),
                    kv_lens=jnp.zeros((max_seqs,), jnp.int32), config=config)
 
@@ -243,28 +254,29 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
 
 
 def seals_block(config: QuantConfig, kv_lens, active) -> bool:
-    """Host-side: does an `append` at positions kv_lens (int[S], tokens held before the new one)
-    fill some active slot's open block, so that the block must be sealed this step? True iff the
-    format is 2-bit and some active slot s has kv_lens[s] >= num_sink_tokens and
-    (kv_lens[s] - num_sink_tokens) % partition_size == partition_size - 1. A decode loop that
+    """Host-side: does an `append` after which the slots hold kv_lens (int[S], as append's kv_lens:
+    the new token included) fill some active slot's open block, so that the block must be sealed
+    this step? True iff the format is 2-bit and some active slot s has kv_lens[s] >
+    num_sink_tokens and (kv_lens[s] - num_sink_tokens) % partition_size == 0. A decode loop that
     knows its lengths on the host (models.generate.Generator) passes seal="never" to `append` on
     the other steps (P - 1 of every P tokens at batch 1). NumPy only (no device sync)."""
     if not FORMATS[format_of(config)].blocked:
         return False
     lens = np.asarray(kv_lens, np.int64)
-    on = np.asarray(active, bool) & (lens >= config.num_sink_tokens)
-    return bool(np.any(on & ((lens - config.num_sink_tokens) % config.partition_size
-                             == config.partition_size - 1)))
+    on = np.asarray(active, bool) & (lens > config.num_sink_tokens)
+    return bool(np.any(on & ((lens - config.num_sink_tokens) % config.partition_size == 0)))
 
 
 def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
            seal: Seal = "always") -> LayerCache:
-    """Writes one token per active sequence: token number kv_lens[s] of slot s.
+    """Writes one token per active sequence: token number kv_lens[s] - 1 of slot s.
 
     Args:
       layer: the LayerCache.
       k, v: float[S, num_kv_heads, head_dim], S = max_seqs (rows of inactive slots ignored).
-      kv_lens: i32[S] tokens held *before* this token (the new token's position).
+      kv_lens: i32[S] tokens each slot holds *after* this append, the new token included (the
+        meaning of kv_lens everywhere: hack_jax.step, decode_attention); an active slot's new token
+        sits at position kv_lens[s] - 1, an inactive slot is left as it is.
       active: bool[S] which slots take a token this step.
       page_indices: i32[S, pages_per_seq]; the new token's page must be assigned.
       key: PRNG key for rounding="stochastic" (ValueError if None then); pass a fresh key per step.
@@ -282,7 +294,7 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
     block's packing-group plane is cleared, then OR-ed, since pages are reused) and its open block
     zeroed; seed: K quantized per token at once into the page, only V goes through the open block.
     Raises ValueError on shape mismatch, an unknown `seal`, or (concrete inputs only) a negative
-    kv_len, bad page ids / over capacity, NaN or inf in an active slot's k / v, seal="never" with a
+    kv_len or an active slot with kv_len 0 (no room for its new token), bad page ids / over capacity, NaN or inf in an active slot's k / v, seal="never" with a
     slot that seals; TypeError for non-integer kv_lens / page_indices. Under jit nothing can raise:
     a token at a negative position or beyond capacity, or bound for the null page or an id outside
     [0, num_pages), is dropped (never written elsewhere).
@@ -302,8 +314,12 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
                          f"{page_indices.shape=}")
     if not is_traced(kv_lens) and kv_lens.size and int(kv_lens.min()) < 0:
         raise ValueError(f"append: kv_lens must be >= 0: kv_lens={np.asarray(kv_lens).tolist()}")
+    if not is_traced(kv_lens, active) and np.any(np.asarray(active) & (np.asarray(kv_lens) < 1)):
+        raise ValueError(f"append: an active slot must hold >= 1 token after the append (its new "
+                         f"one): kv_lens={np.asarray(kv_lens).tolist()} "
+                         f"active={np.asarray(active).tolist()}")
     if not is_traced(active):
-        _validate_pages(layer, page_indices, kv_lens + active.astype(jnp.int32))
+        _validate_pages(layer, page_indices, kv_lens)
         rows = np.asarray(active)
         check_finite(k[rows], v[rows], "append")
     else:
@@ -313,8 +329,9 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
                          f"(kv_lens={np.asarray(kv_lens).tolist()}, "
                          f"partition_size={layer.config.partition_size}, "
                          f"num_sink_tokens={layer.config.num_sink_tokens}); use seal='always'")
-    active = active & (kv_lens >= 0)  # under jit: a negative position is dropped, never wrapped
-    return ops.append(layer, k, v, kv_lens, active, page_indices, key, seal)
+    position = kv_lens - active.astype(jnp.int32)  # of the new token
+    active = active & (position >= 0)  # under jit: a negative position is dropped, never wrapped
+    return ops.append(layer, k, v, position, active, page_indices, key, seal)
 
 
 # ----------------------------------------------------------------------------- reading

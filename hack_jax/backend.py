@@ -1,0 +1,86 @@
+"""Backend: the attention a model runs over its cache, one object the model receives.
+
+A model holds a `Backend` (frozen and hashable: a jit static) and calls its `prefill` / `decode`
+once per layer with the layer's fresh q/k/v, its cache layer and the step record (hack_jax.step.Step,
+unchanged). The backend writes the K/V into the cache and attends:
+  prefill  hack_jax.prefill.prefill: the step's tokens attend to each other exactly on their 16-bit
+           K/V (cuDNN / XLA / bf16 Pallas / jnp, `prefill_attention`), a chunk also to its cached
+           prefix on the codes, and the cache is written once; or "homomorphic", the paper's numerics.
+  decode   hack_jax.attention.decode_step: kv_cache.append then decode_attention, fused into one
+           Pallas call on the non-sealing steps where that pays.
+Evaluation variants and benchmark adapters are other objects with the same two methods
+(models/eval.py, bench/bench_generate.py); nothing patches a module global.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from hack_jax import attention, kv_cache, prefill as hack_prefill
+from hack_jax.step import Step
+
+
+def write(layer: kv_cache.LayerCache, k, v, step: Step, *, layer_index) -> kv_cache.LayerCache:
+    """Writes one step's fresh K/V into a layer without attending: kv_cache.write_prefill (step.mode
+    "prefill" / "chunk": k, v float[max_seqs, T, num_kv_heads, head_dim], each active slot's new tokens
+    after its step.start cached ones) or kv_cache.append ("decode": k, v float[max_seqs, num_kv_heads,
+    head_dim], the token at kv_lens[s] - 1 of each active slot). Stochastic rounding uses
+    fold_in(step.key, layer_index) (an int, or a traced i32 inside a scan over layers)."""
+    key = jax.random.fold_in(step.key, layer_index)
+    if step.mode in ("prefill", "chunk"):
+        return kv_cache.write_prefill(layer, k, v, lengths=step.write_lens, page_indices=step.page_indices,
+                                      start=step.start if step.mode == "chunk" else None, key=key)
+    return kv_cache.append(layer, k, v, kv_lens=step.kv_lens, active=step.active,
+                           page_indices=step.page_indices, key=key, seal=step.seal)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """The attention a model runs over its cache (module docstring).
+
+    Attributes:
+      impl: hack_jax.attention's ("reference" | "pallas" | "pallas_dequant" | "triton").
+      options: keyword options for the kernels as sorted (name, value) pairs (a dict is accepted and
+        converted, so the backend stays hashable), e.g. {"interpret": True} to run them in Pallas
+        interpret mode on the CPU. Must be empty with impl="reference".
+      prefill_attention: hack_jax.prefill's `attention` ("auto" | "cudnn" | "xla" | "pallas" |
+        "reference": exact causal attention of the prompt on its 16-bit K/V; "homomorphic": the paper's
+        numerics over the 2-bit cache, not causal within a block).
+    Raises ValueError for an unknown impl / prefill_attention or options with impl="reference".
+    """
+    impl: attention.Impl = "reference"
+    options: Any = ()
+    prefill_attention: str = "auto"
+
+    def __post_init__(self):
+        options = self.options.items() if isinstance(self.options, dict) else self.options
+        object.__setattr__(self, "options", tuple(sorted(options)))
+        if self.impl not in attention.IMPLS:
+            raise ValueError(f"impl must be one of {attention.IMPLS}, got {self.impl=}")
+        if self.options and self.impl == "reference":
+            raise ValueError(f"kernel options only apply to the kernel impls, got {self.options=} "
+                             f"with impl='reference'")
+        if self.prefill_attention not in hack_prefill.PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention must be one of {hack_prefill.PREFILL_ATTENTION}, "
+                             f"got {self.prefill_attention=}")
+
+    def prefill(self, q, k, v, layer, step: Step, *, layer_index):
+        """q float[max_seqs, T, num_q_heads, head_dim], k, v float[max_seqs, T, num_kv_heads, head_dim]
+        (the step's tokens, left-aligned) -> (new layer, f32[max_seqs, T, num_q_heads, head_dim]);
+        rows at or past a slot's new tokens are 0."""
+        return hack_prefill.prefill(
+            q, k, v, layer, page_indices=step.page_indices, lengths=step.write_lens,
+            q_start=step.start if step.mode == "chunk" else None,
+            key=jax.random.fold_in(step.key, layer_index), attention=self.prefill_attention,
+            impl=self.impl, **dict(self.options))
+
+    def decode(self, q, k, v, layer, step: Step, *, layer_index):
+        """q float[max_seqs, num_q_heads, head_dim], k, v float[max_seqs, num_kv_heads, head_dim]
+        -> (new layer, f32[max_seqs, num_q_heads, head_dim])."""
+        return attention.decode_step(q, k, v, layer, page_indices=step.page_indices, kv_lens=step.kv_lens,
+                                     active=step.active, impl=self.impl, seal=step.seal,
+                                     key=jax.random.fold_in(step.key, layer_index), **dict(self.options))
+
