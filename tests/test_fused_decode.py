@@ -78,3 +78,17 @@ def test_fused_step_matches_append_then_attention(config, mode):
     oracle = twin.np_cache_attention(np.asarray(q)[:, None], cache, (after - 1)[:, None])[:, 0]
     err = np.abs(out - oracle).max()
     assert err <= (TIGHT if mode == "interpret" else FLIP_BOUND) * scale, (err, scale)
+
+
+def test_fused_step_rejects_what_append_rejects():
+    """The fused path runs append's checks first: a broken seal="never" promise and a bad `active` raise
+    ValueError naming the value, before any kernel runs (the layer is a value: nothing to roll back)."""
+    q, k_new, v_new, layer, table, _ = step_inputs()
+    kw = dict(page_indices=jnp.asarray(table), impl="pallas", seal="never", interpret=True)
+    fills = PREV.copy()
+    fills[5] = CONFIG.num_sink_tokens + CONFIG.partition_size - 1  # this token fills slot 5's open block
+    with pytest.raises(ValueError, match="seal='never'"):
+        attention.decode_step(q, k_new, v_new, layer, kv_lens=jnp.asarray(fills), active=jnp.asarray(ACTIVE), **kw)
+    with pytest.raises(ValueError, match="active.shape"):
+        attention.decode_step(q, k_new, v_new, layer, kv_lens=jnp.asarray(PREV), active=jnp.asarray(ACTIVE[:3]),
+                              **kw)
