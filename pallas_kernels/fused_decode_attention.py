@@ -39,7 +39,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.common import NUM_PLANES
 from pallas_kernels.decode_attention import (DOT_DTYPES, H200_NUM_SMS, DotDtype, KernelConfig, _hack_decode_kernel,
-                                             choose_num_splits, resolve_config)
+                                             choose_num_splits, resolve_config, split_cost)
+from pallas_kernels import decode_attention
 
 # Programs resident per SM (4 warps): the row writes raise the "int8" kernel from 168 to 182 registers
 # (ptxas, sm_90, Triton 3.6, offline: bench/NOTES_generate.md), 2 programs in an SM's 64K registers instead
@@ -173,6 +174,23 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
     splits, open_split = choose_num_splits(batch * num_kv_heads, groups, RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms)
     return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
+
+
+def fusion_pays(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int, partition_size: int,
+                dot_dtype: DotDtype = "int8", num_sms: int = H200_NUM_SMS) -> bool:
+    """Whether this kernel at its default_config is predicted no slower (split_cost) than
+    decode_attention's kernel at its own, which keeps 3 programs per SM for "int8". Llama-3.1-8B heads
+    (8 kv heads, pages of 256, P 64): True at batch 1 to 4K tokens (and 16K) and batch <= 4 at 1K, where
+    the step waits on the host and fewer launches pay; False elsewhere, where the kernel's occupancy
+    is predicted to cost more (batch 8 at 4K: 6 vs 4 units). A prediction, to be
+    checked against the GPU profile (bench/NOTES_generate.md)."""
+    kw = dict(batch=batch, num_kv_heads=num_kv_heads, pages_per_seq=pages_per_seq, page_size=page_size,
+              partition_size=partition_size, dot_dtype=dot_dtype, num_sms=num_sms)
+    groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
+    cost = lambda cfg, per_sm: split_cost(batch * num_kv_heads, groups, per_sm * num_sms, cfg.num_splits,
+                                          cfg.open_split)
+    return (cost(default_config(**kw), RESIDENT_PROGRAMS_PER_SM[dot_dtype])
+            <= cost(decode_attention.default_config(**kw), decode_attention.RESIDENT_PROGRAMS_PER_SM[dot_dtype]))
 
 
 @common.quiet

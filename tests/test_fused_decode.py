@@ -1,5 +1,5 @@
 """Tier (a) tests of the fused append + decode attention kernel (pallas_kernels.fused_decode_attention),
-reached through hack_jax.attention.decode_step(impl="pallas", seal="non-sealing" = "never").
+reached through hack_jax.attention.decode_step(impl="pallas", seal="never", fuse=True).
 
 One non-sealing step on a poisoned cache (tests/twin.py: NaN in every stale open-block / sink row and
 unused page, shuffled page table) whose slots put the new token into a sink (first token, middle
@@ -62,7 +62,7 @@ def test_fused_step_matches_append_then_attention(config, mode):
     q, k_new, v_new, layer, table, (k, v) = step_inputs()
     kw = dict(page_indices=jnp.asarray(table), kv_lens=jnp.asarray(PREV), active=jnp.asarray(ACTIVE),
               impl="pallas", interpret=mode == "interpret", config=config)
-    fused_layer, out = attention.decode_step(q, k_new, v_new, layer, seal="never", **kw)
+    fused_layer, out = attention.decode_step(q, k_new, v_new, layer, seal="never", fuse=True, **kw)
     ref_layer, ref = attention.decode_step(q, k_new, v_new, layer, seal="always", **kw)  # append + kernel
     want = kv_cache.append(layer, k_new, v_new, kv_lens=PREV, active=ACTIVE, page_indices=table, seal="never")
     for f in dataclasses.fields(want):
@@ -88,7 +88,11 @@ def test_fused_step_rejects_what_append_rejects():
     fills = PREV.copy()
     fills[5] = CONFIG.num_sink_tokens + CONFIG.partition_size - 1  # this token fills slot 5's open block
     with pytest.raises(ValueError, match="seal='never'"):
-        attention.decode_step(q, k_new, v_new, layer, kv_lens=jnp.asarray(fills), active=jnp.asarray(ACTIVE), **kw)
+        attention.decode_step(q, k_new, v_new, layer, kv_lens=jnp.asarray(fills), active=jnp.asarray(ACTIVE),
+                              fuse=True, **kw)
     with pytest.raises(ValueError, match="active.shape"):
         attention.decode_step(q, k_new, v_new, layer, kv_lens=jnp.asarray(PREV), active=jnp.asarray(ACTIVE[:3]),
-                              **kw)
+                              fuse=True, **kw)
+    with pytest.raises(ValueError, match="fuse=True needs"):
+        attention.decode_step(q, k_new, v_new, layer, kv_lens=jnp.asarray(PREV), active=jnp.asarray(ACTIVE),
+                              fuse=True, **dict(kw, seal="always"))
