@@ -1,8 +1,8 @@
 """HACK decode step in one Pallas kernel: append the new token to the kivi cache and attend, Triton lowering.
 
 Computes what hack_jax.kv_cache.append(..., seal="never") followed by decode_attention.hack_decode_attention
-computes, in one launch instead of the append's four row scatters (sink_k, sink_v, open_k, open_v) plus
-the attention kernel: the new token's k / v rows are written into their open-block (or sink) row of the
+computes, in two launches (this kernel and a small split combine) instead of the append's four row
+scatters (sink_k, sink_v, open_k, open_v), the attention kernel and XLA's combine fusions: the new token's k / v rows are written into their open-block (or sink) row of the
 slot through `input_output_aliases` (the cache arrays are updated in place when the caller donates
 them), and the attention over sinks + sealed blocks + open block uses the new rows from registers (the
 kernel never reads back what it writes). Everything else is decode_attention.py's kernel, unchanged
@@ -25,7 +25,12 @@ slot s takes token kv_lens[s] when active[s] and kv_lens[s] >= 0: into sink row 
 Reference twin: hack_jax.kv_cache.append(seal="never") then decode_attention.hack_decode_attention
 (bit-identical cache; the output equal up to the float32 order of the split combine), reached via
 hack_jax.attention.decode_step(..., impl="reference"); tests/test_fused_decode.py also checks the
-output against the float64 twin of tests/test_decode_kernels.py.
+output against the float64 twin (tests/twin.py).
+
+Tested in interpret mode only so far (the gpu-marked tests are for the H200). Offline (ptxas, sm_90,
+Triton 3.6): 182 registers for "int8" vs the plain kernel's 168, i.e. 2 resident programs per SM instead
+of 3 (RESIDENT_PROGRAMS_PER_SM; `fusion_pays` says where that is predicted to cost nothing);
+bench/NOTES_generate.md.
 """
 from __future__ import annotations
 
