@@ -4,8 +4,9 @@ Computes what hack_jax.kv_cache.append(..., seal="never") followed by decode_att
 computes, in two launches (this kernel and a small split combine) instead of the append's four row
 scatters (sink_k, sink_v, open_k, open_v), the attention kernel and XLA's combine fusions: the new
 token's k / v rows are written into their open-block (or sink) row of the slot through
-`input_output_aliases` (the cache arrays are updated in place when the caller donates them), and the attention over sinks + sealed blocks + open block uses the new rows from registers (the
-kernel never reads back what it writes). Everything else is decode_attention.py's kernel, unchanged
+`input_output_aliases` (the cache arrays are updated in place when the caller donates them), and the
+attention over sinks + sealed blocks + open block uses the new rows from registers (the kernel never
+reads back what it writes). Everything else is decode_attention.py's kernel, unchanged
 (`_hack_decode_kernel`, every dot_dtype and KernelConfig): q is read in its natural
 [S, num_q_heads, head_dim] layout with sm_scale applied in-kernel; the split-K partials are merged
 by a second, small kernel (`combine_splits`: one launch).
