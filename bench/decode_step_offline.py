@@ -3,7 +3,7 @@
 Lowers `jax.jit(step, donate_argnums=0).trace(...).lower(lowering_platforms=("cuda",))` at a model's
 shapes (no GPU needed, as bench/triton_offline.py) for two steps that compute the same thing:
   unfused  kv_cache.append(seal="never") then attention.decode_attention(impl="pallas")
-  fused    attention.decode_step(impl="pallas", seal="never")  (pallas_kernels.fused_decode_attention)
+  fused    attention.decode_step(impl="pallas", seal="never", fuse=True)  (pallas_kernels.fused_decode_attention)
 and counts in the StableHLO: custom calls (each Pallas kernel is one; one launch each), scatters and
 reductions (each at least one XLA fusion / launch), and the other compute ops (candidates for fusion;
 layout ops such as reshape, slice, broadcast, convert and constants are listed apart, XLA folds most
@@ -31,15 +31,14 @@ LAYOUT = {"reshape", "broadcast_in_dim", "convert", "constant", "slice", "bitcas
 def step_fns(impl_options):
     def unfused(layer, q, k, v, page_indices, kv_lens, active):
         layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active, page_indices=page_indices,
-                                seal="never")
-        out = attention.decode_attention(q, layer, page_indices=page_indices,
-                                         kv_lens=kv_lens + active.astype(jnp.int32), impl="pallas",
+                                seal="never")  # kv_lens: held after the step (hack_jax.step)
+        out = attention.decode_attention(q, layer, page_indices=page_indices, kv_lens=kv_lens, impl="pallas",
                                          **impl_options)
         return layer, out
 
     def fused(layer, q, k, v, page_indices, kv_lens, active):
         return attention.decode_step(q, k, v, layer, page_indices=page_indices, kv_lens=kv_lens, active=active,
-                                     impl="pallas", seal="never", **impl_options)
+                                     impl="pallas", seal="never", fuse=True, **impl_options)
 
     return dict(unfused=unfused, fused=fused)
 

@@ -1,10 +1,8 @@
 """THE attention dispatch point: decode and prefill attention over a paged cache layer.
 
-Models hold a `Backend` (impl + kernel options, frozen and hashable: a jit static) and call its
-`prefill` / `decode` once per layer with the step's fresh q/k/v and the hack_jax.step.Step record;
-the backend writes the K/V into the cache (`write`) and attends through `prefill_attention` /
-`decode_attention` (STYLE.md rule 11). Evaluation variants and benchmark adapters are other objects
-with the same two methods (models/eval.py, bench/bench_generate.py). `impl` picks:
+Models hold a hack_jax.backend.Backend and call its `prefill` / `decode` once per layer; it writes the
+fresh K/V and attends through this module's `prefill_attention` / `decode_step` (append + decode
+attention, fused into one kernel call where that pays) (STYLE.md rule 11). `impl` picks:
   "reference": pure jnp, jit-able, vectorized over sequences and blocks.
     kv_format="hack": the paged homomorphic reference. Codes, metadata and sums are read from the
       pages through page_indices (`kv_cache.read_blocks`, which zeroes everything beyond a
@@ -173,13 +171,12 @@ def _decode_kernel_args(layer):
             dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens))
 
 
-def _fused_decode_kernel():
-    module, name = "pallas_kernels.fused_decode_attention", "hack_fused_decode_attention"
+def _fused_decode_module():
+    module = "pallas_kernels.fused_decode_attention"
     try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise NotImplementedError(f"the fused decode kernel {module}.{name} is unavailable "
-                                  f"({type(e).__name__}: {e})") from e
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise NotImplementedError(f"the fused decode kernel {module} is unavailable ({type(e).__name__}: {e})") from e
 
 
 def _pallas(impl, kind, layer):
@@ -329,40 +326,59 @@ def _homomorphic(q, layer, page_indices, kv_lens, q_pos):
 
 
 def decode_step(q, k, v, layer: kv_cache.LayerCache, *, page_indices, kv_lens, active, impl="reference",
-                seal="always", key=None, **kernel_options):
+                seal="always", key=None, fuse=None, **kernel_options):
     """One decode step of a layer: append each active slot's new token, then attend over the cache.
 
     The same as `layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active,
     page_indices=page_indices, key=key, seal=seal)` followed by `decode_attention(q, layer,
-    page_indices=page_indices, kv_lens=kv_lens + active, impl=impl, **kernel_options)`, which is what
-    runs, except for impl="pallas" with seal="never" on a kivi layer: one fused Pallas call
+    page_indices=page_indices, kv_lens=kv_lens, impl=impl, **kernel_options)`, which is what
+    runs, except for impl="pallas" with seal="never" on a kivi layer when `fuse`: one fused Pallas call
     (pallas_kernels.fused_decode_attention) writes the token's sink / open-block rows in place and
-    attends, so no XLA scatter runs around the kernel (the same cache bytes, the same output).
+    attends, plus one small kernel for the split combine, so no XLA scatter runs around the kernel (the
+    same cache bytes, the same output up to float32 order). The fused kernel holds 2 programs per SM
+    instead of 3 (more registers), so fuse=None (auto) fuses where its split model predicts no loss
+    (`fused_decode_attention.fusion_pays`: batch 1 at <= 4K tokens on Llama-3.1-8B heads); True / False
+    force it (True: ValueError where it cannot apply).
 
     Args:
       q: float[max_seqs, num_q_heads, head_dim]; k, v: float[max_seqs, num_kv_heads, head_dim].
       layer: a LayerCache; page_indices: i32[max_seqs, pages_per_seq].
-      kv_lens: i32[max_seqs] tokens held *before* this token; active: bool[max_seqs].
+      kv_lens: i32[max_seqs] tokens held after this step (the new token at kv_lens - 1 of each active
+        slot: hack_jax.step's one meaning); active: bool[max_seqs].
       impl, kernel_options: as decode_attention. seal, key: as kv_cache.append.
     Returns (new layer, out f32[max_seqs, num_q_heads, head_dim]).
     Raises what kv_cache.append and decode_attention raise (the same checks, before anything runs).
     """
-    if not (impl == "pallas" and seal == "never" and isinstance(layer, kv_cache.KiviPages)):
+    can_fuse = impl == "pallas" and seal == "never" and isinstance(layer, kv_cache.KiviPages)
+    if fuse and not can_fuse:
+        raise ValueError(f"fuse=True needs impl='pallas', seal='never' and a kivi layer, got {impl=} {seal=} "
+                         f"{type(layer).__name__}")
+    if can_fuse and fuse is None:
+        fuse = _fusion_pays(layer, jnp.shape(page_indices), kernel_options)
+    if not (can_fuse and fuse):
         layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active, page_indices=page_indices,
                                 key=key, seal=seal)
-        after = jnp.asarray(kv_lens, jnp.int32) + jnp.asarray(active, jnp.int32)
-        return layer, decode_attention(q, layer, page_indices=page_indices, kv_lens=after, impl=impl,
+        return layer, decode_attention(q, layer, page_indices=page_indices, kv_lens=kv_lens, impl=impl,
                                        **kernel_options)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if q.ndim != 3:
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens, active = _check_append(layer, k, v, page_indices, kv_lens, active)
-    _check(q[:, None], layer, page_indices, kv_lens + active.astype(jnp.int32), impl, kernel_options)
-    fn = _fused_decode_kernel()
+    _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
+    fn = _fused_decode_module().hack_fused_decode_attention
     arrays, static = _decode_kernel_args(layer)
-    out, open_k, open_v, sink_k, sink_v = fn(q, k, v, *arrays, page_indices, kv_lens, active, **static,
+    before = kv_lens - active.astype(jnp.int32)  # the fused kernel's position of the new token
+    out, open_k, open_v, sink_k, sink_v = fn(q, k, v, *arrays, page_indices, before, active, **static,
                                              **kernel_options)
     return dataclasses.replace(layer, open_k=open_k, open_v=open_v, sink_k=sink_k, sink_v=sink_v), out
+
+
+def _fusion_pays(layer, table_shape, kernel_options):
+    config = kernel_options.get("config")
+    dot_dtype = config.dot_dtype if config is not None else kernel_options.get("dot_dtype", "int8")
+    return _fused_decode_module().fusion_pays(
+        batch=table_shape[0], num_kv_heads=layer.num_kv_heads, pages_per_seq=table_shape[1],
+        page_size=layer.config.page_size, partition_size=layer.config.partition_size, dot_dtype=dot_dtype)
 
 
 def _check_append(layer, k, v, page_indices, kv_lens, active):

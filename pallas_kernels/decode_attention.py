@@ -266,11 +266,16 @@ def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> tuple[int,
     best, best_cost = (1, False), None
     for s in range(1, num_groups + 1):
         for open_split in (False, True):
-            work = -(-num_groups // s) if open_split else num_groups // s + 1
-            cost = -(-num_pairs * (s + open_split) // slots) * (work + 1)
+            cost = split_cost(num_pairs, num_groups, slots, s, open_split)
             if best_cost is None or cost < best_cost:
                 best, best_cost = (s, open_split), cost
     return best
+
+
+def split_cost(num_pairs: int, num_groups: int, slots: int, splits: int, open_split: bool) -> int:
+    """`choose_num_splits`'s predicted time, in packing-group units: waves x (longest program's work + 1)."""
+    work = -(-num_groups // splits) if open_split else num_groups // splits + 1
+    return -(-num_pairs * (splits + open_split) // slots) * (work + 1)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """HACK decode step in one Pallas kernel: append the new token to the kivi cache and attend, Triton lowering.
 
 Computes what hack_jax.kv_cache.append(..., seal="never") followed by decode_attention.hack_decode_attention
-computes, in one launch instead of the append's four row scatters (sink_k, sink_v, open_k, open_v) plus
-the attention kernel: the new token's k / v rows are written into their open-block (or sink) row of the
-slot through `input_output_aliases` (the cache arrays are updated in place when the caller donates
-them), and the attention over sinks + sealed blocks + open block uses the new rows from registers (the
-kernel never reads back what it writes). Everything else is decode_attention.py's kernel, unchanged
+computes, in two launches (this kernel and a small split combine) instead of the append's four row
+scatters (sink_k, sink_v, open_k, open_v), the attention kernel and XLA's combine fusions: the new
+token's k / v rows are written into their open-block (or sink) row of the slot through
+`input_output_aliases` (the cache arrays are updated in place when the caller donates them), and the
+attention over sinks + sealed blocks + open block uses the new rows from registers (the kernel never
+reads back what it writes). Everything else is decode_attention.py's kernel, unchanged
 (`_hack_decode_kernel`, every dot_dtype and KernelConfig): q is read in its natural
 [S, num_q_heads, head_dim] layout with sm_scale applied in-kernel; the split-K partials are merged
 by a second, small kernel (`combine_splits`: one launch).
@@ -25,7 +26,12 @@ slot s takes token kv_lens[s] when active[s] and kv_lens[s] >= 0: into sink row 
 Reference twin: hack_jax.kv_cache.append(seal="never") then decode_attention.hack_decode_attention
 (bit-identical cache; the output equal up to the float32 order of the split combine), reached via
 hack_jax.attention.decode_step(..., impl="reference"); tests/test_fused_decode.py also checks the
-output against the float64 twin of tests/test_decode_kernels.py.
+output against the float64 twin (tests/twin.py).
+
+Tested in interpret mode only so far (the gpu-marked tests are for the H200). Offline (ptxas, sm_90,
+Triton 3.6): 182 registers for "int8" vs the plain kernel's 168, i.e. 2 resident programs per SM instead
+of 3 (RESIDENT_PROGRAMS_PER_SM; `fusion_pays` says where that is predicted to cost nothing);
+bench/NOTES_generate.md.
 """
 from __future__ import annotations
 
@@ -38,7 +44,14 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.common import NUM_PLANES
-from pallas_kernels.decode_attention import DotDtype, KernelConfig, _hack_decode_kernel, resolve_config
+from pallas_kernels.decode_attention import (DOT_DTYPES, H200_NUM_SMS, DotDtype, KernelConfig, _hack_decode_kernel,
+                                             choose_num_splits, resolve_config, split_cost)
+from pallas_kernels import decode_attention
+
+# Programs resident per SM (4 warps): the row writes raise the "int8" kernel from 168 to 182 registers
+# (ptxas, sm_90, Triton 3.6, offline: bench/NOTES_generate.md), 2 programs in an SM's 64K registers instead
+# of 3; the folded modes were at 2 already.
+RESIDENT_PROGRAMS_PER_SM = {"int8": 2, "folded_f16": 2, "folded_bf16": 2}
 
 
 def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, q_ref, k_ref, v_ref, *refs, num_sink_tokens,
@@ -50,7 +63,7 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, q_ref, k_ref, v_
     ns, P = num_sink_tokens, partition_size
     n_cache = 10 + 2 * bool(ns)
     cache_in, (acc_ref, m_ref, l_ref), cache_out = refs[:n_cache], refs[n_cache:n_cache + 3], refs[n_cache + 3:]
-    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h = pl.program_id(0), pl.program_id(1)
     prev, kv_len = prev_lens_ref[b], kv_lens_ref[b]
     written = (kv_len > prev) & (prev >= 0)  # active; a negative position is dropped, as append does
     to_sink = written & (prev < ns)
@@ -59,25 +72,23 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, q_ref, k_ref, v_
     sink_row = jnp.where(to_sink, prev, -1)
     dtype = cache_in[8].dtype
     D = k_ref.shape[-1]
-    is_prologue = split == (num_splits if open_split else 0)  # the one program of (b, h) reading open / sinks
-
-    @pl.when(is_prologue & to_open)
-    def _():
-        cache_out[0][b, h, open_row, :] = k_ref[b, h, :].astype(dtype)
-        cache_out[1][b, h, open_row, :] = v_ref[b, h, :].astype(dtype)
-
-    if ns:
-        @pl.when(is_prologue & to_sink)
-        def _():
-            cache_out[2][b, h, sink_row, :] = k_ref[b, h, :].astype(dtype)
-            cache_out[3][b, h, sink_row, :] = v_ref[b, h, :].astype(dtype)
 
     num_groups = kernel_kwargs["num_groups"]
     Pc = D // num_groups
 
-    def open_state(*args):
+    def open_state(*args):  # runs in the one program of (b, h) that reads the open block and sinks
         rows = lambda ref: [ref[b, h, pl.ds(p * Pc, Pc)].astype(dtype) for p in range(num_groups)]
-        return common.sinks_and_open_block_state(*args, new_token=(rows(k_ref), rows(v_ref), open_row, sink_row))
+        new_k, new_v = rows(k_ref), rows(v_ref)
+
+        def write(row, k_out, v_out):  # nothing reads the row back: the attention takes it from registers
+            for p in range(num_groups):
+                k_out[b, h, row, pl.ds(p * Pc, Pc)] = new_k[p]
+                v_out[b, h, row, pl.ds(p * Pc, Pc)] = new_v[p]
+
+        pl.when(to_open)(lambda: write(open_row, cache_out[0], cache_out[1]))
+        if ns:
+            pl.when(to_sink)(lambda: write(sink_row, cache_out[2], cache_out[3]))
+        return common.sinks_and_open_block_state(*args, new_token=(new_k, new_v, open_row, sink_row))
 
     _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, *cache_in, acc_ref, m_ref, l_ref,
                         num_sink_tokens=ns, partition_size=P, max_blocks=max_blocks, num_splits=num_splits,
@@ -161,6 +172,33 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     return (combine_splits(acc, m, l, num_q_heads, interpret=interpret), new[0], new[1]) + sinks
 
 
+def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int, partition_size: int,
+                   dot_dtype: DotDtype = "int8", num_sms: int = H200_NUM_SMS) -> KernelConfig:
+    """decode_attention.default_config's split choice with this kernel's RESIDENT_PROGRAMS_PER_SM."""
+    if dot_dtype not in DOT_DTYPES:
+        raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {dot_dtype=}")
+    groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
+    splits, open_split = choose_num_splits(batch * num_kv_heads, groups, RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms)
+    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
+
+
+def fusion_pays(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int, partition_size: int,
+                dot_dtype: DotDtype = "int8", num_sms: int = H200_NUM_SMS) -> bool:
+    """Whether this kernel at its default_config is predicted no slower (split_cost) than
+    decode_attention's kernel at its own, which keeps 3 programs per SM for "int8". Llama-3.1-8B heads
+    (8 kv heads, pages of 256, P 64): True at batch 1 to 4K tokens (and 16K) and batch <= 4 at 1K, where
+    the step waits on the host and fewer launches pay; False elsewhere, where the kernel's occupancy
+    is predicted to cost more (batch 8 at 4K: 6 vs 4 units). A prediction, to be
+    checked against the GPU profile (bench/NOTES_generate.md)."""
+    kw = dict(batch=batch, num_kv_heads=num_kv_heads, pages_per_seq=pages_per_seq, page_size=page_size,
+              partition_size=partition_size, dot_dtype=dot_dtype, num_sms=num_sms)
+    groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
+    cost = lambda cfg, per_sm: split_cost(batch * num_kv_heads, groups, per_sm * num_sms, cfg.num_splits,
+                                          cfg.open_split)
+    return (cost(default_config(**kw), RESIDENT_PROGRAMS_PER_SM[dot_dtype])
+            <= cost(decode_attention.default_config(**kw), decode_attention.RESIDENT_PROGRAMS_PER_SM[dot_dtype]))
+
+
 @common.quiet
 def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums,
                                 open_k, open_v, sink_k, sink_v, page_indices, kv_lens, active, *,
@@ -176,7 +214,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held before this token;
         active: bool[batch].
       partition_size, num_sink_tokens, dot_dtype, num_splits, config, interpret: as
-        decode_attention.hack_decode_attention (the config is chosen for the lengths after the token).
+        decode_attention.hack_decode_attention; config None: `default_config` (this kernel's occupancy).
 
     Returns:
       (out f32[batch, num_q_heads, head_dim], open_k, open_v, sink_k, sink_v), the last four in their
@@ -197,8 +235,11 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
                              f"{getattr(x, 'shape', type(x).__name__)} {getattr(x, 'dtype', '')}")
     if active.shape != (q.shape[0],) or active.dtype != jnp.bool_:
         raise ValueError(f"active must be bool[{q.shape[0]}], got {active.shape=} {active.dtype=}")
-    config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, dot_dtype=dot_dtype,
-                            num_splits=num_splits, config=config)
+    if config is None:
+        config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1], pages_per_seq=page_indices.shape[1],
+                                page_size=k_sums.shape[2], partition_size=partition_size, dot_dtype=dot_dtype)
+    config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, num_splits=num_splits,
+                            config=config)
     return _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
                          open_v, sink_k, sink_v, page_indices, kv_lens, active, partition_size=partition_size,
                          num_sink_tokens=num_sink_tokens, config=config, interpret=interpret)

@@ -1,5 +1,5 @@
 """Tier (a) tests of the fused append + decode attention kernel (pallas_kernels.fused_decode_attention),
-reached through hack_jax.attention.decode_step(impl="pallas", seal="non-sealing" = "never").
+reached through hack_jax.attention.decode_step(impl="pallas", seal="never", fuse=True).
 
 One non-sealing step on a poisoned cache (tests/twin.py: NaN in every stale open-block / sink row and
 unused page, shuffled page table) whose slots put the new token into a sink (first token, middle
@@ -60,11 +60,12 @@ def step_inputs(seed=0):
                          ids=["default", "splits2_open"])
 def test_fused_step_matches_append_then_attention(config, mode):
     q, k_new, v_new, layer, table, (k, v) = step_inputs()
-    kw = dict(page_indices=jnp.asarray(table), kv_lens=jnp.asarray(PREV), active=jnp.asarray(ACTIVE),
+    kw = dict(page_indices=jnp.asarray(table), kv_lens=jnp.asarray(PREV + ACTIVE), active=jnp.asarray(ACTIVE),
               impl="pallas", interpret=mode == "interpret", config=config)
-    fused_layer, out = attention.decode_step(q, k_new, v_new, layer, seal="never", **kw)
+    fused_layer, out = attention.decode_step(q, k_new, v_new, layer, seal="never", fuse=True, **kw)
     ref_layer, ref = attention.decode_step(q, k_new, v_new, layer, seal="always", **kw)  # append + kernel
-    want = kv_cache.append(layer, k_new, v_new, kv_lens=PREV, active=ACTIVE, page_indices=table, seal="never")
+    want = kv_cache.append(layer, k_new, v_new, kv_lens=PREV + ACTIVE, active=ACTIVE, page_indices=table,
+                           seal="never")
     for f in dataclasses.fields(want):
         if f.name != "config":
             np.testing.assert_array_equal(np.asarray(getattr(fused_layer, f.name)),
@@ -78,3 +79,21 @@ def test_fused_step_matches_append_then_attention(config, mode):
     oracle = twin.np_cache_attention(np.asarray(q)[:, None], cache, (after - 1)[:, None])[:, 0]
     err = np.abs(out - oracle).max()
     assert err <= (TIGHT if mode == "interpret" else FLIP_BOUND) * scale, (err, scale)
+
+
+def test_fused_step_rejects_what_append_rejects():
+    """The fused path runs append's checks first: a broken seal="never" promise and a bad `active` raise
+    ValueError naming the value, before any kernel runs (the layer is a value: nothing to roll back)."""
+    q, k_new, v_new, layer, table, _ = step_inputs()
+    kw = dict(page_indices=jnp.asarray(table), impl="pallas", seal="never", interpret=True)
+    fills = PREV.copy()
+    fills[5] = CONFIG.num_sink_tokens + CONFIG.partition_size  # this token fills slot 5's open block
+    with pytest.raises(ValueError, match="seal='never'"):
+        attention.decode_step(q, k_new, v_new, layer, kv_lens=jnp.asarray(fills), active=jnp.asarray(ACTIVE),
+                              fuse=True, **kw)
+    with pytest.raises(ValueError, match="active.shape"):
+        attention.decode_step(q, k_new, v_new, layer, kv_lens=jnp.asarray(PREV + ACTIVE), active=jnp.asarray(ACTIVE[:3]),
+                              fuse=True, **kw)
+    with pytest.raises(ValueError, match="fuse=True needs"):
+        attention.decode_step(q, k_new, v_new, layer, kv_lens=jnp.asarray(PREV + ACTIVE), active=jnp.asarray(ACTIVE),
+                              fuse=True, **dict(kw, seal="always"))

@@ -236,7 +236,7 @@ def test_prefill_then_decode_matches_the_next_prefill_row(fmt):
     layer, table = setup(fmt, n)
     layer, _ = hp.prefill(q, k, v, layer, page_indices=table, lengths=n, attention="reference")
     at = lambda x: x[np.arange(S), n]  # row n of each slot
-    appended = kv_cache.append(layer, at(k), at(v), kv_lens=n, active=np.ones(S, bool),
+    appended = kv_cache.append(layer, at(k), at(v), kv_lens=n + 1, active=np.ones(S, bool),
                                page_indices=table)
     dec = np.asarray(attention.decode_attention(at(q), appended, page_indices=table, kv_lens=n + 1),
                      np.float64)

@@ -88,9 +88,10 @@ def write(layer, k, v, lengths, table, how="prefill", key=None):
     while (cur < lengths).any():
         t = np.minimum(cur, k.shape[1] - 1)
         step_key = None if key is None else jax.random.fold_in(key, int(cur.sum()))
-        layer = _append(layer, k[rows, t], v[rows, t], kv_lens=cur, active=cur < lengths,
+        active = cur < lengths
+        layer = _append(layer, k[rows, t], v[rows, t], kv_lens=cur + active, active=active,
                         page_indices=table, key=step_key)
-        cur = cur + (cur < lengths)
+        cur = cur + active
     return layer
 
 
