@@ -125,17 +125,19 @@ def write_markdown(path_jsonl):
   lines = ["# Serving: a stream of requests, continuous vs fixed batching", "",
            "Written by `bench/bench_serving.py` (its docstring: workload and timing). All requests "
            "arrive at t = 0; compile time excluded; tokens/s counts each request's own output "
-           "tokens.", "",
+           "tokens. load: the machine's 1-minute load average when the row was written (a CPU "
+           "shared with other jobs: rows at high load are slower for reasons outside the run).",
+           "",
            "| date | device | model | kv | slots | requests | prompt | output | mode | wall s | "
-           "req/s | out tok/s | total tok/s | mean TTFT s | mean latency s | same tokens |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "req/s | out tok/s | total tok/s | mean TTFT s | mean latency s | same tokens | load |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     f = lambda k, d=2: "-" if r.get(k) is None else f"{r[k]:.{d}f}"
     lines.append(f"| {r['date']} | {r['device']} | {r['model']} | {r['kv_format']} | "
                  f"{r['max_seqs']} | {r['requests']} | {r['prompt_len']} | {r['output_len']} | "
                  f"{r['mode']} | {f('wall_s', 1)} | {f('requests_per_s', 3)} | "
                  f"{f('output_tok_per_s', 1)} | {f('total_tok_per_s', 1)} | {f('mean_ttft_s')} | "
-                 f"{f('mean_latency_s')} | {r.get('same_tokens', '-')} |")
+                 f"{f('mean_latency_s')} | {r.get('same_tokens', '-')} | {f('load_avg_1min', 1)} |")
   with open(path_jsonl[:-len(".jsonl")] + ".md", "w", encoding="utf-8") as f:
     f.write("\n".join(lines) + "\n")
 
@@ -176,7 +178,9 @@ def main(argv=None):
                  output_len=f"{args.output_len[0]}-{args.output_len[1]}",
                  prompt_tokens=n_prompt, output_tokens=n_out, wall_s=wall, compile_s=compile_s,
                  requests_per_s=len(reqs) / wall, output_tok_per_s=n_out / wall,
-                 total_tok_per_s=(n_prompt + n_out) / wall, **extra)
+                 total_tok_per_s=(n_prompt + n_out) / wall,
+                 load_avg_1min=os.getloadavg()[0],  # a shared machine: other work skews the wall
+                 **extra)
       if len(tokens) == 2:
         row["same_tokens"] = tokens["continuous"] == tokens["fixed"]
       print(json.dumps(row), flush=True)

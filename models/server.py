@@ -148,6 +148,7 @@ class EngineLoop:
           loop, q = self._subscribers[ev.request_id]
           if ev.finished:
             del self._subscribers[ev.request_id]
+            self.engine.times.pop(ev.request_id, None)  # not reported: keep the dict small
           loop.call_soon_threadsafe(q.put_nowait, ev)
 
 

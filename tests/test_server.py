@@ -176,10 +176,11 @@ def test_client_disconnect_cancels_and_frees_pages(url, engine, expected):
   deadline = time.monotonic() + 60
   while True:
     h = _health(url)
-    if h["running"] == 0 and h["waiting"] == 0:
+    if h["running"] == 0 and h["waiting"] == 0 and not engine.times:
       break
     assert time.monotonic() < deadline, h
     time.sleep(0.1)
+  # (the loop above also waited for engine.times to empty: no per-request state left behind)
   assert h["free_pages"] == start == h["total_pages"] and h["status"] == "ok"
   assert engine.stats["cancelled"] == cancelled + 1  # ended by the hang-up, not by max_tokens
   r = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT, json=dict(
