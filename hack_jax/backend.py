@@ -7,7 +7,8 @@ unchanged). The backend writes the K/V into the cache and attends:
            K/V (cuDNN / XLA / bf16 Pallas / jnp, `prefill_attention`), a chunk also to its cached
            prefix on the codes, and the cache is written once; or "homomorphic", the paper's numerics.
   decode   hack_jax.attention.decode_step: kv_cache.append then decode_attention, fused into one
-           Pallas call on the non-sealing steps where that pays.
+           Pallas call on the non-sealing steps where that pays; the HACK kernel with scale-folded
+           f16 operands unless the options name dot_dtype / config.
 Evaluation variants and benchmark adapters are other objects with the same two methods
 (models/eval.py, bench/bench_generate.py); nothing patches a module global.
 """
@@ -21,6 +22,12 @@ import jax
 
 from hack_jax import attention, kv_cache, prefill as hack_prefill
 from hack_jax.step import Step
+
+# The HACK decode kernel's operands in a model (docs/DESIGN.md "Decode numerics"): scale-folded f16
+# (Q*sigma and W*tau rounded to f16 against the exact codes) was faster than the paper's INT8
+# requantization at >= 32K tokens on the H200 and ~20x closer to the exact identity
+# (bench/NOTES_decode.md, session 4); the kernel-level default stays "int8", the paper's numerics.
+DECODE_DOT_DTYPE = "folded_f16"
 
 
 def write(layer: kv_cache.LayerCache, k, v, step: Step, *, layer_index) -> kv_cache.LayerCache:
@@ -80,7 +87,10 @@ class Backend:
     def decode(self, q, k, v, layer, step: Step, *, layer_index):
         """q float[max_seqs, num_q_heads, head_dim], k, v float[max_seqs, num_kv_heads, head_dim]
         -> (new layer, f32[max_seqs, num_q_heads, head_dim])."""
+        options = dict(self.options)
+        if self.impl == "pallas" and isinstance(layer, kv_cache.KiviPages) and not {"dot_dtype", "config"} & set(options):
+            options["dot_dtype"] = DECODE_DOT_DTYPE
         return attention.decode_step(q, k, v, layer, page_indices=step.page_indices, kv_lens=step.kv_lens,
                                      active=step.active, impl=self.impl, seal=step.seal,
-                                     key=jax.random.fold_in(step.key, layer_index), **dict(self.options))
+                                     key=jax.random.fold_in(step.key, layer_index), **options)
 

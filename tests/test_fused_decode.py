@@ -86,7 +86,7 @@ def test_fused_step_rejects_what_append_rejects():
     ValueError naming the value, before any kernel runs (the layer is a value: nothing to roll back)."""
     q, k_new, v_new, layer, table, _ = step_inputs()
     kw = dict(page_indices=jnp.asarray(table), impl="pallas", seal="never", interpret=True)
-    fills = PREV.copy()
+    fills = PREV + ACTIVE
     fills[5] = CONFIG.num_sink_tokens + CONFIG.partition_size  # this token fills slot 5's open block
     with pytest.raises(ValueError, match="seal='never'"):
         attention.decode_step(q, k_new, v_new, layer, kv_lens=jnp.asarray(fills), active=jnp.asarray(ACTIVE),
