@@ -727,7 +727,7 @@ def parse_args(argv):
                     help="hack decode steps: host = as the Generator (a step without the block-sealing "
                          "path where no slot fills its open block, chosen on the host per step), or one "
                          "kv_cache.append seal mode for every step (never: timing only, blocks not sealed)")
-    ap.add_argument("--scan-layers", nargs="+", default=["on"], choices=("on", "off"),
+    ap.add_argument("--scan-layers", nargs="+", default=["off"], choices=("on", "off"),
                     help="layer form(s) to time, in order: on = stacked weights and cache, one "
                          "lax.scan over the layers (compiled once); off = the layer loop unrolled "
                          "(ModelConfig.scan_layers). Rows carry scan_layers; JCT uses the first")

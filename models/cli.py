@@ -60,9 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="prompt attention (hack_jax.prefill): exact on the fresh 16-bit K/V "
                       "(auto = cuDNN on a GPU with bf16, the jnp reference on the CPU), or "
                       "homomorphic over the 2-bit cache (the paper's numerics; not causal)")
-  common.add_argument("--scan-layers", default="on", choices=("on", "off"),
+  common.add_argument("--scan-layers", default="auto", choices=("auto", "on", "off"),
                       help="on: stacked layer weights, one lax.scan over the layers (compiled "
-                      "once); off: the layer loop unrolled (ModelConfig.scan_layers)")
+                      "once); off: the layer loop unrolled; auto: on for the CPU, off for a GPU "
+                      "(ModelConfig.scan_layers)")
   from models import cli_generate
   g = sub.add_parser("generate", parents=[common], help="generate text for one or more prompts",
                      formatter_class=fmt)
@@ -137,7 +138,7 @@ def _load(args):
   backend = Backend(args.impl, {"interpret": True} if args.interpret else {},
                     prefill_attention=args.prefill_attention)
   ckpt = load_checkpoint(args.model, dtype=jnp.dtype(DTYPES[args.dtype]), attention=backend,
-                         scan_layers=args.scan_layers == "on")
+                         scan_layers={"auto": None, "on": True, "off": False}[args.scan_layers])
   return ckpt, Llama.from_weights(ckpt.config, ckpt.weights)
 
 

@@ -37,8 +37,10 @@ class ModelConfig:
       `prefill` / `decode` methods (models/eval.py's evaluation variants, benchmark adapters).
     scan_layers: True: the layers' weights are stacked (leading num_layers axis) and the cached
       forward is one jax.lax.scan over a single compiled layer body; False: the layer loop is
-      unrolled in Python (one copy of the layer per layer in the compiled program). Same math; the
-      trade-off (compile time vs a while loop per step) is measured in bench/NOTES_generate.md.
+      unrolled in Python (one copy of the layer per layer in the compiled program); None (default):
+      scanned on the CPU, unrolled elsewhere. Same math. Measured (bench/NOTES_generate.md): on the
+      CPU the scan compiles ~10x faster; on the H200 the scanned step copies each layer's slice of
+      the stacked weights and cache (TPOT 2-8x worse), so the GPU default is unrolled.
   """
 
   architecture: Literal["llama", "qwen2"]
@@ -56,7 +58,7 @@ class ModelConfig:
   qkv_bias: bool
   dtype: Any = jnp.float32
   attention: Any = Backend()
-  scan_layers: bool = True
+  scan_layers: bool | None = None
   rope_freq_factors: tuple[float, ...] | None = None
 
   def __post_init__(self):
@@ -74,8 +76,11 @@ class ModelConfig:
       hash(self.attention)
     except TypeError as e:
       raise TypeError(f"attention must be hashable (a jit static), got {self.attention!r}") from e
+    if self.scan_layers is None:  # the faster form where it was measured (bench/NOTES_generate.md)
+      import jax
+      object.__setattr__(self, "scan_layers", jax.default_backend() == "cpu")
     if not isinstance(self.scan_layers, bool):
-      raise TypeError(f"scan_layers must be a bool, got {self.scan_layers!r}")
+      raise TypeError(f"scan_layers must be a bool or None, got {self.scan_layers!r}")
     if self.architecture not in SUPPORTED_ARCHITECTURES:
       raise ValueError(f"unsupported architecture {self.architecture=}; "
                        f"supported: {SUPPORTED_ARCHITECTURES}")
