@@ -85,7 +85,7 @@ def main(argv=None):
 
     rows = []
     device = jax.devices()[0].device_kind
-    cfg = bg.model_config(args.model, "hack", "reference", False)
+    cfg = bg.model_config(args.model, "hack", "reference", False, scan_layers=False)  # a tuple of layers
     for fmt in args.formats:
         quant = QuantConfig(kv_format=FORMATS[fmt])
         for context in args.contexts:
