@@ -85,8 +85,9 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens = _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
     if impl != "reference":
+        kernel = _pallas(impl, "decode", layer)  # NotImplementedError first for a layout without kernels
         arrays, static = _decode_kernel_args(layer)
-        return _pallas(impl, "decode", layer)(q, *arrays, page_indices, kv_lens, **static, **kernel_options)
+        return kernel(q, *arrays, page_indices, kv_lens, **static, **kernel_options)
     return _reference(q[:, None], layer, page_indices, kv_lens, None, decode=True)[:, 0]
 
 

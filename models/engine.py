@@ -430,7 +430,7 @@ class Engine:
                      f"prefill, {bucket}-token bucket", greedy=greedy)
     samp, _ = self._sampling_arrays([None] * s, greedy)
     for seal in ("never", "always") if self.quant.kv_format == "hack" else ("never",):
-      self._compiled(_decode, (self.state, zeros, Step.decode(pages, zeros, np.zeros(s, bool), key, seal),
+      self._compiled(_decode, (self.state, zeros, Step.decode(pages, zeros, np.zeros(s, bool), _round_key(0), seal),
                                self.cache, samp), "decode step", greedy=greedy)
 
   def _round_key(self) -> jax.Array:

@@ -78,7 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hack_jax import attention as hack_attention
+from hack_jax.backend import write
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
 
@@ -413,13 +413,13 @@ class FakeQuantBackend:
     return _dense_attention(q, k, v, q_pos, step.kv_lens)
 
   def prefill(self, q, k, v, layer, step, *, layer_index):
-    layer = hack_attention.write(layer, k, v, step, layer_index=layer_index)
+    layer = write(layer, k, v, step, layer_index=layer_index)
     t = jnp.arange(q.shape[1])[None, :]
     q_pos = jnp.where(t < step.kv_lens[:, None], t, -1)
     return layer, self._attend(q, layer, step, q_pos, layer_index)
 
   def decode(self, q, k, v, layer, step, *, layer_index):
-    layer = hack_attention.write(layer, k, v, step, layer_index=layer_index)
+    layer = write(layer, k, v, step, layer_index=layer_index)
     return layer, self._attend(q[:, None], layer, step, step.kv_lens[:, None] - 1, layer_index)[:, 0]
 
 

@@ -83,16 +83,6 @@ def test_touch_append_rejects_names_that_match_nothing(bench):
         bench._touch(make_arrays(), jnp.ones((1,)), ("open_x",))
 
 
-def test_hack_flags_parse(bench):
-    """--hack-flags: boolean KernelConfig fields only, each named in the error."""
-    assert bench.parse_hack_flags("fast_div, fast_exp") == ("fast_div", "fast_exp")
-    assert bench.parse_hack_flags("") == ()
-    with pytest.raises(ValueError, match="'fast_dv'"):
-        bench.parse_hack_flags("fast_div,fast_dv")
-    with pytest.raises(ValueError, match="'num_splits'"):  # an int field, not a flag
-        bench.parse_hack_flags("num_splits")
-
-
 MERGE = os.path.join(os.path.dirname(BENCH), "merge_results.py")
 
 

@@ -91,7 +91,10 @@ def _compile(fn, graphdef, *args):
 def _greedy(ckpt, prompts, kv_format, impl):
   """Greedy decoding of the ragged batch. Returns (prefill logits [S, T, V] with rows past each
   prompt zeroed, decode logits [steps, S, V], tokens [S, 1 + steps])."""
-  options = {"interpret": True} if impl == "pallas" else {}
+  # the reference is the paper's INT8 homomorphic numerics: the kernel runs the same ("int8"), not the
+  # model's default scale-folded operands (hack_jax.backend.DECODE_DOT_DTYPE, tested in test_decode_kernels)
+  options = ({"interpret": True, **({"dot_dtype": "int8"} if kv_format == "hack" else {})}
+             if impl == "pallas" else {})
   config = dataclasses.replace(ckpt.config, attention=Backend(impl, options))
   graphdef, state = nnx.split(Llama.from_weights(config, ckpt.weights))
   quant = QuantConfig(kv_format=kv_format)

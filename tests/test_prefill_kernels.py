@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from hack_jax import attention, kv_cache, paging
+from hack_jax.backend import write as backend_write
 from hack_jax.config import QuantConfig
 import twin
 from oracles import q8_rows
@@ -677,7 +678,7 @@ def test_model_prefill_on_smollm2():
     @dataclasses.dataclass(frozen=True)
     class BothPrefills:  # the model's attention backend, checking the kernel at every layer
         def prefill(self, q, k, v, layer, step, *, layer_index):
-            layer = attention.write(layer, k, v, step, layer_index=layer_index)
+            layer = backend_write(layer, k, v, step, layer_index=layer_index)
             kw = dict(page_indices=step.page_indices, kv_lens=step.kv_lens)
             ref = attention.prefill_attention(q, layer, **kw)
             out = attention.prefill_attention(q, layer, **kw, impl="pallas")
