@@ -30,7 +30,8 @@ chosen by `attention`:
     per-block min/max include the block's later tokens (issue 17.2), so changing a future token
     moves earlier rows. Kept as an option for the paper's numbers, never the default: making it
     causal means attending the query's own block in 16 bits, i.e. exactly what the exact path
-    already does for every fresh token, at a quarter of cuDNN's speed.
+    already does for every fresh token, with a kernel measured at ~7x cuDNN's time
+    (bench/NOTES_prefill.md).
 
 Shapes: q float[max_seqs, T, num_q_heads, head_dim], k/v float[max_seqs, T, num_kv_heads,
 head_dim], left-aligned: row t of slot s is position q_start[s] + t; rows t >= lengths[s] are

@@ -21,8 +21,9 @@
   `group_pad`, `split_range`, `load_q_rows`, `empty_state`, `sinks_and_open_block_state`,
   `combine_splits`, `full_spec`.
 
-prefill_attention.py also calls inline PTX of its own; a port to another backend touches this file,
-that one and the launch wrappers.
+prefill_attention.py also calls inline PTX of its own (`plane_asm`, `quantize_rows_int8_fast`), and
+triton_decode_kernel.py is a Triton kernel outright; a port of the Pallas kernels to another backend
+touches this file, prefill_attention.py and the launch wrappers.
 """
 from __future__ import annotations
 

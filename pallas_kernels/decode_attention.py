@@ -36,9 +36,12 @@ code planes are unpacked by inline PTX (4 codes per 32-bit register) and the INT
 exp use single PTX instructions (common.py); interpret mode computes the same values with jnp.
 
 Measured on one NVIDIA H200 (jax 0.11.2, Triton 3.6, Llama-3.1-8B heads: 32 q / 8 kv, d 128, P 64,
-page 256): "int8" is 1.6-2.1x faster than our bf16 paged kernel at >= 32K tokens and faster at every
-measured shape; the folded modes are not yet timed on the GPU. Numbers, offline SASS counts and what
-limits the speed: bench/NOTES_decode.md, bench/results/decode_attention.md.
+page 256): every mode is faster than our bf16 paged kernel at every measured shape (1.8-2.2x at >= 32K
+tokens). "folded_f16" is faster than "int8" at batch 8 x 32K and at 128K tokens (even at 1 x 32K, 8%
+slower at 1K) and ~20x closer to the exact identity, so a model decodes with it
+(hack_jax.backend.DECODE_DOT_DTYPE); the kernel's default stays "int8", the paper's numerics. Numbers,
+offline SASS counts and what limits the speed: bench/NOTES_decode.md, bench/results/decode_attention.md,
+docs/DESIGN.md "Decode numerics".
 
 Caveats: partition_size and head_dim powers of two >= 32, page_size a multiple of 4 * partition_size.
 "int8": a transient INT8 code at a near-.5 tie may round differently from the reference (the GPU's
