@@ -60,7 +60,7 @@ class Backend:
     """
     impl: attention.Impl = "reference"
     options: Any = ()
-    prefill_attention: str = "auto"
+    prefill_attention: hack_prefill.PrefillAttention = "auto"
 
     def __post_init__(self):
         options = self.options.items() if isinstance(self.options, dict) else self.options

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -50,14 +51,15 @@ import jax.numpy as jnp
 from hack_jax import attention as hack_attention
 from hack_jax import kv_cache, reference
 
-EXACT = ("auto", "cudnn", "xla", "pallas", "reference")
-PREFILL_ATTENTION = EXACT + ("homomorphic",)
+PrefillAttention = Literal["auto", "cudnn", "xla", "pallas", "reference", "homomorphic"]
+PREFILL_ATTENTION = get_args(PrefillAttention)
+EXACT = PREFILL_ATTENTION[:-1]  # every choice but "homomorphic": exact attention on the 16-bit K/V
 _HIGHEST = jax.lax.Precision.HIGHEST
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def prefill(q, k, v, layer: kv_cache.LayerCache, *, page_indices, lengths, q_start=None, key=None,
-            attention: str = "auto", impl: str = "reference", **kernel_options):
+            attention: PrefillAttention = "auto", impl: hack_attention.Impl = "reference", **kernel_options):
     """Writes k/v into `layer` and returns (new layer, causal attention of q) (module docstring).
 
     Args:

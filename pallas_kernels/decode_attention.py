@@ -257,7 +257,7 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
 
 
-def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> tuple[int, bool]:
+def choose_num_splits(num_pairs: int, num_packing_groups: int, slots: int) -> tuple[int, bool]:
     """(splits, open_split) per (sequence, kv head) minimizing waves x (work of the longest program + 1):
     waves = ceil(num_pairs * programs / slots) with programs = splits (+ 1 with open_split); the
     longest program's work in packing groups is ceil(n / splits) with open_split, else
@@ -267,17 +267,17 @@ def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> tuple[int,
     3 (2 full waves of 43 groups instead of one two-thirds-empty wave of 128); 1K tokens (4 groups) at
     batch 1 and 8 -> 4 splits + the open split (each program one unit of work instead of two)."""
     best, best_cost = (1, False), None
-    for s in range(1, num_groups + 1):
+    for s in range(1, num_packing_groups + 1):
         for open_split in (False, True):
-            cost = split_cost(num_pairs, num_groups, slots, s, open_split)
+            cost = split_cost(num_pairs, num_packing_groups, slots, s, open_split)
             if best_cost is None or cost < best_cost:
                 best, best_cost = (s, open_split), cost
     return best
 
 
-def split_cost(num_pairs: int, num_groups: int, slots: int, splits: int, open_split: bool) -> int:
+def split_cost(num_pairs: int, num_packing_groups: int, slots: int, splits: int, open_split: bool) -> int:
     """`choose_num_splits`'s predicted time, in packing-group units: waves x (longest program's work + 1)."""
-    work = -(-num_groups // splits) if open_split else num_groups // splits + 1
+    work = -(-num_packing_groups // splits) if open_split else num_packing_groups // splits + 1
     return -(-num_pairs * (splits + open_split) // slots) * (work + 1)
 
 

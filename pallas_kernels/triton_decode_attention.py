@@ -97,15 +97,15 @@ class KernelConfig:
     unpack_asm: bool = True
 
 
-def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> int:
+def choose_num_splits(num_pairs: int, num_packing_groups: int, slots: int) -> int:
     """Splits per (sequence, kv head) minimizing waves x (ceil(groups / splits) + 1): waves =
     ceil(num_pairs * splits / slots) over the programs that take sealed blocks (the grid launches them
     first; the sinks-and-open-block programs, about one group of work each, take the slots they free),
     + 1 on the work for a program's fixed cost. Ties go to fewer splits. H200, 8 kv heads: batch 8 /
     32K tokens (128 groups) -> 4 splits (256 programs of 32 groups, one wave); batch 1 / 32K -> 32."""
     best, best_cost = 1, None
-    for s in range(1, max(1, num_groups) + 1):
-        cost = -(-num_pairs * s // slots) * (-(-num_groups // s) + 1)
+    for s in range(1, max(1, num_packing_groups) + 1):
+        cost = -(-num_pairs * s // slots) * (-(-num_packing_groups // s) + 1)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
