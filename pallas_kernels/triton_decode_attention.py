@@ -15,7 +15,7 @@ Shapes (DESIGN.md "Paged cache layout"; P = partition_size, Pc = min(P, head_dim
 bpp = page_size // P, S = batch, ns = num_sink_tokens; the same arrays as
 pallas_kernels.decode_attention.hack_decode_attention, whose call forms this function copies):
   q          float[S, num_q_heads, head_dim]          -> out f32[S, num_q_heads, head_dim]
-  k_codes    u8[num_pages, num_kv_heads, page_size // 4, head_dim]   (planar per group of 4 blocks)
+  k_codes    u8[num_pages, num_kv_heads, page_size // 4, head_dim]   (planar per packing group of 4 blocks)
   k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]
   v_codes    u8[num_pages, num_kv_heads, head_dim, page_size // 4]   (token-major)
   v_scale, v_min  f16[num_pages, num_kv_heads, page_size, NP]
@@ -26,7 +26,7 @@ pallas_kernels.decode_attention.hack_decode_attention, whose call forms this fun
 Kernel structure (pallas_kernels/triton_decode_kernel.py). Grid (S, num_kv_heads, num_splits + 1): one
 program serves all G query heads of a kv head (GQA). Programs 0..num_splits-1 take contiguous ranges of
 packing groups (4 blocks: one u8[P, head_dim] K tile, one u8[head_dim, P] V tile per channel group);
-program num_splits takes the sinks and the open block alone. Within a program the 4 blocks of a group
+program num_splits takes the sinks and the open block alone. Within a program the 4 blocks of a packing group
 are the batch axis of 3-D dots (tl.dot on [4, M, K] x [4, K, N]); Triton puts one warp on each (mma
 warpsPerCTA [4, 1, 1]), so every block has its own warp and its own online softmax (stream j = block j
 of each group), with no cross-warp reduction in the loop; the 4 streams are merged once at the end and
