@@ -37,8 +37,8 @@ exp use single PTX instructions (common.py); interpret mode computes the same va
 
 Measured on one NVIDIA H200 (jax 0.11.2, Triton 3.6, Llama-3.1-8B heads: 32 q / 8 kv, d 128, P 64,
 page 256): every mode is faster than our bf16 paged kernel at every measured shape (1.8-2.2x at >= 32K
-tokens). "folded_f16" is faster than "int8" at batch 8 x 32K and at 128K tokens (even at 1 x 32K, 8%
-slower at 1K) and ~20x closer to the exact identity, so a model decodes with it
+tokens). "folded_f16" is faster than "int8" at batch 8 x 32K and at 128K tokens (even at 1 x 32K,
+5-8% slower at 1K) and ~20x closer to the exact identity, so a model decodes with it
 (hack_jax.backend.DECODE_DOT_DTYPE); the kernel's default stays "int8", the paper's numerics. Numbers,
 offline SASS counts and what limits the speed: bench/NOTES_decode.md, bench/results/decode_attention.md,
 docs/DESIGN.md "Decode numerics".
