@@ -25,8 +25,8 @@ from hack_jax.step import Step
 
 # The HACK decode kernel's operands in a model (docs/DESIGN.md "Decode numerics"): scale-folded f16
 # (Q*sigma and W*tau rounded to f16 against the exact codes) was faster than the paper's INT8
-# requantization at >= 32K tokens on the H200 and ~20x closer to the exact identity
-# (bench/NOTES_decode.md, session 4); the kernel-level default stays "int8", the paper's numerics.
+# requantization at batch 8 x 32K and at 128K tokens on the H200 and ~20x closer to the exact identity
+# (bench/NOTES_decode.md, "H200 session 4"); the kernel-level default stays "int8", the paper's numerics.
 DECODE_DOT_DTYPE = "folded_f16"
 
 
@@ -60,7 +60,7 @@ class Backend:
     """
     impl: attention.Impl = "reference"
     options: Any = ()
-    prefill_attention: str = "auto"
+    prefill_attention: hack_prefill.PrefillAttention = "auto"
 
     def __post_init__(self):
         options = self.options.items() if isinstance(self.options, dict) else self.options

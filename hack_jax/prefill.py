@@ -30,7 +30,8 @@ chosen by `attention`:
     per-block min/max include the block's later tokens (issue 17.2), so changing a future token
     moves earlier rows. Kept as an option for the paper's numbers, never the default: making it
     causal means attending the query's own block in 16 bits, i.e. exactly what the exact path
-    already does for every fresh token, at a quarter of cuDNN's speed.
+    already does for every fresh token, with a kernel measured at ~7x cuDNN's time
+    (bench/NOTES_prefill.md).
 
 Shapes: q float[max_seqs, T, num_q_heads, head_dim], k/v float[max_seqs, T, num_kv_heads,
 head_dim], left-aligned: row t of slot s is position q_start[s] + t; rows t >= lengths[s] are
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -49,14 +51,15 @@ import jax.numpy as jnp
 from hack_jax import attention as hack_attention
 from hack_jax import kv_cache, reference
 
-EXACT = ("auto", "cudnn", "xla", "pallas", "reference")
-PREFILL_ATTENTION = EXACT + ("homomorphic",)
+PrefillAttention = Literal["auto", "cudnn", "xla", "pallas", "reference", "homomorphic"]
+PREFILL_ATTENTION = get_args(PrefillAttention)
+EXACT = PREFILL_ATTENTION[:-1]  # every choice but "homomorphic": exact attention on the 16-bit K/V
 _HIGHEST = jax.lax.Precision.HIGHEST
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def prefill(q, k, v, layer: kv_cache.LayerCache, *, page_indices, lengths, q_start=None, key=None,
-            attention: str = "auto", impl: str = "reference", **kernel_options):
+            attention: PrefillAttention = "auto", impl: hack_attention.Impl = "reference", **kernel_options):
     """Writes k/v into `layer` and returns (new layer, causal attention of q) (module docstring).
 
     Args:

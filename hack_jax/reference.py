@@ -144,23 +144,23 @@ def kivi_block_attention_step(q_s, k_codes, k_scale, k_min, k_sums, v_codes, v_s
       (-inf when the block is invisible to the row), l = lb f32[rows].
     """
     rows, head_dim = q_s.shape
-    block, num_groups = k_sums.shape
-    group = head_dim // num_groups
+    block, np_ = k_sums.shape  # NP channel groups of Pc channels
+    pc = head_dim // np_
     q_s, sigma, mu = _f32(q_s), _f32(k_scale), _f32(k_min)
 
-    qt = quantize(q_s * sigma, bits=8, axis=1, partition_size=group, meta_dtype=jnp.float32)
-    dot = _int_dot("rpc,jpc->rjp", qt.codes.reshape(rows, num_groups, group),
-                   k_codes.reshape(block, num_groups, group))  # [rows, P, NP]
+    qt = quantize(q_s * sigma, bits=8, axis=1, partition_size=pc, meta_dtype=jnp.float32)
+    dot = _int_dot("rpc,jpc->rjp", qt.codes.reshape(rows, np_, pc),
+                   k_codes.reshape(block, np_, pc))  # [rows, P, NP]
     logits = (qt.scale[:, None, :] * _f32(dot) + qt.minimum[:, None, :] * _f32(k_sums)[None]).sum(-1)
     logits = logits + jnp.einsum("rc,c->r", q_s, mu, precision=_HIGHEST)[:, None]  # [rows, P]
 
     w, mb = _block_weights(logits, mask)
     wt = quantize(w[:, :, None] * _f32(v_scale)[None], bits=8, axis=1, partition_size=block,
                   meta_dtype=jnp.float32)  # codes [rows, P, NP]; scale, minimum [rows, 1, NP]
-    pv = _int_dot("rjp,jpc->rpc", wt.codes, v_codes.reshape(block, num_groups, group))  # [rows, NP, Pc]
+    pv = _int_dot("rjp,jpc->rpc", wt.codes, v_codes.reshape(block, np_, pc))  # [rows, NP, Pc]
     nu_term = jnp.einsum("rj,jp->rp", w, _f32(v_min), precision=_HIGHEST)  # float W: exact for constant V
     acc = (wt.scale[:, 0, :, None] * _f32(pv)
-           + wt.minimum[:, 0, :, None] * _f32(v_sums).reshape(num_groups, group)[None]
+           + wt.minimum[:, 0, :, None] * _f32(v_sums).reshape(np_, pc)[None]
            + nu_term[:, :, None])
     return SoftmaxState(acc.reshape(rows, head_dim), mb, w.sum(-1))
 
@@ -178,11 +178,11 @@ def seed_logits(q_s, k_codes, k_scale, k_min, k_sums):
     Returns:
       f32[rows, n].
     """
-    num_groups = k_sums.shape[-1]
-    group = q_s.shape[-1] // num_groups
-    qq = quantize(_f32(q_s), bits=8, axis=1, partition_size=group, meta_dtype=jnp.float32)
+    np_ = k_sums.shape[-1]
+    pc = q_s.shape[-1] // np_
+    qq = quantize(_f32(q_s), bits=8, axis=1, partition_size=pc, meta_dtype=jnp.float32)
     kt = QuantizedTensor(codes=k_codes.T, scale=k_scale.T, minimum=k_min.T, code_sums=k_sums.T,
-                         bits=2, axis=0, partition_size=group)  # K^T: [head_dim, n] along axis 0
+                         bits=2, axis=0, partition_size=pc)  # K^T: [head_dim, n] along axis 0
     return homomorphic_matmul(qq, kt)
 
 

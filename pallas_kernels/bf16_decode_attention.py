@@ -25,12 +25,11 @@ page_size powers of two >= 16, any GQA group (padded to a power of two >= 16 row
 Runtime values: kv_lens are clipped to [0, pages_per_seq * page_size]; page ids outside [0, num_pages)
 read page 0 (the null page, hack_jax.kv_cache), so table entries past a sequence's last page may hold
 anything; whatever is read past kv_len is masked (NaN cannot leak).
-Tested: interpret mode on CPU (jax 0.10.2); H200, jax 0.11.2: the gpu tests pass, and at Llama-3.1-8B
-heads (32 q / 8 kv, head_dim 128, page_size 256) one call reads its 1 GiB of K+V at batch 8 / 32K in
-268 us (4.0 TB/s; jax's Pallas gqa kernel alone 274 us), 128 MiB at batch 1 / 32K in 53 us (2.5 TB/s)
-(bench/results/h200_quick_2026-11-29). Tile/warps/stages barely matter there (+-1%) as long as loads
-are pipelined (num_stages >= 2); num_stages=1 costs 1.5x.
-Caveat: q is rounded to bf16 before the QK^T dot (the softmax scale is applied in float32 after it).
+Tested: interpret mode on the CPU (jax 0.10.2); one NVIDIA H200 (jax 0.11.2, Triton 3.6): the gpu tests
+pass, and at Llama-3.1-8B heads it streams K+V near the HBM roof at batch 8 (timings:
+bench/NOTES_decode.md "bf16 paged decode kernel", bench/results/decode_attention.md).
+Caveats: q is rounded to bf16 before the QK^T dot (the softmax scale is applied in float32 after it);
+keep num_stages >= 2 (unpipelined loads were measured 1.5x slower; tiles and warps matter little).
 """
 
 from __future__ import annotations

@@ -27,7 +27,10 @@ Supported: q any float dtype (rounded to bf16), K/V bf16, head_dim and page_size
 >= 16, block_k <= page_size, any GQA group (padded to a power of two). Output float32. kv_lens are
 clipped to [0, pages_per_seq * page_size]; page ids outside [0, num_pages) read page 0 (the null
 page); whatever is read past kv_len is masked (NaN cannot leak). Tested: interpret mode on the CPU
-(jax 0.10.2) and the Triton lowering for CUDA; not yet run on a GPU.
+(jax 0.10.2); one NVIDIA H200 (jax 0.11.2, Triton 3.6): the gpu tests of tests/test_prefill_kernels.py
+pass; its timings beside the HACK kernel and cuDNN are in bench/NOTES_prefill.md. In a model it is
+the `attention="pallas"` backend of hack_jax.prefill's exact prefill (the fresh K/V as one page per
+sequence); it returns no log-sum-exp, so that backend refuses chunks.
 """
 
 from __future__ import annotations

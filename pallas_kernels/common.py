@@ -21,8 +21,9 @@
   `group_pad`, `split_range`, `load_q_rows`, `empty_state`, `sinks_and_open_block_state`,
   `combine_splits`, `full_spec`.
 
-prefill_attention.py also calls inline PTX of its own; a port to another backend touches this file,
-that one and the launch wrappers.
+prefill_attention.py also calls inline PTX of its own (`plane_asm`, `quantize_rows_int8_fast`), and
+triton_decode_kernel.py is a Triton kernel outright; a port of the Pallas kernels to another backend
+touches this file, prefill_attention.py and the launch wrappers.
 """
 from __future__ import annotations
 
@@ -457,12 +458,12 @@ def full_spec(x):
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def split_range(split, num_groups, num_splits):
-    """Packing groups [g_lo, g_hi) of program `split` out of a sequence's `num_groups` (traced):
+def split_range(split, num_packing_groups, num_splits):
+    """Packing groups [g_lo, g_hi) of program `split` out of a sequence's `num_packing_groups` (traced):
     split s takes [s n // S, (s + 1) n // S), so every split gets floor(n / S) or one more, whatever
     the sequence's length (a short sequence of a ragged batch is spread over all splits too), and
     split 0, which also takes the sinks and the open block, gets the fewest."""
-    return split * num_groups // num_splits, (split + 1) * num_groups // num_splits
+    return split * num_packing_groups // num_splits, (split + 1) * num_packing_groups // num_splits
 
 
 def load_q_rows(q_ref, b, h, *, group, group_pad, num_groups, sm_scale):

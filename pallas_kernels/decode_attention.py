@@ -36,9 +36,12 @@ code planes are unpacked by inline PTX (4 codes per 32-bit register) and the INT
 exp use single PTX instructions (common.py); interpret mode computes the same values with jnp.
 
 Measured on one NVIDIA H200 (jax 0.11.2, Triton 3.6, Llama-3.1-8B heads: 32 q / 8 kv, d 128, P 64,
-page 256): "int8" is 1.6-2.1x faster than our bf16 paged kernel at >= 32K tokens and faster at every
-measured shape; the folded modes are not yet timed on the GPU. Numbers, offline SASS counts and what
-limits the speed: bench/NOTES_decode.md, bench/results/decode_attention.md.
+page 256): every mode is faster than our bf16 paged kernel at every measured shape (1.8-2.2x at >= 32K
+tokens). "folded_f16" is faster than "int8" at batch 8 x 32K and at 128K tokens (even at 1 x 32K,
+5-8% slower at 1K) and ~20x closer to the exact identity, so a model decodes with it
+(hack_jax.backend.DECODE_DOT_DTYPE); the kernel's default stays "int8", the paper's numerics. Numbers,
+offline SASS counts and what limits the speed: bench/NOTES_decode.md, bench/results/decode_attention.md,
+docs/DESIGN.md "Decode numerics".
 
 Caveats: partition_size and head_dim powers of two >= 32, page_size a multiple of 4 * partition_size.
 "int8": a transient INT8 code at a near-.5 tie may round differently from the reference (the GPU's
@@ -254,7 +257,7 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
 
 
-def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> tuple[int, bool]:
+def choose_num_splits(num_pairs: int, num_packing_groups: int, slots: int) -> tuple[int, bool]:
     """(splits, open_split) per (sequence, kv head) minimizing waves x (work of the longest program + 1):
     waves = ceil(num_pairs * programs / slots) with programs = splits (+ 1 with open_split); the
     longest program's work in packing groups is ceil(n / splits) with open_split, else
@@ -264,17 +267,17 @@ def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> tuple[int,
     3 (2 full waves of 43 groups instead of one two-thirds-empty wave of 128); 1K tokens (4 groups) at
     batch 1 and 8 -> 4 splits + the open split (each program one unit of work instead of two)."""
     best, best_cost = (1, False), None
-    for s in range(1, num_groups + 1):
+    for s in range(1, num_packing_groups + 1):
         for open_split in (False, True):
-            cost = split_cost(num_pairs, num_groups, slots, s, open_split)
+            cost = split_cost(num_pairs, num_packing_groups, slots, s, open_split)
             if best_cost is None or cost < best_cost:
                 best, best_cost = (s, open_split), cost
     return best
 
 
-def split_cost(num_pairs: int, num_groups: int, slots: int, splits: int, open_split: bool) -> int:
+def split_cost(num_pairs: int, num_packing_groups: int, slots: int, splits: int, open_split: bool) -> int:
     """`choose_num_splits`'s predicted time, in packing-group units: waves x (longest program's work + 1)."""
-    work = -(-num_groups // splits) if open_split else num_groups // splits + 1
+    work = -(-num_packing_groups // splits) if open_split else num_packing_groups // splits + 1
     return -(-num_pairs * (splits + open_split) // slots) * (work + 1)
 
 

@@ -17,7 +17,8 @@ append(seal="never") under jit does. The sealing steps take append(seal="always"
 
 Shapes (decode_attention.py's, plus):
   k, v       float[S, num_kv_heads, head_dim]  the new token of each slot (rows of inactive slots ignored)
-  kv_lens    i32[S] tokens held *before* this token (append's convention); active bool[S]
+  kv_lens    i32[S] tokens held *before* this token (this kernel's own convention: the Step's kv_lens
+             minus active, as hack_jax.attention.decode_step passes it); active bool[S]
 Returns (out f32[S, num_q_heads, head_dim], open_k, open_v, sink_k, sink_v) with the token written:
 slot s takes token kv_lens[s] when active[s] and kv_lens[s] >= 0: into sink row kv_lens[s] if
 < num_sink_tokens, else open-block row (kv_lens[s] - ns) % P if within the capacity, else nowhere
@@ -28,10 +29,12 @@ Reference twin: hack_jax.kv_cache.append(seal="never") then decode_attention.hac
 hack_jax.attention.decode_step(..., impl="reference"); tests/test_fused_decode.py also checks the
 output against the float64 twin (tests/twin.py).
 
-Tested in interpret mode only so far (the gpu-marked tests are for the H200). Offline (ptxas, sm_90,
-Triton 3.6): 182 registers for "int8" vs the plain kernel's 168, i.e. 2 resident programs per SM instead
-of 3 (RESIDENT_PROGRAMS_PER_SM; `fusion_pays` says where that is predicted to cost nothing);
-bench/NOTES_generate.md.
+Tested: interpret mode on the CPU (jax 0.10.2) passes. On one NVIDIA H200 (jax 0.11.2, Triton 3.6) the
+gpu tests of tests/test_fused_decode.py FAIL: the open block the kernel writes differs from append's
+(bench/results/h200_2026-12-01d/README.md call 3), so hack_jax.attention.decode_step uses it only with
+fuse=True. Caveat: the in-kernel row writes cost registers (ptxas, sm_90: 2 resident programs per SM
+instead of the plain kernel's 3, RESIDENT_PROGRAMS_PER_SM); `fusion_pays` is the split model that says
+where that is predicted to cost nothing; numbers in bench/NOTES_generate.md.
 """
 from __future__ import annotations
 

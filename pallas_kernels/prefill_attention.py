@@ -52,8 +52,13 @@ through jnp, except the PTX (the plain jnp unpack gives the same codes).
 Tested: CPU interpret mode (jax 0.10.2), tests/test_prefill_kernels.py, against the reference
 (hack_jax.attention.prefill_attention(..., impl="reference"), whose per-block step is
 hack_jax.reference.kivi_block_attention_step) and an independent float64 NumPy twin; the Triton
-lowering of every tested configuration is checked on the CPU (lowered for CUDA). Not yet run on a
-GPU. Caveats: partition_size and head_dim powers of two >= 32, page_size a multiple of
+lowering of every tested configuration is checked on the CPU (lowered for CUDA). Measured on one
+NVIDIA H200 (jax 0.11.2, Triton 3.6): the gpu tests pass, and at Llama-3.1-8B heads it runs ~7x
+cuDNN's flash attention time (issue-bound on the per-block INT8 requantization; bench/NOTES_prefill.md
+v2). So a model's prefill does not use it by default: hack_jax.prefill attends the prompt exactly on
+its 16-bit K/V (cuDNN) and this kernel is the `attention="homomorphic"` option, which is not causal
+within a block (hack_jax.prefill's docstring).
+Caveats: partition_size and head_dim powers of two >= 32, page_size a multiple of
 4 * partition_size; transient INT8 codes can differ from the reference's by one where float32
 evaluation order (or the GPU's float32 division and exp) moves a value across a rounding tie (the
 tests bound the effect); page ids outside [0, num_pages) read page 0; kv_lens beyond the capacity

@@ -15,7 +15,7 @@ Shapes (DESIGN.md "Paged cache layout"; P = partition_size, Pc = min(P, head_dim
 bpp = page_size // P, S = batch, ns = num_sink_tokens; the same arrays as
 pallas_kernels.decode_attention.hack_decode_attention, whose call forms this function copies):
   q          float[S, num_q_heads, head_dim]          -> out f32[S, num_q_heads, head_dim]
-  k_codes    u8[num_pages, num_kv_heads, page_size // 4, head_dim]   (planar per group of 4 blocks)
+  k_codes    u8[num_pages, num_kv_heads, page_size // 4, head_dim]   (planar per packing group of 4 blocks)
   k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]
   v_codes    u8[num_pages, num_kv_heads, head_dim, page_size // 4]   (token-major)
   v_scale, v_min  f16[num_pages, num_kv_heads, page_size, NP]
@@ -26,7 +26,7 @@ pallas_kernels.decode_attention.hack_decode_attention, whose call forms this fun
 Kernel structure (pallas_kernels/triton_decode_kernel.py). Grid (S, num_kv_heads, num_splits + 1): one
 program serves all G query heads of a kv head (GQA). Programs 0..num_splits-1 take contiguous ranges of
 packing groups (4 blocks: one u8[P, head_dim] K tile, one u8[head_dim, P] V tile per channel group);
-program num_splits takes the sinks and the open block alone. Within a program the 4 blocks of a group
+program num_splits takes the sinks and the open block alone. Within a program the 4 blocks of a packing group
 are the batch axis of 3-D dots (tl.dot on [4, M, K] x [4, K, N]); Triton puts one warp on each (mma
 warpsPerCTA [4, 1, 1]), so every block has its own warp and its own online softmax (stream j = block j
 of each group), with no cross-warp reduction in the loop; the 4 streams are merged once at the end and
@@ -37,15 +37,14 @@ Codes become f16 by inline PTX (AND + PRMT under the exponent byte 0x64 + sub.f1
 codes, no int-to-float convert), as code * 4**j; the 4**-j goes into the FMA after the dot. The plane
 j is the warp's index, so the unpack's only operand is the loaded tile (broadcast over the planes):
 Triton copies each u8 tile once into shared memory, loads it from there straight into the MMA operand
-layout of every warp and unpacks in registers (no 16-bit round trip through shared memory; 1.98k ->
-1.47k instructions). The exp is exp2 with log2(e) folded into q; num_stages 2 double-buffers the tile
+layout of every warp and unpacks in registers (no 16-bit round trip through shared memory). The exp is exp2 with log2(e) folded into q; num_stages 2 double-buffers the tile
 loads with cp.async.
 
-Numbers (offline: Triton 3.6 for sm_90, bench/triton_decode_offline.py, bench/NOTES_triton.md; nothing
-measured on a GPU yet): Llama-3.1-8B heads (G 4, head_dim 128, P 64, page 256), num_warps 4,
-num_stages 2: 255 registers, no spills, 22 KiB shared (2 programs per SM, by registers), 1.47k SASS
-instructions per warp and loop trip, i.e. per 64-token block (64 HMMA; 256 HADD2 + 284 PRMT + 136 LOP3
-of unpack; 12 CTA barriers per trip).
+Measured on one NVIDIA H200 (jax 0.11.2, Triton 3.6, jax-triton 0.3.1; Llama-3.1-8B heads): the gpu
+tests of tests/test_triton_decode.py pass; this first version is 1.5-4x slower than the Pallas HACK
+kernel with the same folded operands (pallas_kernels.decode_attention, dot_dtype="folded_f16"), so
+impl="triton" stays an experiment. Timings and the offline SASS budget (registers, instructions per
+block): bench/NOTES_triton.md.
 
 Caveats: head_dim <= 2 * partition_size (NP <= 2: Llama, SmolLM2); num_warps 4 only: the inline PTX
 takes the plane from the warp index, which holds because Triton lays these 3-D dots out with
@@ -53,8 +52,8 @@ warpsPerCTA [4, 1, 1] (tests/test_triton_decode.py checks the compiled TTGIR); f
 |q_s * sigma| or |W * tau| exceeds 65504 (far from real caches), and lose relative precision below
 6e-5 (f16 subnormals; such terms are < 6e-5 of a logit or of a weight); the inline PTX needs a CUDA
 GPU (unpack_asm=False uses Triton integer ops, same values); each warp reads the whole u8 tile of
-its group from shared memory (it needs one plane of it); jax-triton 0.3.1 passes no `maxnreg` (168
-registers, i.e. 3 programs per SM, spill 184 B per thread offline: 1.55k instructions); page ids outside
+its group from shared memory (it needs one plane of it); jax-triton 0.3.1 passes no `maxnreg`, so the
+register count (not shared memory) caps it at 2 programs per SM; page ids outside
 [0, num_pages) read page 0 (the null page); kv_lens beyond the capacity are clipped to it, as
 hack_jax.kv_cache.read_blocks does.
 
@@ -98,15 +97,15 @@ class KernelConfig:
     unpack_asm: bool = True
 
 
-def choose_num_splits(num_pairs: int, num_groups: int, slots: int) -> int:
+def choose_num_splits(num_pairs: int, num_packing_groups: int, slots: int) -> int:
     """Splits per (sequence, kv head) minimizing waves x (ceil(groups / splits) + 1): waves =
     ceil(num_pairs * splits / slots) over the programs that take sealed blocks (the grid launches them
     first; the sinks-and-open-block programs, about one group of work each, take the slots they free),
     + 1 on the work for a program's fixed cost. Ties go to fewer splits. H200, 8 kv heads: batch 8 /
     32K tokens (128 groups) -> 4 splits (256 programs of 32 groups, one wave); batch 1 / 32K -> 32."""
     best, best_cost = 1, None
-    for s in range(1, max(1, num_groups) + 1):
-        cost = -(-num_pairs * s // slots) * (-(-num_groups // s) + 1)
+    for s in range(1, max(1, num_packing_groups) + 1):
+        cost = -(-num_pairs * s // slots) * (-(-num_packing_groups // s) + 1)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best

@@ -32,8 +32,10 @@ Page layout (DESIGN.md "Paged cache layout"; axes [num_pages, num_kv_heads, ...]
   unused or reused pages cannot leak. Page ids are validated on the host by `paging` (and eagerly
   here for concrete inputs).
 
-KVCache.layers is a tuple of one LayerCache per layer: each layer's update is a separate buffer
-that a donated step updates in place, and per-layer arrays can be timed alone.
+KVCache.layers is a tuple of one LayerCache per layer (each layer's update a separate buffer that a
+donated step updates in place; the unrolled layer loop, the GPU default), or one stacked LayerCache
+whose arrays carry a leading num_layers axis (init_cache(stacked=True): a model that scans over its
+layers, the CPU default; models.config.ModelConfig.scan_layers).
 
 The writers are jit-able, vectorized over sequences and blocks (no Python loop over tokens or pages
 at run time) and contain no host round trip; callers donate the cache, which the GPU then updates

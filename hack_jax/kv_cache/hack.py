@@ -73,7 +73,7 @@ class PrefillStream:
             ng = -(-(self.t_len + 4 * p - 1) // (4 * p))
             self.ustart = (b0 // 4) * (4 * p)
         else:
-            ng = max(1, -(-(self.t_len - ns) // (4 * p)))  # groups covering the prompt (>= 1: shapes)
+            ng = max(1, -(-(self.t_len - ns) // (4 * p)))  # packing groups covering the prompt (>= 1: shapes)
             self.ustart = jnp.zeros_like(lengths)
         self.ng, self.nb, self.nu = ng, 4 * ng, 4 * ng * p
         self.u = u = self.ustart[:, None] + jnp.arange(self.nu)[None, :]  # [S, NU]
@@ -111,19 +111,19 @@ class PrefillStream:
         return put(a, (pages, ALL, self.u % self.ps), jnp.swapaxes(x, 1, 2))
 
     def put_codes(self, a, codes, ok, u_keep, token_major=False):
-        """Packs codes u8[S, H, NU, D] per group (zero where not ok) and writes every group
+        """Packs codes u8[S, H, NU, D] per packing group (zero where not ok) and writes every group
         holding an ok token into `a` (token_major: kivi v_codes, else channel-major); planes of
         tokens u < u_keep (stored before) are kept (None: the slot was empty, no old plane needs
         keeping)."""
         s, h, ng, p, d, n, bpp = self.s, self.h, self.ng, self.p, self.d, self.n, self.bpp
         codes = jnp.where(ok[:, None, :, None], codes, 0).reshape(s, h, ng, 4 * p, d)
         packed = jnp.moveaxis(packing.pack_2bit(codes, axis=3), 1, 3)  # [S, NG, P, H, D]
-        gg = (self.ustart // (4 * p))[:, None] + jnp.arange(ng)[None, :]  # [S, NG] group in the seq
+        gg = (self.ustart // (4 * p))[:, None] + jnp.arange(ng)[None, :]  # [S, NG] packing group in the seq
         g_ok = ok.reshape(s, ng, 4 * p).any(-1)
         pages = page_ids(self.page_indices, gg // (bpp // 4), g_ok, n)
         rows = (gg % (bpp // 4))[:, :, None] * p + jnp.arange(p)  # [S, NG, P]
         if u_keep is not None:
-            j = jnp.arange(4)[:, None]  # [4, 1] plane = block of the group
+            j = jnp.arange(4)[:, None]  # [4, 1] plane = block of the packing group
             uu = (gg * 4 * p)[:, :, None, None] + j * p + jnp.arange(p)  # [S, NG, 4, P]
             keep = uu < u_keep[:, None, None, None]
             mask = jnp.sum(jnp.where(keep, packing.plane_mask(j), 0), axis=2).astype(jnp.uint8)

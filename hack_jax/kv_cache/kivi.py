@@ -18,8 +18,8 @@ from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, geometry, pytree
 @pytree_dataclass
 class KiviPages(Pages):
     """P = partition_size, Pc = min(P, head_dim), NP = head_dim // Pc, bpp = page_size // P,
-    S = max_seqs, ns = num_sink_tokens, sums dtype u8 when 3 * group <= 255 else u16:
-      k_codes  u8[num_pages, num_kv_heads, page_size // 4, head_dim]  packed per group of 4 blocks
+    S = max_seqs, ns = num_sink_tokens, sums u8 when 3 * (codes summed: Pc or P) <= 255 else u16:
+      k_codes  u8[num_pages, num_kv_heads, page_size // 4, head_dim]  packed per packing group of 4 blocks
       k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]      per (block, channel)
       k_sums   u8[num_pages, num_kv_heads, page_size, NP]              kappa, per (token, channel group)
       v_codes  u8[num_pages, num_kv_heads, head_dim, page_size // 4]  token-major: bits 2j..2j+1
