@@ -26,12 +26,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
 from hack_jax.paging import PageAllocator
 from hack_jax.step import Step
+
+from models import sharding
 from models.llama import Llama, init_cache
 from models.tokenizer import Tokenizer
 
@@ -178,14 +181,19 @@ class Generator:
     attention: the attention backend the steps run (None = model.config.attention): a
       hack_jax.backend.Backend or a hashable object with its prefill / decode methods
       (models/eval.py's evaluation variants).
+    mesh: None (one device) or a 1-D "tp" mesh (models.sharding.make_mesh(tp)): tensor
+      parallelism over kv heads. The weights and the cache are placed sharded (models/sharding.py)
+      and the backend runs per shard (sharding.ShardedBackend); the same compiled steps, one per
+      step kind.
 
   Raises:
-    ValueError: bad sizes (from here or QuantConfig / kv_cache).
+    ValueError: bad sizes (from here or QuantConfig / kv_cache); num_kv_heads or hidden_dim not
+      divisible by the mesh's size.
   """
 
   def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
                max_seqs: int = 4, max_len: int = 2048, prefill_chunk: int | None = None,
-               attention: Any = None):
+               attention: Any = None, mesh: Mesh | None = None):
     if max_seqs < 1 or max_len < 2:
       raise ValueError(f"need max_seqs >= 1 and max_len >= 2: {max_seqs=} {max_len=}")
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(
@@ -196,6 +204,11 @@ class Generator:
     self.config, self.quant, self.tokenizer, self.max_seqs = c, quant, tokenizer, max_seqs
     self.attention = c.attention if attention is None else attention
     self.graphdef, self.state = nnx.split(model)
+    self.mesh = mesh
+    if mesh is not None:
+      sharding.check_config(c, mesh)
+      self.attention = sharding.ShardedBackend(self.attention, mesh)
+      self.state = jax.device_put(self.state, sharding.param_shardings(self.state, mesh, c))
     sinks = kv_cache.sink_tokens(quant)
     self.pages_per_seq = max(1, math.ceil((max_len - sinks) / quant.page_size))
     self.num_pages = 1 + max_seqs * self.pages_per_seq
@@ -205,8 +218,10 @@ class Generator:
   # --------------------------------------------------------------------------------------- setup
 
   def new_cache(self) -> kv_cache.KVCache:
-    return init_cache(self.config, self.quant, num_pages=self.num_pages, max_seqs=self.max_seqs,
-                      pages_per_seq=self.pages_per_seq)
+    """An empty cache of this generator's shape (placed sharded over the mesh, if any)."""
+    cache = init_cache(self.config, self.quant, num_pages=self.num_pages, max_seqs=self.max_seqs,
+                       pages_per_seq=self.pages_per_seq)
+    return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh)
 
   def _run(self, fn, args, stats, **static):
     """Runs jitted `fn` through an ahead-of-time compiled executable (compile time -> stats)."""
