@@ -40,10 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from hack_jax import handoff, kv_cache, paging
 from hack_jax.config import QuantConfig
 from hack_jax.step import Step
+from models import sharding
 from models.generate import Sampling, length_bucket
 from models.llama import Llama, init_cache
 from models.tokenizer import Tokenizer
@@ -224,13 +226,19 @@ class Engine:
       (what) and "compiled" (what, seconds) around each compile; "prefilling" (requests, tokens)
       and "prefilled" (requests, tokens, seconds incl. the first token, compile excluded) around
       each prefill call.
+    mesh: None (the model's, for a models.sharding.shard_model model, else one device) or a 1-D
+      "tp" mesh: tensor parallelism over kv heads (models/sharding.py), weights and cache sharded.
   Thread safety: submit() and cancel() may be called from any thread; step() / stream() from one.
-  Raises ValueError for bad sizes.
+  Raises ValueError for bad sizes, or num_kv_heads / hidden_dim not divisible by the mesh's size.
   """
 
   def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
                max_seqs: int = 8, max_len: int = 2048, num_pages: int | None = None,
-               prefill_rows: int = 1, on_stage: Callable[[str, dict], None] | None = None):
+               prefill_rows: int = 1, on_stage: Callable[[str, dict], None] | None = None,
+               mesh: Mesh | None = None):
+    self.mesh = sharding.mesh_of(model) if mesh is None else mesh
+    if self.mesh is not None and sharding.mesh_of(model) is None:
+      model = sharding.shard_model(model, self.mesh)
     c = model.config
     if max_seqs < 1 or not 2 <= max_len <= c.max_seq_len or not 1 <= prefill_rows <= max_seqs:
       raise ValueError(f"need max_seqs >= 1, 2 <= max_len <= context length {c.max_seq_len} and "
@@ -243,8 +251,8 @@ class Engine:
     pages_per_seq = max(1, math.ceil((max_len - sinks) / quant.page_size))
     num_pages = 1 + max_seqs * pages_per_seq if num_pages is None else num_pages
     self.allocator = paging.PageAllocator(num_pages, max_seqs, pages_per_seq, quant.page_size, sinks)
-    self.cache = init_cache(c, quant, num_pages=num_pages, max_seqs=max_seqs,
-                            pages_per_seq=pages_per_seq)
+    self.cache = self._placed(init_cache(c, quant, num_pages=num_pages, max_seqs=max_seqs,
+                                         pages_per_seq=pages_per_seq))
     self.on_stage = on_stage
     self.stats = dict(compile_s=0.0, prefill_s=0.0, decode_s=0.0, prompt_tokens=0,
                       decode_tokens=0, decode_steps=0, prefill_calls=0, cancelled=0)
@@ -576,8 +584,8 @@ class Engine:
       slot = self._slots.index(None)
       self.allocator.admit(slot, kv_len)
       try:
-        self.cache = handoff.import_sequence(self.cache, payload, slot=slot,
-                                             page_indices=self.allocator.page_indices)
+        self.cache = self._placed(handoff.import_sequence(self.cache, payload, slot=slot,
+                                                          page_indices=self.allocator.page_indices))
       except ValueError:
         self.allocator.release(slot)
         raise
@@ -588,6 +596,10 @@ class Engine:
       self._committed += need
     pages = self._live_pages(self.allocator.page_indices, slot, kv_len)
     return rid, self._on_token(seq, int(first_token), float(first_logprob)), pages
+
+  def _placed(self, cache):
+    """The cache sharded over the mesh (as the compiled steps expect it), or as it is."""
+    return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh)
 
   def _live_pages(self, table, slot, kv_len) -> list[int]:
     a = self.allocator

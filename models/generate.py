@@ -181,7 +181,7 @@ class Generator:
     attention: the attention backend the steps run (None = model.config.attention): a
       hack_jax.backend.Backend or a hashable object with its prefill / decode methods
       (models/eval.py's evaluation variants).
-    mesh: None (one device) or a 1-D "tp" mesh (models.sharding.make_mesh(tp)): tensor
+    mesh: None (the model's, for a sharding.shard_model model, else one device) or a 1-D "tp" mesh (models.sharding.make_mesh(tp)): tensor
       parallelism over kv heads. The weights and the cache are placed sharded (models/sharding.py)
       and the backend runs per shard (sharding.ShardedBackend); the same compiled steps, one per
       step kind.
@@ -204,11 +204,12 @@ class Generator:
     self.config, self.quant, self.tokenizer, self.max_seqs = c, quant, tokenizer, max_seqs
     self.attention = c.attention if attention is None else attention
     self.graphdef, self.state = nnx.split(model)
-    self.mesh = mesh
-    if mesh is not None:
-      sharding.check_config(c, mesh)
-      self.attention = sharding.ShardedBackend(self.attention, mesh)
-      self.state = jax.device_put(self.state, sharding.param_shardings(self.state, mesh, c))
+    self.mesh = sharding.mesh_of(model) if mesh is None else mesh
+    if self.mesh is not None:
+      sharding.check_config(c, self.mesh)
+      if not isinstance(self.attention, sharding.ShardedBackend):
+        self.attention = sharding.ShardedBackend(self.attention, self.mesh)
+      self.state = jax.device_put(self.state, sharding.param_shardings(self.state, self.mesh, c))
     sinks = kv_cache.sink_tokens(quant)
     self.pages_per_seq = max(1, math.ceil((max_len - sinks) / quant.page_size))
     self.num_pages = 1 + max_seqs * self.pages_per_seq

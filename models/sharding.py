@@ -141,3 +141,23 @@ class ShardedBackend:
     fn = jax.shard_map(body, mesh=self.mesh, in_specs=(heads, heads, heads, layer_spec, P(), P()),
                        out_specs=(layer_spec, heads), check_vma=False)
     return fn(q, k, v, layer, step, jnp.asarray(layer_index, jnp.int32))
+
+
+def shard_model(model: Any, mesh: Mesh) -> Any:
+  """A Llama with its weights placed sharded over `mesh` (param_shardings) and its
+  config.attention wrapped in a ShardedBackend, so that model.run attends per shard; the
+  Generator and the Engine find the mesh there (mesh_of). Raises ValueError as check_config."""
+  from flax import nnx
+  check_config(model.config, mesh)
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, jax.device_put(state, param_shardings(state, mesh, model.config)))
+  attention = model.config.attention
+  if not isinstance(attention, ShardedBackend):
+    model.config = dataclasses.replace(model.config, attention=ShardedBackend(attention, mesh))
+  return model
+
+
+def mesh_of(model: Any) -> Mesh | None:
+  """The mesh of a shard_model model (its config.attention's), else None."""
+  attention = model.config.attention
+  return attention.mesh if isinstance(attention, ShardedBackend) else None

@@ -23,7 +23,7 @@ def test_sharded_cases_on_four_cpu_devices():
                          str(HERE / "sharded_cases.py")], env=env, cwd=HERE.parent,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-  assert "3 passed" in proc.stdout, proc.stdout[-2000:]
+  assert "4 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_make_mesh_rejects_bad_sizes():
