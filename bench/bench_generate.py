@@ -95,6 +95,7 @@ from hack_jax import kv_cache, paging  # noqa: E402
 from hack_jax.config import QuantConfig  # noqa: E402
 from models import generate as mgen  # noqa: E402
 from models import llama as mllama  # noqa: E402
+from models import sharding  # noqa: E402
 from hack_jax.step import Step  # noqa: E402
 from models.config import PRESETS, ModelConfig  # noqa: E402
 
@@ -116,6 +117,7 @@ CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
 KV_FORMAT = {"hack": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8"}
 PREFILL_FORMATS = ("hack", "bf16")
 LINK_GBPS = (10, 25, 100)
+MESH = None          # --tp N > 1: the tensor-parallel mesh (models/sharding.py), set by main()
 MARGIN = 64          # tokens per slot beyond the largest context (decode steps append)
 CHUNK_PAGES = 16     # bf16_xla adapter: pages per chunk (4096 tokens at page_size 256)
 RESERVE_GIB = 6.0    # capacity: left for activations, logits, workspace
@@ -186,6 +188,8 @@ def model_config(name, fmt, impl, interpret, scan_layers=True, prefill_attention
     else:
         attention = Backend(impl, {"interpret": True} if interpret and impl != "reference" else {},
                             prefill_attention=prefill_attention)
+    if MESH is not None:  # --tp: every layer's cache write + attention per shard of kv heads
+        attention = sharding.ShardedBackend(attention, MESH)
     return ModelConfig(**fields, dtype=jnp.bfloat16, attention=attention, scan_layers=scan_layers)
 
 
@@ -221,6 +225,9 @@ def random_state(cfg: ModelConfig, seed=0, init="llama"):
 
         state = jax.tree.unflatten(treedef, fill())
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    if MESH is not None:  # --tp: weights placed sharded (models/sharding.py); nbytes stays the total
+        sharding.check_config(cfg, MESH)
+        state = jax.device_put(state, sharding.param_shardings(state, MESH, cfg))
     return graphdef, state, nbytes
 
 
@@ -286,7 +293,7 @@ def filled_cache(cfg, quant, batch, capacity, seed=1):
     table = jnp.asarray(1 + np.arange(batch * pps, dtype=np.int32).reshape(batch, pps))
     cache = dataclasses.replace(shapes, layers=layers, page_indices=table,
                                 kv_lens=jnp.zeros((batch,), jnp.int32))
-    return cache, pps
+    return (cache if MESH is None else sharding.shard_cache(cache, MESH)), pps
 
 
 def tree_bytes(tree):
@@ -305,8 +312,10 @@ def device_memory():
 
 
 def cache_total_bytes(quant, cfg, context, batch):
-    return kv_cache.cache_bytes_report(quant, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                                       head_dim=cfg.head_dim, seq_len=context, max_seqs=batch)["total"]
+    """Cache bytes per device (the whole cache / tp with --tp: sharded by kv heads)."""
+    report = kv_cache.cache_bytes_report(quant, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                         head_dim=cfg.head_dim, seq_len=context, max_seqs=batch)
+    return report["total"] / sharding.tp_size(MESH)
 
 
 def residual_bytes_per_seq(quant, cfg):
@@ -447,6 +456,7 @@ def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
     sinks = kv_cache.sink_tokens(quant)
     pps = paging.pages_needed(context + MARGIN, page_size=quant.page_size, num_sink_tokens=sinks)
     cache = mllama.init_cache(cfg, quant, num_pages=1 + batch * pps, max_seqs=batch, pages_per_seq=pps)
+    cache = cache if MESH is None else sharding.shard_cache(cache, MESH)
     table = jnp.asarray(1 + np.arange(batch * pps, dtype=np.int32).reshape(batch, pps))
     t_len = mgen.length_bucket(context)
     tokens = jax.random.randint(jax.random.key(3), (batch, t_len), 0, cfg.vocab_size, jnp.int32)
@@ -734,6 +744,9 @@ def parse_args(argv):
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing each decode context, trace this many more steps with jax.profiler "
                          "and add the GPU time per step by kernel name to the row (gpu_kernels)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallelism over this many devices (kv heads; models/sharding.py): "
+                         "weights and cache sharded, rows carry tp; memory fits are per device")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.batches = ["llama-3.1-8b"], [b for b in args.batches if b in (1, 8)] or [1]
@@ -855,7 +868,9 @@ def run_model(name, items, args, start, rows, emit, flush, common, compile_est, 
 
 
 def main(argv=None):
+    global MESH
     args = parse_args(argv)
+    MESH = sharding.make_mesh(args.tp) if args.tp > 1 else None
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     device = jax.devices()[0]
@@ -863,7 +878,7 @@ def main(argv=None):
     command = "python bench/bench_generate.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                    else sys.argv[1:]))
     common = dict(gpu=gpu, platform=device.platform, jax_version=jax.__version__,
-                  python=platform.python_version())
+                  python=platform.python_version(), tp=args.tp)
     print(f"{gpu} ({device.platform}) jax {jax.__version__}  budget {args.max_seconds:.0f} s  "
           f"models {args.models} contexts {args.contexts} batches {args.batches} formats {args.formats}",
           flush=True)

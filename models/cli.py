@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="on: stacked layer weights, one lax.scan over the layers (compiled "
                       "once); off: the layer loop unrolled; auto: on for the CPU, off for a GPU "
                       "(ModelConfig.scan_layers)")
+  common.add_argument("--tp", type=int, default=1,
+                      help="tensor parallelism: shard the weights and the KV cache over this many "
+                      "devices by kv heads (models/sharding.py); must divide num_kv_heads")
   from models import cli_generate
   g = sub.add_parser("generate", parents=[common], help="generate text for one or more prompts",
                      formatter_class=fmt)
@@ -130,6 +133,8 @@ def _load(args):
     raise ValueError(f"--impl pallas runs the Triton kernels and needs an NVIDIA GPU; jax's "
                      f"backend here is {jax.default_backend()!r}: use --impl reference (or --interpret)")
 
+  from models import sharding
+  mesh = sharding.make_mesh(args.tp) if args.tp != 1 else None  # before loading: fail fast
   from models.cli_generate import check_model_path
   check_model_path(args.model)
   from hack_jax.backend import Backend
@@ -139,7 +144,10 @@ def _load(args):
                     prefill_attention=args.prefill_attention)
   ckpt = load_checkpoint(args.model, dtype=jnp.dtype(DTYPES[args.dtype]), attention=backend,
                          scan_layers={"auto": None, "on": True, "off": False}[args.scan_layers])
-  return ckpt, Llama.from_weights(ckpt.config, ckpt.weights)
+  model = Llama.from_weights(ckpt.config, ckpt.weights)
+  if mesh is not None:  # the Generator / Engine read the mesh from the sharded model
+    model = sharding.shard_model(model, mesh)
+  return ckpt, model
 
 
 def _generate(args, parser) -> int:

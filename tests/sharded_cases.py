@@ -144,8 +144,8 @@ def test_engine_sharded_matches_one_device():
   reqs = [Request(p, max_tokens=12, ignore_eos=True) for p in PROMPTS]
   out = {}
   for tp in (1, TP):
-    eng = Engine(model, _Tok(), quant, max_seqs=3, max_len=100, prefill_rows=2,
-                 mesh=sharding.make_mesh(tp) if tp > 1 else None)
+    m = sharding.shard_model(model, sharding.make_mesh(tp)) if tp > 1 else model  # as the CLI's --tp
+    eng = Engine(m, _Tok(), quant, max_seqs=3, max_len=100, prefill_rows=2)
     out[tp] = eng.generate(reqs)
     if tp > 1:
       assert all(_sharded_on_heads(a, 1) for a in jax.tree.leaves(eng.cache.layers))

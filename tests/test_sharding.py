@@ -33,3 +33,10 @@ def test_make_mesh_rejects_bad_sizes():
     sharding.make_mesh(0)
   with pytest.raises(ValueError, match="must be in \\[1, 1\\]"):
     sharding.make_mesh(2, devices=sharding.make_mesh(1).devices.flat)
+
+
+def test_cli_tp_beyond_the_devices_is_a_usage_error(capsys):
+  from models import cli
+  with pytest.raises(SystemExit) as e:
+    cli.main(["generate", "--prompt", "hi", "--tp", "2"])
+  assert e.value.code == 2 and "tp=2 must be in [1, 1]" in capsys.readouterr().err
