@@ -10,9 +10,13 @@ sequence of C tokens; then
              the first byte sent to the acknowledgement;
   restore    hack_jax.handoff.import_sequence into another cache whose slot got other page ids
              (host parse, host -> device copy, scatter into the pool), seconds;
-and the payload's bytes. Rows: --out/handoff.{jsonl,md}.
+and the payload's bytes. Rows: --out/handoff.{jsonl,md}, rewritten after every row (a run cut
+short by a time limit keeps what it measured). Contexts run in the outer loop, formats inside, so
+every format gets its short contexts before the long ones (bf16 at 64K moves ~8.6 GiB per round:
+about a minute and a half on the H200 host path; --reps 1 halves a run).
 
   python bench/bench_handoff.py                               # GPU: Llama-3.1-8B shapes, 4K 16K 64K
+  python bench/bench_handoff.py --formats bf16 int8 --reps 1  # the rows a 200 s stage did not reach
   python bench/bench_handoff.py --model toy --contexts 512    # CPU check of the script
 """
 from __future__ import annotations
@@ -68,7 +72,9 @@ def main(argv=None):
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 16384, 65536])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="timed rounds per row (median), after --warmup")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds per row (the first compiles "
+                    "the gather and the scatter of that page count)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -86,13 +92,13 @@ def main(argv=None):
     rows = []
     device = jax.devices()[0].device_kind
     cfg = bg.model_config(args.model, "hack", "reference", False, scan_layers=False)  # a tuple of layers
-    for fmt in args.formats:
-        quant = QuantConfig(kv_format=FORMATS[fmt])
-        for context in args.contexts:
+    for context in args.contexts:
+        for fmt in args.formats:
+            quant = QuantConfig(kv_format=FORMATS[fmt])
             cache, pps = bg.filled_cache(cfg, quant, 1, context + 1)
             table = np.asarray(cache.page_indices)
             times = dict(serialize=[], send=[], restore=[])
-            for rep in range(args.reps + 1):  # rep 0 compiles the gather and the scatter: untimed
+            for rep in range(args.warmup + args.reps):  # the first compiles gather and scatter: untimed
                 t = time.perf_counter()
                 payload = handoff.export_sequence(cache, slot=0, page_indices=table, kv_len=context)
                 times["serialize"].append(time.perf_counter() - t)
@@ -107,7 +113,7 @@ def main(argv=None):
                 jax.block_until_ready(out)
                 times["restore"].append(time.perf_counter() - t)
                 del out, dst
-                if rep == 0:
+                if rep < args.warmup:
                     times = {k: [] for k in times}
             row = dict(model=args.model, format=fmt, context=context, bytes=len(payload), device=device,
                        jax=jax.__version__, reps=args.reps,
@@ -115,17 +121,22 @@ def main(argv=None):
             row["send_gbps"] = 8 * row["bytes"] / row["send_s"] / 1e9
             rows.append(row)
             print(json.dumps(row), flush=True)
+            write(rows, args, argv, device)
             del cache, payload
     conn.send_bytes(b"")
     conn.close()
     child.join(30)
+    print("\n".join(write(rows, args, argv, device)))
 
+
+def write(rows, args, argv, device):
+    """--out/handoff.{jsonl,md} of the rows so far; returns the markdown lines."""
     with open(os.path.join(args.out, "handoff.jsonl"), "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     lines = [f"# Hand-off of one sequence's cache ({args.model} shapes, {device}, jax {jax.__version__})", "",
              "`python bench/bench_handoff.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`; "
-             f"median of {args.reps} after an untimed first run (compiles). send = a local socket to a second process that checks the digest.", "",
+             f"median of {args.reps} after {args.warmup} untimed (the first compiles). send = a local socket to a second process that checks the digest.", "",
              "| format | context | payload MiB | vs bf16 | serialize s | send s (Gb/s) | restore s |",
              "|---|---|---|---|---|---|---|"]
     bf16 = {r["context"]: r["bytes"] for r in rows if r["format"] == "bf16"}
@@ -135,7 +146,7 @@ def main(argv=None):
                      f"| {r['send_s']:.3f} ({r['send_gbps']:.1f}) | {r['restore_s']:.3f} |")
     with open(os.path.join(args.out, "handoff.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":
