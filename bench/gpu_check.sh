@@ -31,6 +31,10 @@
 #   HANDOFF=1 HANDOFF_ARGS="--contexts 4096 16384 65536"
 #                                                  bench/bench_handoff.py (one sequence's cache: bytes,
 #                                                  serialize / send / restore) -> OUT_DIR/handoff/ (HANDOFF_TIMEOUT=150)
+#   DISAGG=1 DISAGG_ARGS="--formats hack bf16 --contexts 16384 65536"
+#                                                  bench/bench_disagg.py (prefill worker -> hand-off -> decode
+#                                                  worker, both processes on the GPU: job completion time) ->
+#                                                  OUT_DIR/disagg/ (DISAGG_TIMEOUT=420)
 #   MODEL_CHECK=1 MODEL=/path/to.gguf TEXT=...      bench/model_check.py (the real model, pallas vs
 #                                                  reference) -> OUT_DIR/model_check/ (MODEL_CHECK_TIMEOUT=220);
 #                                                  needs the `gguf` wheel in .whl/ (installed to /tmp/site)
@@ -158,6 +162,13 @@ if [[ -n "${HANDOFF:-}" ]]; then
   timeout -k 5 "${HANDOFF_TIMEOUT:-150}" python3 bench/bench_handoff.py --out "$OUT/handoff" ${HANDOFF_ARGS:-} 2>&1 \
     | tee "$OUT/handoff.log"
   echo "handoff bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/handoff.log"
+fi
+
+if [[ -n "${DISAGG:-}" ]]; then
+  # shellcheck disable=SC2086
+  timeout -k 10 "${DISAGG_TIMEOUT:-420}" python3 bench/bench_disagg.py --out "$OUT/disagg" ${DISAGG_ARGS:-} 2>&1 \
+    | tee "$OUT/disagg.log"
+  echo "disagg bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/disagg.log"
 fi
 
 if [[ -n "${EVAL:-}" ]]; then
