@@ -6,6 +6,7 @@ Tiny qwen2-shaped decoder (q/k/v biases, GQA 8 q heads over 4 kv heads, untied h
 prefilled then 40 teacher-forced decode steps (blocks of 32 sealing, a page of 128 crossed)."""
 
 import collections
+import re
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,13 @@ def _compiles(fn):
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def _collectives(executable):
+  """[(op, result shape)] of the cross-device ops in a compiled step's HLO text."""
+  ops = re.findall(r"= \w+\[([\d,]*)\]\S* (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                   r"collective-permute)(?:-start)?\(", executable.as_text())
+  return [(op, tuple(int(d) for d in dims.split(",") if d)) for dims, op in ops]
+
+
 def _sharded_on_heads(array, axis):
   spec = tuple(array.sharding.spec) + (None,) * array.ndim
   return (spec[axis] == sharding.AXIS and all(s is None for i, s in enumerate(spec[:array.ndim]) if i != axis)
@@ -107,7 +115,8 @@ def test_hack_cache_scanned_matches_one_device_compiles_once_and_stays_sharded()
   and only o_proj / down_proj's all-reduce reassociates: 1e-5. (With more layers a later layer's
   K/V input differs by ~1e-7 and can flip an isolated 2-bit or bf16 rounding: ~1e-4.) One compile
   per step kind (prefill, decode with / without sealing), none on a second call; weights, cache
-  and the compiled steps' cache outputs sharded on the kv-head axis."""
+  and the compiled steps' cache outputs sharded on the kv-head axis; the only collectives on
+  activations are the two all-reduces per layer (o_proj, down_proj)."""
   cfg, w, model = _model(1, scan=True)
   quant = QuantConfig(kv_format="hack", partition_size=32, page_size=128)
   one = Generator(model, _Tok(), quant, max_seqs=2, max_len=100)
@@ -131,6 +140,12 @@ def test_hack_cache_scanned_matches_one_device_compiles_once_and_stays_sharded()
     out_cache = exe.output_shardings[0]
     for a, s in zip(jax.tree.leaves(cache.layers), jax.tree.leaves(out_cache.layers)):
       assert s.is_equivalent_to(a.sharding, a.ndim), (s, a.sharding)
+  for key, exe in gen._executables.items():  # Megatron: o_proj's and down_proj's all-reduce, [S, T, D]
+    ops = _collectives(exe)
+    activations = [o for o in ops if o[1][-1:] == (cfg.embed_dim,)]
+    assert [o[0] for o in activations] == ["all-reduce"] * 2 * cfg.num_layers, (key[0].__name__, ops)
+    # the rest: the vocabulary-sharded head's per-slot max / sum / argmax, never K/V or the cache
+    assert all(np.prod(o[1]) <= 2 * 2 * TP for o in ops if o not in activations), ops
   q = gen.state["layers"]["attn"]["q"][...]
   assert _sharded_on_heads(q, 2), q.sharding  # [L, D, N, H]
 
