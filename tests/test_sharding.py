@@ -36,7 +36,10 @@ def test_make_mesh_rejects_bad_sizes():
 
 
 def test_cli_tp_beyond_the_devices_is_a_usage_error(capsys):
+  import jax
+
   from models import cli
+  n = len(jax.devices())
   with pytest.raises(SystemExit) as e:
-    cli.main(["generate", "--prompt", "hi", "--tp", "2"])
-  assert e.value.code == 2 and "tp=2 must be in [1, 1]" in capsys.readouterr().err
+    cli.main(["generate", "--prompt", "hi", "--tp", str(n + 1)])
+  assert e.value.code == 2 and f"tp={n + 1} must be in [1, {n}]" in capsys.readouterr().err
