@@ -10,7 +10,7 @@ attention, fused into one kernel call where that pays) (STYLE.md rule 11). `impl
       "Homomorphic attention semantics" (HACK.md §3-§5): sinks, the sealed blocks in order
       (`lax.scan`, each step vmapped over sequences and kv heads), the open block, one online
       softmax. This is the twin the Pallas kernels are tested against, code for code.
-    "bf16" / "float32" / "int8": dequantize the pages (`kv_cache.dequantize_cache`), then dense
+    "bf16" / "float32" / "int8" / "fp8" / "kivi2": dequantize the pages (`kv_cache.dequantize_cache`), then dense
       float32 attention.
   "pallas": the GPU kernels, imported lazily from `pallas_kernels` (models never import them);
     NotImplementedError names the missing kernel when a format has none.
@@ -52,6 +52,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 _PALLAS = {
     ("pallas", "decode", "hack"): ("pallas_kernels.decode_attention", "hack_decode_attention"),
     ("pallas", "decode", "bf16"): ("pallas_kernels.bf16_decode_attention", "bf16_decode_attention"),
+    ("pallas", "decode", "fp8"): ("pallas_kernels.fp8_decode_attention", "fp8_decode_attention"),
+    ("pallas", "decode", "kivi2"): ("pallas_kernels.kivi2_decode_attention", "kivi2_decode_attention"),
     ("pallas", "prefill", "hack"): ("pallas_kernels.prefill_attention", "hack_prefill_attention"),
     ("pallas", "prefill", "bf16"): ("pallas_kernels.bf16_prefill_attention", "bf16_prefill_attention"),
     ("pallas_dequant", "decode", "hack"): ("pallas_kernels.dequant_decode_attention",
@@ -128,8 +130,7 @@ def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
         raise ValueError(f"impl must be one of {IMPLS}, got {impl=}")
     if kernel_options and impl == "reference":
         raise ValueError(f"kernel options only apply to the Pallas impls: {sorted(kernel_options)}")
-    if not isinstance(layer, (kv_cache.KiviPages, kv_cache.SeedPages, kv_cache.DensePages,
-                              kv_cache.Int8Pages)):
+    if not isinstance(layer, get_args(kv_cache.LayerCache)):
         raise ValueError(f"layer must be a kv_cache LayerCache, got {type(layer).__name__}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be floating, got {q.dtype=}")
@@ -163,11 +164,20 @@ _KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "
                 "open_v", "sink_k", "sink_v")
 
 
+_FP8_FIELDS = ("k_codes", "k_scale", "v_codes", "v_scale")
+_KIVI2_FIELDS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min", "open_k", "open_v")
+
+
 def _decode_kernel_args(layer):
-    """(arrays, static ints) of a decode kernel call: bf16 pages (k, v); a kivi layer's arrays in the
-    kernels' order with its partition_size / num_sink_tokens (the kernels take arrays only)."""
+    """(arrays, static ints) of a decode kernel call: bf16 pages (k, v); an fp8 / kivi2 layer's arrays
+    (kivi2 with its group); a kivi layer's arrays in the kernels' order with its partition_size /
+    num_sink_tokens (the kernels take arrays only)."""
     if isinstance(layer, kv_cache.DensePages):
         return (layer.k, layer.v), {}
+    if isinstance(layer, kv_cache.Fp8Pages):
+        return tuple(getattr(layer, f) for f in _FP8_FIELDS), {}
+    if isinstance(layer, kv_cache.Kivi2Pages):
+        return tuple(getattr(layer, f) for f in _KIVI2_FIELDS), dict(group=kv_cache.kivi2.GROUP)
     return (tuple(getattr(layer, f) for f in _KIVI_FIELDS),
             dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens))
 

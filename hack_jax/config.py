@@ -5,7 +5,7 @@ from typing import ClassVar, Literal, get_args
 
 import jax.numpy as jnp
 
-KVFormat = Literal["hack", "bf16", "float32", "int8"]
+KVFormat = Literal["hack", "bf16", "float32", "int8", "fp8", "kivi2"]
 Layout = Literal["kivi", "seed"]
 Rounding = Literal["nearest", "stochastic"]
 
@@ -16,7 +16,10 @@ class QuantConfig:
 
     Attributes:
       kv_format: "hack" (2-bit codes, HACK.md), "bf16" / "float32" (unquantized), "int8" (per
-        (token, kv head) asymmetric baseline, HACK.md §8).
+        (token, kv head) asymmetric baseline, HACK.md §8), "fp8" (float8 e4m3 with a float32 scale
+        per (token, kv head), vLLM's fp8), "kivi2" (KIVI-2: 2-bit K per channel over 32-token
+        groups, V per token over 32-channel groups, a 16-bit residual of the newest tokens;
+        hack_jax.kv_cache.kivi2; partition_size, num_sink_tokens and rounding do not apply).
       layout: "kivi" (K per channel, V per token; default, HACK.md §4) or "seed" (K per token,
         V per channel, as the paper describes).
       partition_size: P, tokens or channels per quantization partition; a power of two >= 16.

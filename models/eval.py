@@ -18,6 +18,10 @@ for the evaluation-only ones):
                                  matrix (blocks of P channels) after RoPE, before the cache: the
                                  real seed cache and homomorphic reference attention see rotated
                                  K/q; q.k is unchanged because the rotation is orthonormal.
+  kivi2-cache, fp8               the real kv_format="kivi2" (KIVI-2 as its official code: K per
+                                 channel over 32 tokens, V per token over 32 channels, 2 bits, K
+                                 residual of 1..128 tokens, V of the newest 129) and kv_format="fp8"
+                                 (e4m3, float32 scale per (token, kv head)) caches.
   kivi2                          KIVI-2, evaluation only (fake quantization, NOT a cache format):
                                  exact K/V live in a float32 cache; attention dequantize-then-attends
                                  over fake-quantized K (per channel, groups of 32 tokens) and V (per
@@ -158,6 +162,9 @@ FORMATS = {f.name: f for f in [
     EvalFormat("int8", QuantConfig(kv_format="int8"), note="per (token, kv head), asymmetric"),
     EvalFormat("kivi2", QuantConfig(kv_format="float32"), fake="kivi2",
                note="fake quant: K/channel G=32, V/token G=32, last 128+ fp16"),
+    EvalFormat("kivi2-cache", QuantConfig(kv_format="kivi2"),
+               note="real KIVI-2 cache (kv_cache.kivi2): G=32, R=128 as the official code"),
+    EvalFormat("fp8", QuantConfig(kv_format="fp8"), note="float8 e4m3, f32 scale per (token, kv head)"),
     EvalFormat("hack-p32", _hack(32), note="kivi layout, nearest, 4 sinks"),
     EvalFormat("hack-p64", _hack(64), note="kivi layout, nearest, 4 sinks"),
     EvalFormat("hack-p128", _hack(128), note="kivi layout, nearest, 4 sinks"),
@@ -715,6 +722,9 @@ def _eff_bits(r):
     if q.layout == "seed":  # K of every non-sink token is quantized at once; V waits for its block
       nq = (n - q.num_sink_tokens + nq) / 2
     return 8 * (nq * r["bytes_per_token"] + (n - nq) * r["bf16_bytes_per_token"]) / n / elems
+  if fmt is not None and fmt.fake is None and fmt.quant.kv_format == "kivi2":  # K and V residuals
+    n16 = (n - 128 * (max(n - 1, 0) // 128) + n - max(n - 1 - 128, 0)) / 2
+    return 8 * ((n - n16) * r["bytes_per_token"] + n16 * r["bf16_bytes_per_token"]) / n / elems
   if fmt is not None and fmt.fake is None:
     return 8 * r["bytes_per_token"] / elems
   return 8 * r["effective_bytes_per_token"] / elems

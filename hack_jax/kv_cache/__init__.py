@@ -7,6 +7,7 @@ formats with the config alone:
     kivi.py  kv_format="hack", layout="kivi": the 2-bit HACK format (default)
     seed.py  kv_format="hack", layout="seed": the paper's 2-bit layout, reference path only
     dense.py kv_format="bf16" | "float32"       int8.py  kv_format="int8"
+    fp8.py   kv_format="fp8" (e4m3, vLLM's fp8)  kivi2.py kv_format="kivi2" (the KIVI-2 baseline)
     hack.py  what the two 2-bit layouts share   common.py  page helpers, checks, the registry record
 
     init_cache / init_layer -> write_prefill -> append (every decode step) -> hack_jax.attention.
@@ -56,24 +57,27 @@ import numpy as np
 
 from hack_jax import paging
 from hack_jax.config import QuantConfig
-from hack_jax.kv_cache import dense, int8, kivi, seed
+from hack_jax.kv_cache import dense, fp8, int8, kivi, kivi2, seed
 from hack_jax.kv_cache.common import (STATIC, Format, FormatOps, Seal, check_finite, check_kv,
                                       format_of, is_traced, pytree_dataclass)
 from hack_jax.kv_cache.dense import DensePages
 from hack_jax.kv_cache.hack import HackBlocks
+from hack_jax.kv_cache.fp8 import Fp8Pages
 from hack_jax.kv_cache.int8 import Int8Pages
 from hack_jax.kv_cache.kivi import KiviPages
+from hack_jax.kv_cache.kivi2 import Kivi2Pages
 from hack_jax.kv_cache.seed import SeedPages
 
 FORMATS: dict[Format, FormatOps] = {
-    "kivi": kivi.OPS, "seed": seed.OPS, "bf16": dense.OPS, "float32": dense.OPS, "int8": int8.OPS}
+    "kivi": kivi.OPS, "seed": seed.OPS, "bf16": dense.OPS, "float32": dense.OPS, "int8": int8.OPS,
+    "fp8": fp8.OPS, "kivi2": kivi2.OPS}
 SEAL_MODES = get_args(Seal)
 
-LayerCache = Union[KiviPages, SeedPages, DensePages, Int8Pages]
+LayerCache = Union[KiviPages, SeedPages, DensePages, Int8Pages, Fp8Pages, Kivi2Pages]
 
 __all__ = [
-    "FORMATS", "SEAL_MODES", "DensePages", "Format", "FormatOps", "HackBlocks", "Int8Pages",
-    "KVCache", "KiviPages", "LayerCache", "Seal", "SeedPages", "append", "bytes_per_token",
+    "FORMATS", "SEAL_MODES", "DensePages", "Format", "FormatOps", "Fp8Pages", "HackBlocks",
+    "Int8Pages", "KVCache", "Kivi2Pages", "KiviPages", "LayerCache", "Seal", "SeedPages", "append", "bytes_per_token",
     "cache_bytes_report", "dequantize_cache", "format_of", "init_cache", "init_layer",
     "read_blocks", "seals_block", "sink_tokens", "write_prefill",
 ]

@@ -16,7 +16,7 @@ from hack_jax.quantization import quantize
 STATIC = dict(static=True)
 ALL = slice(None)
 
-Format = Literal["kivi", "seed", "bf16", "float32", "int8"]
+Format = Literal["kivi", "seed", "bf16", "float32", "int8", "fp8", "kivi2"]
 Seal = Literal["always", "never"]
 
 
