@@ -25,7 +25,9 @@ dynamic slice) and the calls rotate through them, so that consecutive calls do n
 
 bytes = what an impl must read from HBM at minimum: K+V (+ page table) for bf16; codes + metadata
 + sums + open block + sinks + page table for HACK (only the parts holding the kv_len tokens);
-the same minus the code sums for dequant (it does not read them). q and the output are not counted (< 0.1%).
+the same minus the code sums for dequant (it does not read them); fp8: codes + scales; kivi2: K codes +
+metadata of the sealed chunks, V codes + metadata of the quantized tokens, the residual rows in use
+(`_kivi2_bytes`, from the layer's array shapes). q and the output are not counted (< 0.1%).
 
 HACK caches are filled with random codes/metadata directly in the layout (hack_jax.kv_cache
 dataclasses; timing does not depend on the values, which are finite and nonzero). Any impl that fails
@@ -64,7 +66,7 @@ KV_LENS = (32768, 1024, 131072, 8192)
 QUICK = [("llama3.1-8b", 8, 32768), ("llama3.1-8b", 1, 32768), ("llama3.1-8b", 32, 8192),
          ("llama3.1-8b", 8, 8192), ("llama3.1-8b", 8, 131072), ("smollm2", 8, 32768)]
 SMOKE = [("tiny", 2, 256), ("tiny", 1, 100)]
-IMPLS = ("hack", "dequant", "bf16", "jax_gqa", "xla", "triton")
+IMPLS = ("hack", "dequant", "bf16", "fp8", "kivi2", "jax_gqa", "xla", "triton")
 PAGE_SIZE = 256  # QuantConfig's default
 UNROLL = 8
 ROTATE_BYTES = 256 << 20  # >= 4x the H200's 60 MB L2
@@ -306,6 +308,61 @@ def prep_hack(shape, key, *, interpret, variant_kwargs=None):
 
     return Prepared(call, arrays, nbytes, f"kivi P={P} page_size={config.page_size} ns=4 default_config {kwargs}", n,
                     append=("open_k", "open_v"))
+
+
+def prep_fp8(shape, key, *, interpret):
+    """kv_format="fp8" pages (random finite e4m3 codes, scales in [0.01, 0.1]), the fp8 kernel."""
+    from pallas_kernels.fp8_decode_attention import fp8_decode_attention
+    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "fp8")
+    k1, k2 = jax.random.split(jax.random.fold_in(key, 1))
+    f8 = jnp.float8_e4m3fn  # _random_hack_layer gave u8 bits, some of them e4m3 NaNs
+    layer = dataclasses.replace(layer, k_codes=rand_bf16(k1, layer.k_codes.shape).astype(f8),
+                                v_codes=rand_bf16(k2, layer.v_codes.shape).astype(f8))
+    arrays = dict(layer=layer, table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
+    per_copy = shape.batch * pps
+
+    def call(q, i, a):
+        x = a["layer"]
+        return fp8_decode_attention(q, x.k_codes, x.k_scale, x.v_codes, x.v_scale, a["table"] + (i % n) * per_copy,
+                                    a["lens"], interpret=interpret)
+
+    return Prepared(call, arrays, nbytes, f"e4m3 + f32 scale per (token, kv head), page_size={config.page_size} "
+                    "default_config", n, append=("k_codes", "v_codes"))
+
+
+def _kivi2_bytes(layer, shape, pps):
+    """Bytes a kivi2 decode call reads at kv_len (hack_jax.kv_cache.kivi2's rules): K codes/metadata of
+    the R nk sealed tokens, V codes/metadata of the nq quantized ones, the residual rows in use."""
+    from hack_jax.kv_cache import kivi2
+    L, ps = shape.kv_len, layer.config.page_size
+    nk = kivi2.RESIDUAL * (max(L - 1, 0) // kivi2.RESIDUAL)
+    nq = max(L - 1 - kivi2.RESIDUAL, 0)
+    per_tok = lambda *names: sum(math.prod(getattr(layer, f).shape[2:]) * getattr(layer, f).dtype.itemsize
+                                 for f in names) / ps
+    row = lambda f: math.prod(getattr(layer, f).shape[3:]) * getattr(layer, f).dtype.itemsize
+    per_head = (nk * per_tok("k_codes", "k_scale", "k_min") + nq * per_tok("v_codes", "v_scale", "v_min")
+                + (L - nk) * row("open_k") + (L - nq) * row("open_v"))
+    return int(per_head * shape.num_kv_heads * shape.batch + shape.batch * pps * 4)
+
+
+def prep_kivi2(shape, key, *, interpret):
+    """kv_format="kivi2" pages (random codes/metadata), the kivi2 kernel (dequantizes in registers)."""
+    from pallas_kernels.kivi2_decode_attention import kivi2_decode_attention
+    from hack_jax.kv_cache import kivi2
+    layer, table, pps, _, n, config = _layer_prep(shape, key, "kivi2")
+    layer = _one_copy_slots(layer, shape)
+    nbytes = _kivi2_bytes(layer, shape, pps)
+    arrays = dict(layer=layer, table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
+    per_copy = shape.batch * pps
+
+    def call(q, i, a):
+        x = _slots(a["layer"], shape, i, n)
+        return kivi2_decode_attention(q, x.k_codes, x.k_scale, x.k_min, x.v_codes, x.v_scale, x.v_min, x.open_k,
+                                      x.open_v, a["table"] + (i % n) * per_copy, a["lens"], group=kivi2.GROUP,
+                                      interpret=interpret)
+
+    return Prepared(call, arrays, nbytes, f"KIVI-2 G={kivi2.GROUP} R={kivi2.RESIDUAL} page_size={config.page_size} "
+                    "default_config", n, append=("open_k", "open_v"))
 
 
 def prep_dequant(shape, key, *, interpret):
@@ -616,6 +673,10 @@ def main(argv=None):
                 impls.append((cname, lambda s, k, f=fields: prep_bf16(s, k, interpret=interpret, config_fields=f)))
         elif name == "dequant":
             impls.append(("dequant", lambda s, k: prep_dequant(s, k, interpret=interpret)))
+        elif name == "fp8":
+            impls.append(("fp8", lambda s, k: prep_fp8(s, k, interpret=interpret)))
+        elif name == "kivi2":
+            impls.append(("kivi2", lambda s, k: prep_kivi2(s, k, interpret=interpret)))
         elif name == "jax_gqa":
             impls.append(("jax_gqa", lambda s, k: prep_jax_gqa(s, k, interpret=interpret)))
         elif name == "triton":  # rows named hack_triton: the hack cache's memory and touch rules apply
@@ -636,7 +697,8 @@ def main(argv=None):
                        gpu=gpu, jax_version=jax.__version__, timing_method=timing, touch=TOUCH, roof_gbps=roof)
             # peak memory vs the bf16 K/V size: the 2-bit caches are ~6x smaller (never skipped), the bf16
             # pool ~1x (+ its random-bits temporary), jax gqa / XLA's contiguous K/V + transposes ~3x
-            factor = 0 if impl.startswith(("hack", "dequant")) else 2 if impl.startswith("bf16") else 3
+            factor = (0 if impl.startswith(("hack", "dequant", "kivi2")) else 1 if impl == "fp8"
+                      else 2 if impl.startswith("bf16") else 3)
             if factor * shape.kv_bytes > MEMORY_LIMIT:
                 row["error"] = f"skipped: needs > {MEMORY_LIMIT >> 30} GiB"
             else:

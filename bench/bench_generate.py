@@ -11,6 +11,8 @@ Llama-3.1-8B and Qwen2.5-7B shapes, per cache "format":
             attention backend, XlaDecodeBackend, so the library is untouched). It walks the sequence in chunks of CHUNK_PAGES pages (a
             gather of the chunk's pages, two einsums, an online softmax) for ceil(max kv_len /
             chunk) iterations, so its cost follows the runtime length like a paged kernel's.
+  fp8       kv_format="fp8" (e4m3 + f32 scale per (token, kv head), vLLM's fp8) + its Pallas decode kernel
+  kivi2     kv_format="kivi2" (KIVI-2, G=32, R=128) + its Pallas decode kernel (dequantizes in registers)
   int8      capacity and JCT bytes only (no Pallas kernel exists for it).
 
 What is measured
@@ -112,9 +114,9 @@ TOY = {  # same code path, tiny widths: CPU checks of this script (and the pytes
 MODELS = ("llama-3.1-8b", "qwen2.5-7b")
 CONTEXTS = (4096, 16384, 65536)
 BATCHES = (1, 8, 32)
-FORMATS = ("hack", "bf16", "bf16_xla")          # timed
+FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "kivi2")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
-KV_FORMAT = {"hack": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8"}
+KV_FORMAT = {"hack": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8", "fp8": "fp8", "kivi2": "kivi2"}
 PREFILL_FORMATS = ("hack", "bf16")
 LINK_GBPS = (10, 25, 100)
 MESH = None          # --tp N > 1: the tensor-parallel mesh (models/sharding.py), set by main()
@@ -264,7 +266,9 @@ def layer_fill_fn(layer_shapes):
             h = h * jnp.uint32(2246822519)
             h = h ^ (h >> 16)
             unit = (h & jnp.uint32(0xFFFF)).astype(jnp.float32) / 65535.0  # [0, 1]
-            if name.endswith("codes"):
+            if name.endswith("codes") and s.dtype == jnp.float8_e4m3fn:  # finite e4m3 values
+                fields[name] = (4.0 * unit - 2.0).astype(s.dtype)
+            elif name.endswith("codes"):
                 fields[name] = lax.bitcast_convert_type((h >> 8).astype(jnp.uint8), s.dtype) \
                     if s.dtype == jnp.int8 else (h >> 8).astype(s.dtype)
             elif name.endswith("sums"):

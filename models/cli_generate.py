@@ -243,7 +243,8 @@ def run(args, load) -> int:
           "(not counted)")
     rep = _cache_report(quant, c, max(len(p) for p in ids) + max(len(x.tokens) for x in comps),
                         max_seqs)
-    print(f"KV cache ({args.kv_format}): {rep['bytes_per_token']:,.0f} B/token = "
+    print(f"KV cache ({args.kv_format}): {rep['bytes_per_token']:,.0f} B/token "
+          f"({rep['bits_per_element']:.2f} bits/element in pages) = "
           f"{rep['vs_bf16']:.3f} x bf16 in full pages; this run allocates {rep['total']:,} B vs "
           f"{rep['total_bf16']:,} B for bf16")
   return 0
@@ -280,7 +281,7 @@ def _cache_report(quant, c, seq_len, max_seqs) -> dict:
   shape = dict(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                seq_len=seq_len, max_seqs=max_seqs)
   per_tok = kv_cache.bytes_per_token(quant, c.num_kv_heads, c.head_dim, c.num_layers)
-  return dict(bytes_per_token=per_tok,
+  return dict(bytes_per_token=per_tok, bits_per_element=8 * per_tok / (2 * c.num_layers * c.num_kv_heads * c.head_dim),
               vs_bf16=per_tok / kv_cache.bytes_per_token(bf16, c.num_kv_heads, c.head_dim,
                                                          c.num_layers),
               total=kv_cache.cache_bytes_report(quant, **shape)["total"],

@@ -202,7 +202,7 @@ FORMATS = {f.name: f for f in [
 ]}
 
 # `--formats all` = the formats of issue 7's first list; `variants` = the HACK.md §4 attempts.
-BASE_FORMATS = ("float32", "bf16", "int8", "kivi2", "hack-p32", "hack-p64", "hack-p128",
+BASE_FORMATS = ("float32", "bf16", "int8", "fp8", "kivi2", "kivi2-cache", "hack-p32", "hack-p64", "hack-p128",
                 "hack-p64-stoch", "hack-p64-nosink", "seed-p64", "seed-p64-had")
 VARIANT_FORMATS = tuple(n for n in FORMATS if n not in BASE_FORMATS)
 

@@ -117,6 +117,8 @@ def test_eval_paths_on_tiny_model(tiny):
   # Short sequences keep KIVI-2 entirely in its fp16 residual: only fp16 rounding differs.
   kivi = run(ev.FORMATS["kivi2"])
   assert abs(kivi["nll"] - ref["nll"]) < 1e-3
+  # The real KIVI-2 cache too (46 tokens: all in its bf16 residual).
+  assert abs(run(ev.FORMATS["kivi2-cache"])["nll"] - ref["nll"]) < 1e-2
   # The Hadamard rotation of K and q leaves an unquantized cache's attention unchanged.
   rot = run(ev.EvalFormat("f32-had", ev.FORMATS["float32"].quant, hadamard=16))
   assert abs(rot["nll"] - ref["nll"]) < 1e-4

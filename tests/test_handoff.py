@@ -51,7 +51,9 @@ def receiver(config, payload, slot):
 
 
 FORMATS = [QuantConfig(kv_format="hack", **PAGE), QuantConfig(kv_format="bf16", page_size=64, partition_size=16),
-           QuantConfig(kv_format="int8", page_size=64, partition_size=16)]
+           QuantConfig(kv_format="int8", page_size=64, partition_size=16),
+           QuantConfig(kv_format="fp8", page_size=64, partition_size=16),
+           QuantConfig(kv_format="kivi2", page_size=128, partition_size=16)]
 
 
 @pytest.mark.parametrize("config", FORMATS, ids=lambda c: c.kv_format)
