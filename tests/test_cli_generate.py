@@ -62,7 +62,7 @@ def test_help_shows_defaults_and_version(capsys):
     cli.main(["generate", "--help"])
   out = " ".join(capsys.readouterr().out.split())
   for text in ("--max-new-tokens MAX_NEW_TOKENS tokens to generate per sequence (default: 64)",
-               "--kv-format {hack,bf16,float32,int8}", "(default: hack)", "--no-stream",
+               "--kv-format {hack,bf16,float32,int8,fp8,kivi2}", "(default: hack)", "--no-stream",
                "--partition-size", "(default: 64)"):
     assert text in out, text
   with pytest.raises(SystemExit) as exit_info:
