@@ -25,7 +25,8 @@ Page layout (DESIGN.md "Paged cache layout"; axes [num_pages, num_kv_heads, ...]
   position u = t - num_sink_tokens, page column u // page_size, row u % page_size. The newest
   incomplete block is the 16-bit open block, sealed (quantized into its page slot with its code
   sums) when it holds P tokens.
-- bf16 / float32 / int8 have no sinks and no open block: token t is in page column t // page_size
+- bf16 / float32 / int8 / fp8 / kivi2 have no sinks and no open block: token t is in page column t // page_size
+  (kivi2 keeps its own 16-bit residual per sequence, kivi2.py)
   (`sink_tokens(config)` is 0 for them).
 - Unassigned page_indices entries hold the null page 0 (hack_jax.paging), never handed out. Reads
   of ids outside [0, num_pages) read the null page, writes to them are dropped, and everything read
