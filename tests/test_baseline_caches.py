@@ -20,11 +20,12 @@ on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"
 _CACHES = {}
 
 
-def cache_of(fmt, how):
-    if (fmt, how) not in _CACHES:
-        c = twin.build(QuantConfig(kv_format=fmt), LENGTHS[fmt], how=how, poison_unused=False, seed=3)
-        _CACHES[fmt, how] = twin_baselines.poison(c)
-    return _CACHES[fmt, how]
+def cache_of(fmt, how, page_size=256):
+    if (fmt, how, page_size) not in _CACHES:
+        c = twin.build(QuantConfig(kv_format=fmt, page_size=page_size), LENGTHS[fmt], how=how, poison_unused=False,
+                       seed=3)
+        _CACHES[fmt, how, page_size] = twin_baselines.poison(c)
+    return _CACHES[fmt, how, page_size]
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "kivi2"])
@@ -94,8 +95,8 @@ def _naive_error(q, k_hat, v_hat):
     return np.abs(naive - exact).max()
 
 
-def _check_attention(fmt, how, impl, **options):
-    cache = cache_of(fmt, how)
+def _check_attention(fmt, how, impl, page_size=256, **options):
+    cache = cache_of(fmt, how, page_size)
     rng = np.random.default_rng(7)
     q = rng.standard_normal((len(cache.lengths), 6, 64)).astype(np.float32)
     out = np.asarray(attention.decode_attention(q, cache.layer, page_indices=cache.table, kv_lens=cache.lengths,
@@ -121,6 +122,12 @@ def test_reference_attention_vs_twin(fmt, how):
     ("kivi2", {}), ("kivi2", dict(config=kivi2k.KernelConfig(num_splits=3)))])
 def test_kernel_interpret_vs_twin(fmt, options):
     _check_attention(fmt, "both", "pallas", interpret=True, **options)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "kivi2"])
+def test_larger_pages(fmt):  # 512-token pages: 4 KIVI chunks per page, 2 fp8 tiles per page
+    for impl, options in (("reference", {}), ("pallas", {"interpret": True})):
+        _check_attention(fmt, "prefill", impl, page_size=512, **options)
 
 
 @pytest.mark.gpu
