@@ -95,6 +95,7 @@ from hack_jax.backend import Backend, write  # noqa: E402
 from hack_jax.prefill import PREFILL_ATTENTION  # noqa: E402
 from hack_jax import kv_cache, paging  # noqa: E402
 from hack_jax.config import QuantConfig  # noqa: E402
+from hack_jax.kv_cache import stacked as stacked_cache  # noqa: E402
 from models import generate as mgen  # noqa: E402
 from models import llama as mllama  # noqa: E402
 from models import sharding  # noqa: E402
@@ -429,6 +430,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
 
     for ctx in sorted(contexts):
         row = dict(base, kind="decode", context=ctx, capacity=capacity, pages_per_seq=pps,
+                   scan_in_place=stacked_cache.flat_is_addressable(cache.layers) if cache.stacked else None,
                    compile_s=round(compile_s, 3), fill_s=round(fill_s, 3),
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
                    kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps,
@@ -549,6 +551,10 @@ def _f(x, fmt="{:.2f}"):
 
 
 def _layers(row):
+    """scan (the stacked cache read and written in place), scan-sliced (each layer's slice copied in
+    and out: kv_cache.stacked.flat_is_addressable was False), unrolled."""
+    if row.get("scan_layers") and row.get("scan_in_place") is False:
+        return "scan-sliced"
     return {True: "scan", False: "unrolled"}.get(row.get("scan_layers"), "-")
 
 
@@ -881,8 +887,12 @@ def main(argv=None):
     gpu = getattr(device, "device_kind", str(device))
     command = "python bench/bench_generate.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                    else sys.argv[1:]))
+    # XLA_FLAGS (read by XLA at start-up, one setting per process): e.g.
+    # --xla_gpu_enable_dynamic_slice_fusion=true to let the scanned layers' matmuls read their slice
+    # of the stacked weights in place (bench/NOTES_generate.md, "Layer scan without copies")
     common = dict(gpu=gpu, platform=device.platform, jax_version=jax.__version__,
-                  python=platform.python_version(), tp=args.tp)
+                  python=platform.python_version(), tp=args.tp,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""))
     print(f"{gpu} ({device.platform}) jax {jax.__version__}  budget {args.max_seconds:.0f} s  "
           f"models {args.models} contexts {args.contexts} batches {args.batches} formats {args.formats}",
           flush=True)
@@ -901,7 +911,7 @@ def main(argv=None):
         with open(jsonl, "w") as f:
             f.writelines(json.dumps(r, default=str) + "\n" for r in rows)
         header = (f"# End-to-end generation, random weights, real shapes ({gpu}, jax {jax.__version__})\n\n"
-                  f"Command: `{command}`\n\nTiming: {timing}. Cache: {fill}. Formats: hack = 2-bit kivi "
+                  f"Command: `{command}`\n\nXLA_FLAGS: `{common['xla_flags'] or '(none)'}`\n\nTiming: {timing}. Cache: {fill}. Formats: hack = 2-bit kivi "
                   f"cache + our Pallas kernels (impl={args.impl}); bf16 = paged bf16 + our Pallas bf16 "
                   f"kernels; bf16_xla = paged bf16, decode attention in plain jnp/XLA (chunked "
                   f"gather + einsum + online softmax, bench adapter). Wall time of the run so far: "

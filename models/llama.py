@@ -17,8 +17,9 @@ Two ways to run:
                                         the K/V and attends.
 Layers: config.scan_layers=True stacks the layer weights (one Block whose parameters carry a leading
 num_layers axis) and runs the layers as one jax.lax.scan (the cache's layers stacked the same way,
-kv_cache.init_cache(stacked=True)); False keeps one Block per layer and a Python loop over a tuple of
-layer caches. The layer index goes to the backend explicitly (an int, or a traced i32 in the scan).
+kv_cache.init_cache(stacked=True), its pages read and written in place: hack_jax.kv_cache.stacked);
+False keeps one Block per layer and a Python loop over a tuple of layer caches. The layer index
+goes to the backend explicitly (an int, or a traced i32 in the scan).
 Einsum axes: B batch, T query tokens, S key tokens, D embed_dim, F hidden_dim, N q heads,
 K kv heads, G q heads per kv head, H head_dim, V vocab, L layers.
 """
@@ -35,6 +36,7 @@ from flax import nnx
 
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
+from hack_jax.kv_cache import stacked as stacked_cache
 from hack_jax.step import Step
 from models.config import ModelConfig
 
@@ -249,23 +251,40 @@ class Llama(nnx.Module):
     return cache, self.final_norm(x)
 
   def _scan(self, x, positions, layers, step, attention):
-    """The layer loop as one jax.lax.scan over (stacked weights, layer index); the stacked cache
-    rides in the carry and each layer's slice is read and written back in place."""
+    """The layer loop as one jax.lax.scan over (stacked weights, layer index). The stacked cache
+    rides in the carry in hack_jax.kv_cache.stacked's flat form: each layer's paged arrays are the
+    whole flat pool, read and scattered in place through the page table mapped into that layer's
+    pages (no copy of a layer's pages); only the per-sequence open blocks and sinks are sliced and
+    written back. Where the flat pool would fall in the Pallas lowering's 32-bit offset window
+    (kv_cache.stacked.flat_is_addressable), each layer's slice is copied in and out instead."""
     graphdef, params = nnx.split(self.layers)
+    flat = layers is not None and stacked_cache.flat_is_addressable(layers)
+    if flat:
+      num_pages = stacked_cache.pages_per_layer(layers)
+      layers = stacked_cache.flatten(layers)
 
     def body(carry, xs):
       x, layers = carry
       p, i = xs
-      layer = None if layers is None else jax.tree.map(
-          lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layers)
-      layer, x = nnx.merge(graphdef, p)(x, positions, layer, step, attention, i)
-      if layers is not None:
+      layer, layer_step = None, step
+      if flat:
+        layer = stacked_cache.layer_of(layers, i)
+        layer_step = dataclasses.replace(
+            step, page_indices=stacked_cache.layer_page_indices(step.page_indices, i, num_pages))
+      elif layers is not None:
+        layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layers)
+      layer, x = nnx.merge(graphdef, p)(x, positions, layer, layer_step, attention, i)
+      if flat:
+        layers = stacked_cache.put_layer(layers, layer, i)
+      elif layers is not None:
         layers = jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, i, 0),
                               layers, layer)
       return (x, layers), None
 
     index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
     (x, layers), _ = jax.lax.scan(body, (x, layers), (params, index))
+    if flat:
+      layers = stacked_cache.unflatten(layers, self.config.num_layers)
     return x, layers
 
   def logits(self, hidden: jax.Array) -> jax.Array:

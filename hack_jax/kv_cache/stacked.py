@@ -1,0 +1,104 @@
+"""A stacked cache seen one layer at a time without copying its pages (a model scanning its layers).
+
+A stacked LayerCache (init_cache(stacked=True)) holds every array with a leading num_layers axis:
+paged arrays [L, N, H, ...] (N = num_pages per layer) and per-sequence arrays (fields named open_*,
+sink_*: open blocks, sinks) [L, S, H, ...]. Slicing layer i out of the paged arrays and writing it
+back costs two copies of the layer's whole pool per layer per step (on the GPU, where a kernel's
+operand must be its own buffer), so the scan works on the flat form instead:
+
+  flat = flatten(stacked)            paged arrays reshaped to [L * N, H, ...] (free: contiguous):
+                                     page p of layer i is flat page i * N + p; per-sequence arrays
+                                     unchanged [L, S, ...]
+  layer = layer_of(flat, i)          layer i as a LayerCache: the paged arrays WHOLE (L * N pages),
+                                     the per-sequence arrays' slice i (small: S open blocks + sinks)
+  table = layer_page_indices(page_indices, i, N)
+                                     the page table mapped into layer i's pages: valid ids p in
+                                     [1, N) -> i * N + p; the null page 0 and ids outside [0, N)
+                                     -> 0 (layer 0's null page, which no write touches: the writers
+                                     drop writes to page 0, and every read of it is masked)
+  flat = put_layer(flat, layer, i)   the written layer back: paged arrays taken as they are (the
+                                     writers scattered into the carry in place), per-sequence
+                                     slice i updated
+  stacked = unflatten(flat, L)
+
+The writers (kv_cache.write_prefill / append) and the attention (hack_jax.attention, the Pallas
+kernels) take `layer` and `table` like any layer and page table, so they read and scatter in place
+into the flat arrays. Everything is exact: the same bytes are read and written as with the layer's
+own arrays and the original table.
+
+Caveat (Pallas Triton lowering, jax 0.10 / 0.11): a kernel operand of at most 2**32 bytes is indexed
+with 32-bit offsets, so a 1-byte array (u8 codes) of 2**31 .. 2**32 bytes may be addressed past
+2**31 with a signed 32-bit offset. `flat_is_addressable` says whether every 1-byte paged array of
+the flat form stays outside that window; a caller that may hand the flat layer to a GPU kernel keeps
+the per-layer slices otherwise (models/llama.py does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from hack_jax import paging
+
+PER_SEQUENCE_PREFIXES = ("open", "sink")
+
+
+def _fields(layer):
+    return [f.name for f in dataclasses.fields(layer) if f.name != "config"]
+
+
+def is_paged(name: str) -> bool:
+    """Whether a LayerCache field has a leading num_pages axis (else: per sequence, [S, ...])."""
+    return not name.startswith(PER_SEQUENCE_PREFIXES)
+
+
+def _map(layer, paged, per_seq):
+    return dataclasses.replace(layer, **{n: (paged if is_paged(n) else per_seq)(getattr(layer, n))
+                                         for n in _fields(layer)})
+
+
+def pages_per_layer(stacked) -> int:
+    """N of a stacked LayerCache (its paged arrays are [L, N, ...])."""
+    return getattr(stacked, next(n for n in _fields(stacked) if is_paged(n))).shape[1]
+
+
+def flatten(stacked):
+    """Stacked LayerCache -> flat form: paged arrays [L * N, ...], per-sequence arrays as they are."""
+    return _map(stacked, lambda a: a.reshape((-1,) + a.shape[2:]), lambda a: a)
+
+
+def unflatten(flat, num_layers: int):
+    """Inverse of `flatten`."""
+    return _map(flat, lambda a: a.reshape((num_layers, -1) + a.shape[1:]), lambda a: a)
+
+
+def layer_of(flat, i):
+    """Layer i (an int or a traced i32) of the flat form as a LayerCache over all L * N pages."""
+    return _map(flat, lambda a: a, lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False))
+
+
+def put_layer(flat, layer, i):
+    """The flat form with layer i's written LayerCache (from `layer_of`, written) put back."""
+    return dataclasses.replace(flat, **{
+        n: (getattr(layer, n) if is_paged(n) else
+            jax.lax.dynamic_update_index_in_dim(getattr(flat, n), getattr(layer, n), i, 0))
+        for n in _fields(flat)})
+
+
+def layer_page_indices(page_indices, i, num_pages: int):
+    """The page table i32[S, pages_per_seq] mapped into layer i's flat pages (module docstring)."""
+    ids = jnp.asarray(page_indices, jnp.int32)
+    ok = (ids > paging.NULL_PAGE) & (ids < num_pages)
+    return jnp.where(ok, ids + jnp.asarray(i, jnp.int32) * num_pages, paging.NULL_PAGE)
+
+
+def flat_is_addressable(stacked) -> bool:
+    """False when some 1-byte paged array of the flat form holds 2**31 .. 2**32 bytes: the window
+    where the Pallas Triton lowering's 32-bit offsets may overflow (module docstring)."""
+    for n in _fields(stacked):
+        a = getattr(stacked, n)
+        if is_paged(n) and jnp.dtype(a.dtype).itemsize == 1 and 2**31 <= a.size <= 2**32:
+            return False
+    return True
