@@ -430,7 +430,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
 
     for ctx in sorted(contexts):
         row = dict(base, kind="decode", context=ctx, capacity=capacity, pages_per_seq=pps,
-                   scan_in_place=stacked_cache.flat_is_addressable(cache.layers) if cache.stacked else None,
+                   scan_in_place=stacked_cache.use_flat(cache.layers) if cache.stacked else None,
                    compile_s=round(compile_s, 3), fill_s=round(fill_s, 3),
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
                    kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps,
@@ -552,7 +552,7 @@ def _f(x, fmt="{:.2f}"):
 
 def _layers(row):
     """scan (the stacked cache read and written in place), scan-sliced (each layer's slice copied in
-    and out: kv_cache.stacked.flat_is_addressable was False), unrolled."""
+    and out: kv_cache.stacked.use_flat was False), unrolled."""
     if row.get("scan_layers") and row.get("scan_in_place") is False:
         return "scan-sliced"
     return {True: "scan", False: "unrolled"}.get(row.get("scan_layers"), "-")

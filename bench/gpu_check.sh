@@ -28,6 +28,17 @@
 #   SWEEP_TIMEOUT=90                               seconds per stage
 #   GENERATE=1 GENERATE_ARGS="..."                 bench/bench_generate.py (end to end, random weights) ->
 #                                                  OUT_DIR/generate/ (GENERATE_TIMEOUT=200)
+#   SCAN=1 SCAN_ARGS="..."                         layer scan vs unrolled, end to end: first the gpu tests of the
+#                                                  in-place scan (tests/test_models.py -k scanned, tests/test_kv_cache.py
+#                                                  -k stacked), then bench/bench_generate.py --scan-layers on off once per
+#                                                  XLA_FLAGS setting of SCAN_XLA (';'-separated, "none" = unset; default:
+#                                                  "none;--xla_gpu_enable_dynamic_slice_fusion=true"; a third worth a run:
+#                                                  "--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_triton_gemm=false")
+#                                                  -> OUT_DIR/scan/<i>/ (SCAN_TEST_TIMEOUT=120, SCAN_TIMEOUT=170 per run;
+#                                                  with SKIP_TESTS=1 SKIP_BENCH=1 two settings fit one 10-minute call).
+#                                                  Default contexts 4096 16384: at batch 8 and 32K the hack u8 pools of
+#                                                  the flat form fall in the Pallas 32-bit offset window and the scan
+#                                                  keeps per-layer slices there (rows say layers=scan-sliced)
 #   HANDOFF=1 HANDOFF_ARGS="--contexts 4096 16384 65536"
 #                                                  bench/bench_handoff.py (one sequence's cache: bytes,
 #                                                  serialize / send / restore) -> OUT_DIR/handoff/ (HANDOFF_TIMEOUT=150)
@@ -155,6 +166,29 @@ if [[ -n "${GENERATE:-}" ]]; then
   timeout -k 5 "${GENERATE_TIMEOUT:-200}" python3 bench/bench_generate.py --out "$OUT/generate" ${GENERATE_ARGS:-} 2>&1 \
     | tee "$OUT/generate.log"
   echo "generate bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/generate.log"
+fi
+
+if [[ -n "${SCAN:-}" ]]; then
+  # XLA reads XLA_FLAGS at start-up: one bench process per setting. Dynamic slice fusion lets a custom
+  # call (a cuBLAS gemm) read a loop-indexed slice of the stacked weights in place; Triton gemm fusions
+  # are not covered by it, hence the third setting (all gemms through cuBLAS).
+  mkdir -p "$OUT/scan"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${SCAN_TEST_TIMEOUT:-120}" python3 -m pytest -q -m gpu \
+    tests/test_models.py tests/test_kv_cache.py -k "scanned or stacked" 2>&1 | tee "$OUT/scan/scan_tests.log"
+  echo "scan tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/scan/scan_tests.log"
+  IFS=';' read -ra scan_xla <<<"${SCAN_XLA:-none;--xla_gpu_enable_dynamic_slice_fusion=true}"
+  i=0
+  for flags in "${scan_xla[@]}"; do
+    mkdir -p "$OUT/scan/$i"
+    echo "XLA_FLAGS=${flags}" | tee "$OUT/scan/$i/xla_flags.txt"
+    # shellcheck disable=SC2086
+    ( if [[ "$flags" != none ]]; then export XLA_FLAGS="$flags"; fi
+      timeout -k 5 "${SCAN_TIMEOUT:-170}" python3 bench/bench_generate.py --out "$OUT/scan/$i" --no-plot \
+        ${SCAN_ARGS:---models llama-3.1-8b --batches 1 8 --contexts 4096 16384 --formats hack bf16 --prefill-contexts --scan-layers on off --profile-steps 3 --max-seconds 150} ) 2>&1 \
+      | tee "$OUT/scan/$i/gen.log"
+    echo "scan bench ($flags) exit: ${PIPESTATUS[0]}" | tee -a "$OUT/scan/$i/gen.log"
+    i=$((i + 1))
+  done
 fi
 
 if [[ -n "${HANDOFF:-}" ]]; then

@@ -6,13 +6,18 @@ compiler: CPU here, the GPU on the device) in three forms and counts, in the opt
 the instructions that produce an array of a cache-page shape:
   scan (in place)  ModelConfig.scan_layers=True: hack_jax.kv_cache.stacked's flat pool in the carry
   scan (sliced)    the same scan with each layer's slice copied in and out (the form before the
-                   flat pool; forced here through kv_cache.stacked.flat_is_addressable = False)
+                   flat pool; forced here through kv_cache.stacked.use_flat = False)
   unrolled         scan_layers=False, a tuple of layer caches
 Shapes counted: a layer's pool [N, ...] of each paged array ("layer"), the stacked [L, N, ...]
 and the flat [L * N, ...] ("whole"); per opcode: copy, dynamic-slice, dynamic-update-slice,
 fusion (a fusion producing such an array is a copy or slice kernel unless it is a scatter in place).
 
   PYTHONPATH=. python bench/scan_layers_hlo.py [--formats hack bf16 int8] [--impl reference]
+
+--time: instead, per form, the compile time (lower + compile) of that decode step and its time per
+step (median of --reps runs of --steps steps back to back, cache donated) at a small model shape
+(--layers layers, embed 256, 8 / 2 heads of 64, default QuantConfig pages, batch 2, 1024 tokens
+held per slot; "scan (sliced)" here is the form before the flat pool).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import collections
 import dataclasses
 import re
+import time
 from unittest import mock
 
 import jax
@@ -38,22 +44,30 @@ L, N, S, PPS = 4, 37, 2, 18
 OPS = ("copy", "dynamic-slice", "dynamic-update-slice", "fusion", "scatter")
 
 
-def _model(scan, impl):
+def _model(scan, impl, small=True, layers=L):
     from hack_jax.backend import Backend
-    cfg = ModelConfig(architecture="llama", vocab_size=96, num_layers=L, embed_dim=64, hidden_dim=80,
-                      num_q_heads=4, num_kv_heads=2, head_dim=48, rms_norm_eps=1e-5, rope_theta=1e4,
-                      max_seq_len=2048, tied_embeddings=True, qkv_bias=False, scan_layers=scan,
+    sizes = (dict(vocab_size=96, embed_dim=64, hidden_dim=80, num_q_heads=4, head_dim=48) if small else
+             dict(vocab_size=512, embed_dim=256, hidden_dim=512, num_q_heads=8, head_dim=64))
+    cfg = ModelConfig(architecture="llama", num_layers=layers, num_kv_heads=2, rms_norm_eps=1e-5,
+                      rope_theta=1e4, max_seq_len=4096, tied_embeddings=True, qkv_bias=False,
+                      scan_layers=scan, **sizes,
                       attention=Backend(impl, options={"interpret": True} if impl != "reference" else {}))
     return Llama(cfg, rngs=nnx.Rngs(0))
 
 
-def compiled_text(fmt, scan, impl, in_place=True):
-    model = _model(scan, impl)
-    quant = QuantConfig(kv_format=fmt, partition_size=16, page_size=64)
-    cache = init_cache(model.config, quant, num_pages=N, max_seqs=S, pages_per_seq=PPS)
+def decode_fn(fmt, scan, impl, in_place=True, small=True, layers=L):
+    """(jitted decode step, state, cache, step) of the HLO shapes (small) or the timing shapes."""
+    model = _model(scan, impl, small, layers)
+    if small:
+        quant = QuantConfig(kv_format=fmt, partition_size=16, page_size=64)
+        num_pages, pps, lens = N, PPS, [100, 7]
+    else:
+        quant = QuantConfig(kv_format=fmt)
+        num_pages, pps, lens = 1 + S * 5, 5, [1024, 1024]
+    cache = init_cache(model.config, quant, num_pages=num_pages, max_seqs=S, pages_per_seq=pps)
     graphdef, state = nnx.split(model)
-    table = np.arange(1, 1 + S * PPS, dtype=np.int32).reshape(S, PPS)
-    step = Step.decode(table, [100, 7], [True, True], jax.random.key(0), seal="always")
+    table = np.arange(1, 1 + S * pps, dtype=np.int32).reshape(S, pps)
+    step = Step.decode(table, lens, [True, True], jax.random.key(0), seal="always")
 
     def decode(state, tokens, cache, step):
         m = nnx.merge(graphdef, state)
@@ -61,9 +75,33 @@ def compiled_text(fmt, scan, impl, in_place=True):
         return cache, m.logits(hidden[:, 0])
 
     fn = jax.jit(decode, donate_argnames="cache")
-    with mock.patch.object(stacked, "flat_is_addressable", lambda layers: in_place):
+    return fn, state, cache, step
+
+
+def compiled_text(fmt, scan, impl, in_place=True):
+    fn, state, cache, step = decode_fn(fmt, scan, impl, in_place)
+    with mock.patch.object(stacked, "use_flat", lambda layers: in_place):
         lowered = fn.lower(state, jnp.zeros((S,), jnp.int32), cache, step)
     return lowered.compile().as_text(), cache
+
+
+def timed(fmt, scan, impl, in_place, layers, steps, reps):
+    """(compile s, median s per decode step)."""
+    fn, state, cache, step = decode_fn(fmt, scan, impl, in_place, small=False, layers=layers)
+    tokens = jnp.zeros((S,), jnp.int32)
+    t0 = time.perf_counter()
+    with mock.patch.object(stacked, "use_flat", lambda layers: in_place):
+        exe = fn.lower(state, tokens, cache, step).compile()
+    compile_s = time.perf_counter() - t0
+    cache, _ = exe(state, tokens, cache, step)  # warm-up
+    per_step = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(steps):
+            cache, logits = exe(state, tokens, cache, step)
+        jax.block_until_ready((cache, logits))
+        per_step.append((time.perf_counter() - t) / steps)
+    return compile_s, float(np.median(per_step))
 
 
 def page_shapes(cache):
@@ -101,14 +139,27 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", nargs="+", default=["hack", "bf16", "int8"])
     ap.add_argument("--impl", default="reference")
+    ap.add_argument("--time", action="store_true", help="compile and per-step times instead of counts")
+    ap.add_argument("--layers", type=int, default=8, help="--time: layers of the model")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
+    forms = (("scan (in place)", True, True), ("scan (sliced)", True, False), ("unrolled", False, True))
+    if args.time:
+        print(f"platform {jax.default_backend()}, jax {jax.__version__}, {args.layers} layers, impl "
+              f"{args.impl}, batch {S}, 1024 tokens per slot\n")
+        print("| format | form | compile s | ms / decode step |\n|---|---|---|---|")
+        for fmt in args.formats:
+            for name, scan, in_place in forms:
+                c, t = timed(fmt, scan, args.impl, in_place, args.layers, args.steps, args.reps)
+                print(f"| {fmt} | {name} | {c:.2f} | {t * 1e3:.2f} |", flush=True)
+        return
     print(f"platform {jax.default_backend()}, jax {jax.__version__}, L={L} layers, N={N} pages/layer, "
           f"impl {args.impl}")
     print("| format | form | " + " | ".join(f"{k} {op}" for k in ("layer", "whole") for op in OPS) + " |")
     print("|---|---|" + "---|" * (2 * len(OPS)))
     for fmt in args.formats:
-        for name, scan, in_place in (("scan (in place)", True, True), ("scan (sliced)", True, False),
-                                     ("unrolled", False, True)):
+        for name, scan, in_place in forms:
             text, cache = compiled_text(fmt, scan, args.impl, in_place)
             c = count(text, page_shapes(cache))
             print(f"| {fmt} | {name} | " + " | ".join(str(c[k, op]) for k in ("layer", "whole") for op in OPS)

@@ -693,3 +693,41 @@ def test_readers_match_the_numpy_page_reader(fmt, how):
         np.testing.assert_allclose(k[s, :n], k_np, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(v[s, :n], v_np, rtol=1e-6, atol=1e-6)
         assert (k[s, n:] == 0).all() and (v[s, n:] == 0).all()
+
+
+def test_stacked_flat_view():
+    """kv_cache.stacked: the flat form of a stacked cache (paged arrays [L * N, ...], per-sequence
+    arrays [L, S, ...]) round-trips; layer i's page table maps valid ids p to i * N + p and the null
+    page / out-of-range ids to page 0; layer_of / put_layer slice and update only the per-sequence
+    arrays; use_flat is False for u8 pools in the (2**31, 2**32] byte window and, on the CPU, for
+    bf16 pages."""
+    from hack_jax.kv_cache import stacked
+    layers = kv_cache.init_cache(QuantConfig(), num_layers=3, num_kv_heads=1, head_dim=64, num_pages=5,
+                                 max_seqs=2, pages_per_seq=2, stacked=True).layers
+    layers = jax.tree.map(lambda a: jnp.asarray(np.arange(a.size).reshape(a.shape) % 251, a.dtype), layers)
+    flat = stacked.flatten(layers)
+    assert flat.k_codes.shape == (15, 1, 64, 64) and flat.v_sums.shape == (15, 1, 4, 64)
+    assert flat.open_k.shape == layers.open_k.shape and flat.sink_v.shape == layers.sink_v.shape
+    assert stacked.pages_per_layer(layers) == 5 and flat.num_pages == 15
+    for a, b in zip(jax.tree.leaves(stacked.unflatten(flat, 3)), jax.tree.leaves(layers)):
+        np.testing.assert_array_equal(a, b)
+    table = np.array([[3, 0], [-1, 5]], np.int32)
+    np.testing.assert_array_equal(stacked.layer_page_indices(table, 2, 5), [[13, 0], [0, 0]])
+    np.testing.assert_array_equal(stacked.layer_page_indices(table, 0, 5), [[3, 0], [0, 0]])
+    one = stacked.layer_of(flat, 1)
+    np.testing.assert_array_equal(one.open_v, layers.open_v[1])
+    assert one.k_codes.shape == (15, 1, 64, 64)
+    back = stacked.put_layer(flat, dataclasses.replace(one, open_v=one.open_v * 0), 1)
+    np.testing.assert_array_equal(back.open_v[1], 0)
+    np.testing.assert_array_equal(back.open_v[0], layers.open_v[0])
+    np.testing.assert_array_equal(back.k_codes, flat.k_codes)
+    shapes = lambda n: jax.eval_shape(lambda: kv_cache.init_cache(
+        QuantConfig(), num_layers=3, num_kv_heads=1, head_dim=64, num_pages=n, max_seqs=1,
+        pages_per_seq=1, stacked=True)).layers  # k_codes: 3 * n * 4096 bytes
+    assert stacked.use_flat(shapes(100_000))  # 1.2e9 bytes
+    assert not stacked.use_flat(shapes(200_000))  # 2.5e9
+    assert stacked.use_flat(shapes(400_000))  # 4.9e9: 64-bit offsets
+    bf16 = jax.eval_shape(lambda: kv_cache.init_cache(
+        QuantConfig(kv_format="bf16"), num_layers=2, num_kv_heads=1, head_dim=64, num_pages=3,
+        max_seqs=1, pages_per_seq=1, stacked=True)).layers
+    assert stacked.use_flat(bf16) == (jax.default_backend() != "cpu")

@@ -26,11 +26,14 @@ kernels) take `layer` and `table` like any layer and page table, so they read an
 into the flat arrays. Everything is exact: the same bytes are read and written as with the layer's
 own arrays and the original table.
 
-Caveat (Pallas Triton lowering, jax 0.10 / 0.11): a kernel operand of at most 2**32 bytes is indexed
-with 32-bit offsets, so a 1-byte array (u8 codes) of 2**31 .. 2**32 bytes may be addressed past
-2**31 with a signed 32-bit offset. `flat_is_addressable` says whether every 1-byte paged array of
-the flat form stays outside that window; a caller that may hand the flat layer to a GPU kernel keeps
-the per-layer slices otherwise (models/llama.py does).
+When the flat form does not pay (`use_flat`, False: a caller keeps the per-layer slices, as
+models/llama.py does):
+- Pallas Triton lowering (jax 0.10 / 0.11): a kernel operand of at most 2**32 bytes is indexed with
+  32-bit offsets, so a 1-byte array (u8 codes) of more than 2**31 and at most 2**32 bytes would be
+  addressed past 2**31 with a 32-bit offset (a signed one in Triton's pointer arithmetic).
+- XLA's CPU backend scatters bf16 through an f32 copy of the WHOLE operand (float normalization),
+  which for the flat pool is every layer's pages, per layer; so on the CPU a cache with bf16 pages
+  (kv_format="bf16") keeps the slices (f16, u8, i8, f32 pages are scattered in place there).
 """
 
 from __future__ import annotations
@@ -94,11 +97,17 @@ def layer_page_indices(page_indices, i, num_pages: int):
     return jnp.where(ok, ids + jnp.asarray(i, jnp.int32) * num_pages, paging.NULL_PAGE)
 
 
-def flat_is_addressable(stacked) -> bool:
-    """False when some 1-byte paged array of the flat form holds 2**31 .. 2**32 bytes: the window
-    where the Pallas Triton lowering's 32-bit offsets may overflow (module docstring)."""
+def use_flat(stacked) -> bool:
+    """Whether the flat form pays for `stacked` (a stacked LayerCache of arrays or ShapeDtypeStructs;
+    module docstring): False when some 1-byte paged array holds more than 2**31 and at most 2**32
+    bytes (the Pallas 32-bit offset window), or on the CPU backend when some paged array is bf16."""
+    cpu = jax.default_backend() == "cpu"
     for n in _fields(stacked):
         a = getattr(stacked, n)
-        if is_paged(n) and jnp.dtype(a.dtype).itemsize == 1 and 2**31 <= a.size <= 2**32:
+        if not is_paged(n):
+            continue
+        if jnp.dtype(a.dtype).itemsize == 1 and 2**31 < a.size <= 2**32:
+            return False
+        if cpu and a.dtype == jnp.bfloat16:
             return False
     return True
