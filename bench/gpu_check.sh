@@ -30,12 +30,15 @@
 #                                                  OUT_DIR/generate/ (GENERATE_TIMEOUT=200)
 #   SCAN=1 SCAN_ARGS="..."                         layer scan vs unrolled, end to end: first the gpu tests of the
 #                                                  in-place scan (tests/test_models.py -k scanned, tests/test_kv_cache.py
-#                                                  -k stacked), then bench/bench_generate.py --scan-layers on off once per
+#                                                  -k stacked), bench/scan_layers_hlo.py's page-copy counts of the GPU-compiled
+#                                                  step (SCAN_HLO_TIMEOUT=120; SKIP_SCAN_TESTS=1 leaves both out), then
+#                                                  bench/bench_generate.py --scan-layers on off once per
 #                                                  XLA_FLAGS setting of SCAN_XLA (';'-separated, "none" = unset; default:
 #                                                  "none;--xla_gpu_enable_dynamic_slice_fusion=true"; a third worth a run:
 #                                                  "--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_triton_gemm=false")
 #                                                  -> OUT_DIR/scan/<i>/ (SCAN_TEST_TIMEOUT=120, SCAN_TIMEOUT=170 per run;
-#                                                  with SKIP_TESTS=1 SKIP_BENCH=1 two settings fit one 10-minute call).
+#                                                  with SKIP_TESTS=1 SKIP_BENCH=1, ~9 min for the two default settings:
+#                                                  pass one setting per call if the machine is slow).
 #                                                  Default contexts 4096 16384: at batch 8 and 32K the hack u8 pools of
 #                                                  the flat form fall in the Pallas 32-bit offset window and the scan
 #                                                  keeps per-layer slices there (rows say layers=scan-sliced)
@@ -171,11 +174,16 @@ fi
 if [[ -n "${SCAN:-}" ]]; then
   # XLA reads XLA_FLAGS at start-up: one bench process per setting. Dynamic slice fusion lets a custom
   # call (a cuBLAS gemm) read a loop-indexed slice of the stacked weights in place; Triton gemm fusions
-  # are not covered by it, hence the third setting (all gemms through cuBLAS).
+  # are not covered by it, hence the extra setting suggested above (all gemms through cuBLAS).
   mkdir -p "$OUT/scan"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${SCAN_TEST_TIMEOUT:-120}" python3 -m pytest -q -m gpu \
-    tests/test_models.py tests/test_kv_cache.py -k "scanned or stacked" 2>&1 | tee "$OUT/scan/scan_tests.log"
-  echo "scan tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/scan/scan_tests.log"
+  if [[ -z "${SKIP_SCAN_TESTS:-}" ]]; then
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${SCAN_TEST_TIMEOUT:-120}" python3 -m pytest -q -m gpu \
+      tests/test_models.py tests/test_kv_cache.py -k "scanned or stacked" 2>&1 | tee "$OUT/scan/scan_tests.log"
+    echo "scan tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/scan/scan_tests.log"
+    # page-shaped copies / slices in the GPU-compiled decode step, per layer form (small shapes, ~1 min)
+    timeout -k 5 "${SCAN_HLO_TIMEOUT:-120}" python3 bench/scan_layers_hlo.py --formats hack bf16 --impl pallas 2>&1 \
+      | tee "$OUT/scan/hlo_counts.md"
+  fi
   IFS=';' read -ra scan_xla <<<"${SCAN_XLA:-none;--xla_gpu_enable_dynamic_slice_fusion=true}"
   i=0
   for flags in "${scan_xla[@]}"; do

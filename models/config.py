@@ -39,8 +39,10 @@ class ModelConfig:
       forward is one jax.lax.scan over a single compiled layer body; False: the layer loop is
       unrolled in Python (one copy of the layer per layer in the compiled program); None (default):
       scanned on the CPU, unrolled elsewhere. Same math. Measured (bench/NOTES_generate.md): on the
-      CPU the scan compiles ~10x faster; on the H200 the scanned step copies each layer's slice of
-      the stacked weights and cache (TPOT 2-8x worse), so the GPU default is unrolled.
+      CPU the scan compiles ~10x faster; on the H200 the scanned step copied each layer's slice of
+      the stacked weights and cache (TPOT 2-8x worse), so the GPU default is unrolled. The cache is
+      now read and written in place (hack_jax.kv_cache.stacked); the weight slices are still
+      copied unless XLA's dynamic slice fusion feeds them to the matmuls (not measured yet).
   """
 
   architecture: Literal["llama", "qwen2"]

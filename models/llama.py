@@ -255,9 +255,8 @@ class Llama(nnx.Module):
     rides in the carry in hack_jax.kv_cache.stacked's flat form: each layer's paged arrays are the
     whole flat pool, read and scattered in place through the page table mapped into that layer's
     pages (no copy of a layer's pages); only the per-sequence open blocks and sinks are sliced and
-    written back. Where the flat form does not pay (kv_cache.stacked.use_flat: the Pallas
-    lowering's 32-bit offset window; bf16 pages on the CPU), each layer's slice is copied in and
-    out instead."""
+    written back. Where the flat form does not pay (kv_cache.stacked.use_flat: on the CPU, and in
+    the Pallas lowering's 32-bit offset window), each layer's slice is copied in and out instead."""
     graphdef, params = nnx.split(self.layers)
     flat = layers is not None and stacked_cache.use_flat(layers)
     if flat:

@@ -699,8 +699,8 @@ def test_stacked_flat_view():
     """kv_cache.stacked: the flat form of a stacked cache (paged arrays [L * N, ...], per-sequence
     arrays [L, S, ...]) round-trips; layer i's page table maps valid ids p to i * N + p and the null
     page / out-of-range ids to page 0; layer_of / put_layer slice and update only the per-sequence
-    arrays; use_flat is False for u8 pools in the (2**31, 2**32] byte window and, on the CPU, for
-    bf16 pages."""
+    arrays; pallas_addressable is False for u8 pools in the (2**31, 2**32] byte window; use_flat
+    is off on the CPU."""
     from hack_jax.kv_cache import stacked
     layers = kv_cache.init_cache(QuantConfig(), num_layers=3, num_kv_heads=1, head_dim=64, num_pages=5,
                                  max_seqs=2, pages_per_seq=2, stacked=True).layers
@@ -724,10 +724,8 @@ def test_stacked_flat_view():
     shapes = lambda n: jax.eval_shape(lambda: kv_cache.init_cache(
         QuantConfig(), num_layers=3, num_kv_heads=1, head_dim=64, num_pages=n, max_seqs=1,
         pages_per_seq=1, stacked=True)).layers  # k_codes: 3 * n * 4096 bytes
-    assert stacked.use_flat(shapes(100_000))  # 1.2e9 bytes
-    assert not stacked.use_flat(shapes(200_000))  # 2.5e9
-    assert stacked.use_flat(shapes(400_000))  # 4.9e9: 64-bit offsets
-    bf16 = jax.eval_shape(lambda: kv_cache.init_cache(
-        QuantConfig(kv_format="bf16"), num_layers=2, num_kv_heads=1, head_dim=64, num_pages=3,
-        max_seqs=1, pages_per_seq=1, stacked=True)).layers
-    assert stacked.use_flat(bf16) == (jax.default_backend() != "cpu")
+    assert stacked.pallas_addressable(shapes(100_000))  # 1.2e9 bytes
+    assert not stacked.pallas_addressable(shapes(200_000))  # 2.5e9
+    assert stacked.pallas_addressable(shapes(400_000))  # 4.9e9: 64-bit offsets
+    assert stacked.use_flat(shapes(100_000)) == (jax.default_backend() != "cpu")
+    assert not stacked.use_flat(shapes(200_000))

@@ -357,8 +357,8 @@ def test_scanned_layers_write_the_unrolled_cache_bytes(kv_format):
   so is every byte of every layer's cache (pages, open blocks, sinks). Slot 1's table holds an
   out-of-range id in a live column (under jit its tokens are dropped in the unrolled form): the
   scan must drop them too, not write them into another layer's pages. Reference impl, float32
-  model; the scan is held to the flat form (kv_cache.stacked.use_flat = True) also where it would
-  keep slices (bf16 pages on the CPU)."""
+  model; the scan is held to the flat form (kv_cache.stacked.use_flat = True: on the CPU it would
+  keep slices)."""
   _scan_vs_unrolled(kv_format, "reference")
 
 

@@ -26,14 +26,16 @@ kernels) take `layer` and `table` like any layer and page table, so they read an
 into the flat arrays. Everything is exact: the same bytes are read and written as with the layer's
 own arrays and the original table.
 
-When the flat form does not pay (`use_flat`, False: a caller keeps the per-layer slices, as
+When the flat form does not pay (`use_flat` False: a caller keeps the per-layer slices, as
 models/llama.py does):
 - Pallas Triton lowering (jax 0.10 / 0.11): a kernel operand of at most 2**32 bytes is indexed with
   32-bit offsets, so a 1-byte array (u8 codes) of more than 2**31 and at most 2**32 bytes would be
-  addressed past 2**31 with a 32-bit offset (a signed one in Triton's pointer arithmetic).
-- XLA's CPU backend scatters bf16 through an f32 copy of the WHOLE operand (float normalization),
-  which for the flat pool is every layer's pages, per layer; so on the CPU a cache with bf16 pages
-  (kv_format="bf16") keeps the slices (f16, u8, i8, f32 pages are scattered in place there).
+  addressed past 2**31 with a 32-bit offset (a signed one in Triton's pointer arithmetic):
+  `pallas_addressable`.
+- The CPU backend: there the slices are cheap (no kernel needs its own buffer) and the flat form was
+  measured slower per step (bench/NOTES_generate.md, "Layer scan in place": hack 1.7x, bf16 2.5x,
+  whose scatter XLA's CPU backend runs through an f32 copy of the WHOLE operand, every layer's
+  pages; int8 on par). Tests force the flat form there to check it.
 """
 
 from __future__ import annotations
@@ -97,17 +99,14 @@ def layer_page_indices(page_indices, i, num_pages: int):
     return jnp.where(ok, ids + jnp.asarray(i, jnp.int32) * num_pages, paging.NULL_PAGE)
 
 
+def pallas_addressable(stacked) -> bool:
+    """False when some 1-byte paged array of `stacked` (a stacked LayerCache of arrays or
+    ShapeDtypeStructs) holds more than 2**31 and at most 2**32 bytes (module docstring)."""
+    return not any(is_paged(n) and jnp.dtype(a.dtype).itemsize == 1 and 2**31 < a.size <= 2**32
+                   for n, a in ((n, getattr(stacked, n)) for n in _fields(stacked)))
+
+
 def use_flat(stacked) -> bool:
-    """Whether the flat form pays for `stacked` (a stacked LayerCache of arrays or ShapeDtypeStructs;
-    module docstring): False when some 1-byte paged array holds more than 2**31 and at most 2**32
-    bytes (the Pallas 32-bit offset window), or on the CPU backend when some paged array is bf16."""
-    cpu = jax.default_backend() == "cpu"
-    for n in _fields(stacked):
-        a = getattr(stacked, n)
-        if not is_paged(n):
-            continue
-        if jnp.dtype(a.dtype).itemsize == 1 and 2**31 < a.size <= 2**32:
-            return False
-        if cpu and a.dtype == jnp.bfloat16:
-            return False
-    return True
+    """Whether a layer scan should use the flat form for `stacked` (module docstring): off the CPU
+    backend, where `pallas_addressable`."""
+    return jax.default_backend() != "cpu" and pallas_addressable(stacked)
