@@ -114,6 +114,20 @@ def timed(fmt, impl, layers, steps, reps, forms):
     return out
 
 
+def page_shapes(cache):
+    """{'layer': set of dims tuples, 'whole': ...} of the cache's paged arrays."""
+    layer = cache.layers if not cache.stacked else jax.tree.map(lambda a: a[0], cache.layers)
+    if isinstance(layer, tuple):
+        layer = layer[0]
+    shapes = {"layer": set(), "whole": set()}
+    for f in dataclasses.fields(layer):
+        if f.name != "config" and stacked.is_paged(f.name):
+            dims = tuple(getattr(layer, f.name).shape)
+            shapes["layer"].add(dims)
+            shapes["whole"] |= {(L,) + dims, (L * dims[0],) + dims[1:]}
+    return shapes
+
+
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([\w\-]+)\(")
 _SHAPE = re.compile(r"\w+\[([\d,]*)\]")
 
