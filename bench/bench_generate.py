@@ -889,7 +889,7 @@ def main(argv=None):
                                                                                    else sys.argv[1:]))
     # XLA_FLAGS (read by XLA at start-up, one setting per process): e.g.
     # --xla_gpu_enable_dynamic_slice_fusion=true to let the scanned layers' matmuls read their slice
-    # of the stacked weights in place (bench/NOTES_generate.md, "Layer scan without copies")
+    # of the stacked weights in place (bench/NOTES_generate.md, "Layer scan in place")
     common = dict(gpu=gpu, platform=device.platform, jax_version=jax.__version__,
                   python=platform.python_version(), tp=args.tp,
                   xla_flags=os.environ.get("XLA_FLAGS", ""))
