@@ -184,7 +184,13 @@ class XlaDecodeBackend:
 
 # ----------------------------------------------------------------------------- setup
 
-def model_config(name, fmt, impl, interpret, scan_layers=True, prefill_attention="auto"):
+# --scan-layers values: on = stacked weights + lax.scan; off = unrolled (the cache stacked where
+# ModelConfig.stack_cache's default puts it: off the CPU); tuple = unrolled over a tuple of layer caches
+LAYER_FORMS = {"on": dict(scan_layers=True), "off": dict(scan_layers=False),
+               "tuple": dict(scan_layers=False, stack_cache=False)}
+
+
+def model_config(name, fmt, impl, interpret, scan_layers=True, prefill_attention="auto", stack_cache=None):
     fields = dict(TOY[name]) if name in TOY else dict(PRESETS[name])
     if fmt == "bf16_xla":
         attention = XlaDecodeBackend()
@@ -193,7 +199,8 @@ def model_config(name, fmt, impl, interpret, scan_layers=True, prefill_attention
                             prefill_attention=prefill_attention)
     if MESH is not None:  # --tp: every layer's cache write + attention per shard of kv heads
         attention = sharding.ShardedBackend(attention, MESH)
-    return ModelConfig(**fields, dtype=jnp.bfloat16, attention=attention, scan_layers=scan_layers)
+    return ModelConfig(**fields, dtype=jnp.bfloat16, attention=attention, scan_layers=scan_layers,
+                       stack_cache=stack_cache)
 
 
 def shape_fields(cfg: ModelConfig):
@@ -292,9 +299,16 @@ def filled_cache(cfg, quant, batch, capacity, seed=1):
         quant, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         num_pages=num_pages, max_seqs=batch, pages_per_seq=pps))
     fill = layer_fill_fn(shapes.layers[0])
-    layers = tuple(fill(jnp.int32(seed * 1000 + i)) for i in range(cfg.num_layers))
-    if cfg.scan_layers:  # one LayerCache with a leading layer axis, as the scanned model reads it
-        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    if mllama.stacks_cache(cfg, quant, num_pages=num_pages, max_seqs=batch, pages_per_seq=pps):
+        # one LayerCache with a leading layer axis, as models.llama.init_cache makes it for cfg,
+        # filled layer by layer in place (peak memory: the stacked cache + one layer)
+        put = jax.jit(lambda st, layer, i: jax.tree.map(lambda a, b: a.at[i].set(b), st, layer),
+                      donate_argnums=0)
+        layers = jax.tree.map(lambda a: jnp.zeros((cfg.num_layers,) + a.shape, a.dtype), shapes.layers[0])
+        for i in range(cfg.num_layers):
+            layers = put(layers, fill(jnp.int32(seed * 1000 + i)), i)
+    else:
+        layers = tuple(fill(jnp.int32(seed * 1000 + i)) for i in range(cfg.num_layers))
     table = jnp.asarray(1 + np.arange(batch * pps, dtype=np.int32).reshape(batch, pps))
     cache = dataclasses.replace(shapes, layers=layers, page_indices=table,
                                 kv_lens=jnp.zeros((batch,), jnp.int32))
@@ -431,6 +445,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
     for ctx in sorted(contexts):
         row = dict(base, kind="decode", context=ctx, capacity=capacity, pages_per_seq=pps,
                    scan_in_place=stacked_cache.use_flat(cache.layers) if cache.stacked else None,
+                   stacked_cache=cache.stacked,
                    compile_s=round(compile_s, 3), fill_s=round(fill_s, 3),
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
                    kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps,
@@ -555,6 +570,8 @@ def _layers(row):
     and out: kv_cache.stacked.use_flat was False), unrolled."""
     if row.get("scan_layers") and row.get("scan_in_place") is False:
         return "scan-sliced"
+    if row.get("scan_layers") is False and row.get("stacked_cache"):
+        return "unrolled, stacked cache"
     return {True: "scan", False: "unrolled"}.get(row.get("scan_layers"), "-")
 
 
@@ -563,7 +580,7 @@ def write_markdown(rows, path, header):
     lines = [header, ""]
     dec = [r for r in rows if r.get("kind") == "decode"]
     if dec:
-        base = {(r["model"], r["batch"], r["context"], r.get("scan_layers")): r["tpot_ms"] for r in dec
+        base = {(r["model"], r["batch"], r["context"], _layers(r)): r["tpot_ms"] for r in dec
                 if r["format"] == "bf16" and "tpot_ms" in r}
         lines += ["## Decode (whole model, one token per sequence per step)", "",
                   "| model | batch | context | format | layers | TPOT ms | tokens/s | TPOT / bf16 | KV GiB "
@@ -576,7 +593,7 @@ def write_markdown(rows, path, header):
                              f"| {r.get('kv_bytes', 0) / 2**30:.2f} | - | - | "
                              f"{r['error'][:100].replace('|', '/')} |")
                 continue
-            b = base.get((r["model"], r["batch"], r["context"], r.get("scan_layers")))
+            b = base.get((r["model"], r["batch"], r["context"], _layers(r)))
             lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | {_layers(r)} | "
                          f"{r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} | "
                          f"{_f(r['tpot_ms'] / b if b else None)} | {r['kv_bytes'] / 2**30:.2f} | "
@@ -747,10 +764,12 @@ def parse_args(argv):
                     help="hack decode steps: host = as the Generator (a step without the block-sealing "
                          "path where no slot fills its open block, chosen on the host per step), or one "
                          "kv_cache.append seal mode for every step (never: timing only, blocks not sealed)")
-    ap.add_argument("--scan-layers", nargs="+", default=["off"], choices=("on", "off"),
+    ap.add_argument("--scan-layers", nargs="+", default=["off"], choices=tuple(LAYER_FORMS),
                     help="layer form(s) to time, in order: on = stacked weights and cache, one "
                          "lax.scan over the layers (compiled once); off = the layer loop unrolled "
-                         "(ModelConfig.scan_layers). Rows carry scan_layers; JCT uses the first")
+                         "(ModelConfig.scan_layers; the cache stacked off the CPU: ModelConfig."
+                         "stack_cache); tuple = unrolled over a tuple of per-layer caches. Rows carry "
+                         "scan_layers and stacked_cache; JCT uses the first")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing each decode context, trace this many more steps with jax.profiler "
                          "and add the GPU time per step by kernel name to the row (gpu_kernels)")
@@ -787,9 +806,11 @@ def plan(args):
 
 
 def run_model(name, items, args, start, rows, emit, flush, common, compile_est, capacity_done,
-              scan_layers):
-    """Random weights for `name` in one layer form (scan_layers: stacked + lax.scan, else unrolled;
-    freed at the end), capacity rows (once per model), then `items`."""
+              layer_form):
+    """Random weights for `name` in one layer form (LAYER_FORMS[layer_form]; freed at the end),
+    capacity rows (once per model), then `items`."""
+    form = LAYER_FORMS[layer_form]
+    scan_layers, stack_cache = form["scan_layers"], form.get("stack_cache")
     device = jax.devices()[0]
     elapsed = time.perf_counter() - start
     if elapsed > args.max_seconds:
@@ -829,7 +850,8 @@ def run_model(name, items, args, start, rows, emit, flush, common, compile_est, 
     flush()
     graphdefs = {}
     for kind, fmt, batch, ctx in items:
-        cfg = model_config(name, fmt, args.impl, args.interpret, scan_layers, args.prefill_attention)
+        cfg = model_config(name, fmt, args.impl, args.interpret, scan_layers, args.prefill_attention,
+                           stack_cache)
         if fmt not in graphdefs:  # same weights, format-specific static config
             graphdefs[fmt] = nnx.split(nnx.eval_shape(lambda c=cfg: mllama.Llama(c, rngs=nnx.Rngs(0))))[0]
         base = dict(common, model=name, format=fmt, kv_format=KV_FORMAT[fmt], batch=batch,
@@ -849,7 +871,7 @@ def run_model(name, items, args, start, rows, emit, flush, common, compile_est, 
         if not targets_ctx:
             continue
         # Predicted cost: the last item of this kind and format (else the dearest item so far).
-        est = compile_est.get((kind, fmt, scan_layers), max(compile_est.values(), default=0.0))
+        est = compile_est.get((kind, fmt, layer_form), max(compile_est.values(), default=0.0))
         if kind == "prefill" and ctx >= LONG_PREFILL:
             est *= 2.5  # quadratic attention: a 64K prefill runs ~16x a 16K one (one timed run)
         elapsed = time.perf_counter() - start
@@ -871,7 +893,7 @@ def run_model(name, items, args, start, rows, emit, flush, common, compile_est, 
                 if c not in done:
                     emit(dict(base, kind=kind, context=c, error=f"{type(e).__name__}: {str(e)[:1500]}",
                               traceback=traceback.format_exc()[-2000:]))
-        compile_est[(kind, fmt, scan_layers)] = time.perf_counter() - t_item  # wall of the whole item
+        compile_est[(kind, fmt, layer_form)] = time.perf_counter() - t_item  # wall of the whole item
         gc.collect()
     del state
     gc.collect()
@@ -937,7 +959,7 @@ def main(argv=None):
         for name in args.models:
             for scan in args.scan_layers:
                 run_model(name, items, args, start, rows, emit, flush, common, compile_est,
-                          capacity_done, scan == "on")
+                          capacity_done, scan)
     for name in args.models:  # JCT from every pass's prefill and batch-1 decode rows (first layer form)
         cfg0 = model_config(name, "bf16", args.impl, args.interpret)
         first = [r for r in rows if r.get("scan_layers", args.scan_layers[0] == "on")

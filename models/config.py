@@ -43,6 +43,14 @@ class ModelConfig:
       the stacked weights and cache (TPOT 2-8x worse), so the GPU default is unrolled. The cache is
       now read and written in place (hack_jax.kv_cache.stacked); the weight slices are still
       copied unless XLA's dynamic slice fusion feeds them to the matmuls (not measured yet).
+    stack_cache: with unrolled layers, whether the cache is one stacked LayerCache (one array per
+      field with a leading num_layers axis, its pages read and written in place through
+      hack_jax.kv_cache.stacked) rather than a tuple of per-layer LayerCaches. A step's host cost
+      grows with its number of array arguments (~5.8 us per donated array on the H200 host,
+      bench/probe_dispatch.py): 32 hack layers are ~400 arrays as a tuple, ~12 stacked. None
+      (default): stacked off the CPU (where the flat pool was measured slower per step). A scanned
+      model's cache is always stacked. Where the flat pool would sit in the Pallas lowering's 32-bit
+      offset window (kv_cache.stacked.pallas_addressable), models.llama.init_cache keeps the tuple.
   """
 
   architecture: Literal["llama", "qwen2"]
@@ -61,6 +69,7 @@ class ModelConfig:
   dtype: Any = jnp.float32
   attention: Any = Backend()
   scan_layers: bool | None = None
+  stack_cache: bool | None = None
   rope_freq_factors: tuple[float, ...] | None = None
 
   def __post_init__(self):
@@ -83,6 +92,14 @@ class ModelConfig:
       object.__setattr__(self, "scan_layers", jax.default_backend() == "cpu")
     if not isinstance(self.scan_layers, bool):
       raise TypeError(f"scan_layers must be a bool or None, got {self.scan_layers!r}")
+    if self.stack_cache is None:
+      import jax
+      object.__setattr__(self, "stack_cache", self.scan_layers or jax.default_backend() != "cpu")
+    if not isinstance(self.stack_cache, bool):
+      raise TypeError(f"stack_cache must be a bool or None, got {self.stack_cache!r}")
+    if self.scan_layers and not self.stack_cache:
+      raise ValueError("stack_cache=False needs unrolled layers (scan_layers=False): a scanned "
+                       "model reads one stacked cache")
     if self.architecture not in SUPPORTED_ARCHITECTURES:
       raise ValueError(f"unsupported architecture {self.architecture=}; "
                        f"supported: {SUPPORTED_ARCHITECTURES}")

@@ -156,14 +156,30 @@ class Block(nnx.Module):
     return cache, x + self.mlp(self.ffn_norm(x))
 
 
+def stacks_cache(config: ModelConfig, quant: QuantConfig, *, num_pages: int, max_seqs: int,
+                 pages_per_seq: int) -> bool:
+  """Whether init_cache gives `config` one stacked LayerCache (else a tuple of layers): always
+  with scan_layers; with unrolled layers when config.stack_cache and the stacked pool is
+  addressable by the Pallas kernels (kv_cache.stacked.pallas_addressable)."""
+  if config.scan_layers:
+    return True
+  if not config.stack_cache:
+    return False
+  shapes = jax.eval_shape(lambda: kv_cache.init_cache(
+      quant, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+      num_pages=num_pages, max_seqs=max_seqs, pages_per_seq=pages_per_seq, stacked=True))
+  return stacked_cache.pallas_addressable(shapes.layers)
+
+
 def init_cache(config: ModelConfig, quant: QuantConfig, *, num_pages: int, max_seqs: int,
                pages_per_seq: int) -> kv_cache.KVCache:
   """An empty KVCache in the layout Llama.run reads for `config`: the layers stacked into one
-  LayerCache (leading num_layers axis) when config.scan_layers, else a tuple of LayerCaches.
+  LayerCache (leading num_layers axis) where `stacks_cache`, else a tuple of LayerCaches.
   Raises as kv_cache.init_cache."""
+  sizes = dict(num_pages=num_pages, max_seqs=max_seqs, pages_per_seq=pages_per_seq)
   return kv_cache.init_cache(quant, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                             head_dim=config.head_dim, num_pages=num_pages, max_seqs=max_seqs,
-                             pages_per_seq=pages_per_seq, stacked=config.scan_layers)
+                             head_dim=config.head_dim, **sizes,
+                             stacked=stacks_cache(config, quant, **sizes))
 
 
 # Per layer: GGUF weight name (models/gguf_loader.py) -> path of the parameter in a Block.
@@ -231,7 +247,7 @@ class Llama(nnx.Module):
   def run(self, tokens: jax.Array, positions: jax.Array, cache: Any = None,
           step: Step | None = None, attention: Any = None) -> tuple[Any, jax.Array]:
     """tokens i32[B, T], positions i32[B, T]; cache: hack_jax KVCache (B = max_seqs; layers
-    stacked iff config.scan_layers) or None; step: the hack_jax.step.Step record (with a cache);
+    stacked or a tuple, as init_cache made it for config) or None; step: the hack_jax.step.Step record (with a cache);
     attention: the backend, None = config.attention.
 
     Returns (new KVCache or None, final-normed hidden [B, T, D] in config.dtype).
@@ -241,6 +257,8 @@ class Llama(nnx.Module):
     layers = None if cache is None else cache.layers
     if self.config.scan_layers:
       x, layers = self._scan(x, positions, layers, step, attention)
+    elif cache is not None and cache.stacked:
+      x, layers = self._unrolled_in_place(x, positions, layers, step, attention)
     else:
       layers = [None] * len(self.layers) if layers is None else list(layers)
       for i, block in enumerate(self.layers):
@@ -249,6 +267,19 @@ class Llama(nnx.Module):
     if cache is not None:
       cache = dataclasses.replace(cache, layers=layers)
     return cache, self.final_norm(x)
+
+  def _unrolled_in_place(self, x, positions, layers, step, attention):
+    """The unrolled layer loop over a stacked cache in hack_jax.kv_cache.stacked's flat form: layer
+    i reads and scatters into the whole flat pool through its mapped page table (no copy of its
+    pages); its open blocks and sinks are sliced out and written back."""
+    num_pages = stacked_cache.pages_per_layer(layers)
+    flat = stacked_cache.flatten(layers)
+    for i, block in enumerate(self.layers):
+      layer_step = dataclasses.replace(
+          step, page_indices=stacked_cache.layer_page_indices(step.page_indices, i, num_pages))
+      layer, x = block(x, positions, stacked_cache.layer_of(flat, i), layer_step, attention, i)
+      flat = stacked_cache.put_layer(flat, layer, i)
+    return x, stacked_cache.unflatten(flat, len(self.layers))
 
   def _scan(self, x, positions, layers, step, attention):
     """The layer loop as one jax.lax.scan over (stacked weights, layer index). The stacked cache

@@ -348,6 +348,19 @@ def _layer_arrays(cache):
           for f in dataclasses.fields(layer) if f.name != "config"}
 
 
+def test_layer_form_options_are_checked():
+  base = dict(architecture="llama", vocab_size=61, num_layers=2, embed_dim=32, hidden_dim=48,
+              num_q_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+              max_seq_len=1024, tied_embeddings=True, qkv_bias=False)
+  with pytest.raises(ValueError, match="stack_cache=False"):
+    ModelConfig(**base, scan_layers=True, stack_cache=False)
+  with pytest.raises(TypeError, match="stack_cache"):
+    ModelConfig(**base, stack_cache="yes")
+  with pytest.raises(TypeError, match="scan_layers"):
+    ModelConfig(**base, scan_layers=1)
+  assert ModelConfig(**base, scan_layers=True).stack_cache is True
+
+
 @pytest.mark.parametrize("kv_format", ["hack", "int8", "bf16"])
 def test_scanned_layers_write_the_unrolled_cache_bytes(kv_format):
   """The scan reads and writes the stacked cache in place (hack_jax.kv_cache.stacked: all layers'
@@ -358,7 +371,8 @@ def test_scanned_layers_write_the_unrolled_cache_bytes(kv_format):
   out-of-range id in a live column (under jit its tokens are dropped in the unrolled form): the
   scan must drop them too, not write them into another layer's pages. Reference impl, float32
   model; the scan is held to the flat form (kv_cache.stacked.use_flat = True: on the CPU it would
-  keep slices)."""
+  keep slices). The unrolled model over a stacked cache (ModelConfig.stack_cache, the GPU default)
+  is checked the same way."""
   _scan_vs_unrolled(kv_format, "reference")
 
 
@@ -393,14 +407,18 @@ def _scan_vs_unrolled(kv_format, impl):
   lens1 = np.array([11 * x + 2, 40 * x], np.int32)
   key = jax.random.key(0)
   out = {}
+  # forms: scanned (stacked cache), unrolled over a stacked cache (in place, ModelConfig.stack_cache),
+  # unrolled over a tuple of layers (False: the one the others are compared with)
+  forms = {True: dict(scan_layers=True), "stacked": dict(scan_layers=False, stack_cache=True),
+           False: dict(scan_layers=False, stack_cache=False)}
   with mock.patch.object(stacked, "use_flat", lambda layers: True):
-    for scan in (True, False):
-      model = Llama.from_weights(ModelConfig(**base, scan_layers=scan), weights)
+    for scan, form in forms.items():
+      model = Llama.from_weights(ModelConfig(**base, **form), weights)
       run = _run_fn(model)
       cache = dataclasses.replace(
           init_cache(model.config, quant, num_pages=num_pages, max_seqs=2, pages_per_seq=pps),
           page_indices=jnp.asarray(table))
-      assert cache.stacked == scan
+      assert cache.stacked == (scan is not False)
       logits = []
       t = 40 * x  # chunk bucket; two chunks (the first from 0) share one compile
       for i, (start, lens) in enumerate([(0 * lens0, lens0), (lens0, lens1)]):
@@ -417,20 +435,21 @@ def _scan_vs_unrolled(kv_format, impl):
         logits.append(np.asarray(lg))
       out[scan] = logits, _layer_arrays(cache)
   exact = impl == "reference"
-  for a, b in zip(out[True][0], out[False][0]):
-    np.testing.assert_array_equal(a, b) if exact else np.testing.assert_allclose(a, b, atol=2e-3)
-  assert out[True][1].keys() == out[False][1].keys()
-  for name, a in out[False][1].items():
-    b = out[True][1][name]
-    if exact:
-      np.testing.assert_array_equal(b, a, err_msg=str(name))
-    elif np.issubdtype(a.dtype, np.integer):
-      assert (a == b).mean() >= 0.99, name
-    else:
-      np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32), rtol=1e-2, atol=1e-2,
-                                 err_msg=str(name))
+  for form in (True, "stacked"):
+    for a, b in zip(out[form][0], out[False][0]):
+      np.testing.assert_array_equal(a, b) if exact else np.testing.assert_allclose(a, b, atol=2e-3)
+    assert out[form][1].keys() == out[False][1].keys()
+    for name, a in out[False][1].items():
+      b = out[form][1][name]
+      if exact:
+        np.testing.assert_array_equal(b, a, err_msg=f"{form} {name}")
+      elif np.issubdtype(a.dtype, np.integer):
+        assert (a == b).mean() >= 0.99, (form, name)
+      else:
+        np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32), rtol=1e-2, atol=1e-2,
+                                   err_msg=f"{form} {name}")
   # the writes really landed (and in every layer): the compared bytes are not all zero
   assert all(out[False][1][(i, "k" if kv_format == "bf16" else "k_codes")][p].any()
              for i in range(2) for p in (7, 11))
-  for a in out[True][1].values():  # the null page stays empty in the scan form
+  for a in [*out[True][1].values(), *out["stacked"][1].values()]:  # the null page stays empty
     assert a.shape[0] != num_pages or not a[0].any()
