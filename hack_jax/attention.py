@@ -25,6 +25,10 @@ the query at position q_start[s] + t (q_start default 0: a whole prompt; > 0: th
 chunked prefill, whose earlier tokens are already cached) and sees keys at positions <= its own;
 rows with q_start[s] + t >= kv_lens[s] see nothing and return 0 (right padding of a ragged batch).
 Sequences with kv_lens 0 return 0.
+
+V rotation (QuantConfig.v_rotation, hack_jax.rotation): the cache holds V R; every function here
+returns the output rotated back (out R, R its own inverse), once per call outside the kernels, and
+cached_prefix_state's accumulator likewise, so callers never see the rotated basis.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hack_jax import kv_cache, paging, reference
+from hack_jax.rotation import rotate_v
 from hack_jax.step import Step
 
 Impl = Literal["reference", "pallas", "pallas_dequant", "triton"]
@@ -89,8 +94,10 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
     if impl != "reference":
         kernel = _pallas(impl, "decode", layer)  # NotImplementedError first for a layout without kernels
         arrays, static = _decode_kernel_args(layer)
-        return kernel(q, *arrays, page_indices, kv_lens, **static, **kernel_options)
-    return _reference(q[:, None], layer, page_indices, kv_lens, None, decode=True)[:, 0]
+        out = kernel(q, *arrays, page_indices, kv_lens, **static, **kernel_options)
+    else:
+        out = _reference(q[:, None], layer, page_indices, kv_lens, None, decode=True)[:, 0]
+    return _unrotate(out, layer)
 
 
 def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q_start=None,
@@ -120,9 +127,17 @@ def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q
     if not isinstance(q_start, jax.core.Tracer) and q_start.size and int(q_start.min()) < 0:
         raise ValueError(f"q_start must be >= 0: q_start={np.asarray(q_start).tolist()}")
     if impl != "reference":
-        return _pallas(impl, "prefill", layer)(q, *_kernel_cache(layer), page_indices, kv_lens,
-                                               q_start=q_start, **kernel_options)
-    return _reference(q, layer, page_indices, kv_lens, q_start, decode=False)
+        out = _pallas(impl, "prefill", layer)(q, *_kernel_cache(layer), page_indices, kv_lens,
+                                              q_start=q_start, **kernel_options)
+    else:
+        out = _reference(q, layer, page_indices, kv_lens, q_start, decode=False)
+    return _unrotate(out, layer)
+
+
+def _unrotate(out, layer):
+    """The attention output (or an unnormalized accumulator) of a layer with config.v_rotation
+    back in V's own basis (module docstring); unchanged without rotation."""
+    return rotate_v(out, layer.config.v_rotation)
 
 
 def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
@@ -234,7 +249,8 @@ def cached_prefix_state(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens
     if q.ndim != 4:
         raise ValueError(f"prefill q must be [max_seqs, T, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens = _check(q, layer, page_indices, kv_lens, "reference", {})
-    return _prefix_reference(q, layer, page_indices, kv_lens)
+    state = _prefix_reference(q, layer, page_indices, kv_lens)
+    return state._replace(acc=_unrotate(state.acc, layer))
 
 
 @jax.jit
@@ -380,9 +396,11 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache, *, page_indices, kv_lens, a
     fn = _fused_decode_module().hack_fused_decode_attention
     arrays, static = _decode_kernel_args(layer)
     before = kv_lens - active.astype(jnp.int32)  # the fused kernel's position of the new token
+    v = rotate_v(v, layer.config.v_rotation)  # what kv_cache.append stores
     out, open_k, open_v, sink_k, sink_v = fn(q, k, v, *arrays, page_indices, before, active, **static,
                                              **kernel_options)
-    return dataclasses.replace(layer, open_k=open_k, open_v=open_v, sink_k=sink_k, sink_v=sink_v), out
+    layer = dataclasses.replace(layer, open_k=open_k, open_v=open_v, sink_k=sink_k, sink_v=sink_v)
+    return layer, _unrotate(out, layer)
 
 
 def _check_append(layer, k, v, page_indices, kv_lens, active):

@@ -26,6 +26,9 @@ class QuantConfig:
       page_size: tokens per cache page; a multiple of 4 * partition_size (one packing group).
       num_sink_tokens: leading tokens kept in residual_dtype (>= 0).
       rounding: "nearest" or "stochastic" (HACK.md §2).
+      v_rotation: 0 (off) or B, a power of two >= 2 dividing head_dim: V is multiplied by the
+        block-diagonal normalized Hadamard(B) matrix before it is stored (every format, 16-bit
+        parts included; no extra bytes) and the attention output by it again (hack_jax.rotation).
       meta_dtype: dtype of scale and minimum (class constant).
       residual_dtype: dtype of the open block and the sinks (class constant).
 
@@ -39,6 +42,7 @@ class QuantConfig:
     page_size: int = 256
     num_sink_tokens: int = 4
     rounding: Rounding = "nearest"
+    v_rotation: int = 0
 
     meta_dtype: ClassVar = jnp.float16
     residual_dtype: ClassVar = jnp.bfloat16
@@ -48,7 +52,7 @@ class QuantConfig:
             value = getattr(self, name)
             if value not in get_args(literal):
                 raise ValueError(f"{name} must be one of {get_args(literal)}, got {value!r}")
-        for name in ("partition_size", "page_size", "num_sink_tokens"):
+        for name in ("partition_size", "page_size", "num_sink_tokens", "v_rotation"):
             value = getattr(self, name)
             # bool is an int subclass; True as a size is always a bug.
             if not isinstance(value, int) or isinstance(value, bool):
@@ -63,3 +67,6 @@ class QuantConfig:
             )
         if self.num_sink_tokens < 0:
             raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
+        b = self.v_rotation
+        if b and (b < 2 or b & (b - 1)):
+            raise ValueError(f"v_rotation must be 0 (off) or a power of two >= 2, got v_rotation={b}")

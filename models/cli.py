@@ -11,7 +11,7 @@
                    [--haystack T] [--out FILE.jsonl]   (passkey retrieval, models/passkey.py)
   model and cache options of generate / perplexity: [--model PATH] [--kv-format FMT] [--dtype D]
   [--impl I] [--interpret] [--partition-size P] [--num-sink-tokens N] [--rounding R] [--layout L]
-  [--prefill-attention A]
+  [--v-rotation B] [--prefill-attention A]
 
 Errors (empty prompt, prompt beyond the cache, bad option values) print
 `hack-jax SUBCOMMAND: error: ...` naming the flag and value on stderr and exit with status 2
@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="hack: tokens / channels per 2-bit quantization group (16, 32, 64, 128)")
   common.add_argument("--num-sink-tokens", type=int, default=4,
                       help="hack: leading tokens kept in 16 bits")
+  common.add_argument("--v-rotation", type=int, default=0,
+                      help="V multiplied by a block-diagonal Hadamard matrix of this block size "
+                      "(a power of two dividing head_dim) before it is cached, undone on the "
+                      "attention output; 0 = off (QuantConfig.v_rotation)")
   common.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"),
                       help="hack: rounding of the 2-bit codes")
   common.add_argument("--layout", default="kivi", choices=("kivi", "seed"),
@@ -161,9 +165,13 @@ def _serve(args, parser) -> int:
 
 
 def _perplexity(args, parser) -> int:
+  from hack_jax import kv_cache
   from models.cli_generate import quant_config
   from models.generate import Generator
-  quant = quant_config(args)
+  try:
+    quant = quant_config(args)
+  except ValueError as e:
+    parser.error(str(e))
   from models.eval import load_text
   try:
     _, text = load_text(args.text)
@@ -190,6 +198,11 @@ def _perplexity(args, parser) -> int:
   else:
     ppl, n = gen.perplexity(ids)
   print(f"kv_format: {args.kv_format}, mode: {args.mode}, tokens: {len(ids)}, predictions: {n}")
+  c = ckpt.config
+  rep = kv_cache.cache_bytes_report(quant, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                                    head_dim=c.head_dim, seq_len=len(ids))
+  print(f"KV cache: {rep['bits_per_element']:.3f} bits/element at {len(ids)} tokens "
+        f"({rep['page_bits_per_element']:.3f} in full pages; {quant})")
   print(f"perplexity: {ppl:.4f}")
   return 0
 

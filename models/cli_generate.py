@@ -117,7 +117,7 @@ def quant_config(args) -> QuantConfig:
   p = args.partition_size
   return QuantConfig(kv_format=args.kv_format, partition_size=p, page_size=max(256, 4 * p),
                      num_sink_tokens=args.num_sink_tokens, rounding=args.rounding,
-                     layout=args.layout)
+                     layout=args.layout, v_rotation=args.v_rotation)
 
 
 def encode(tokenizer, prompt: str, *, system: str | None, chat: bool) -> list[int]:
@@ -244,9 +244,9 @@ def run(args, load) -> int:
     rep = _cache_report(quant, c, max(len(p) for p in ids) + max(len(x.tokens) for x in comps),
                         max_seqs)
     print(f"KV cache ({args.kv_format}): {rep['bytes_per_token']:,.0f} B/token "
-          f"({rep['bits_per_element']:.2f} bits/element in pages) = "
+          f"({rep['bits_per_element']:.3f} bits/element in pages) = "
           f"{rep['vs_bf16']:.3f} x bf16 in full pages; this run allocates {rep['total']:,} B vs "
-          f"{rep['total_bf16']:,} B for bf16")
+          f"{rep['total_bf16']:,} B for bf16 ({rep['allocated_bits_per_element']:.3f} bits/element)")
   return 0
 
 
@@ -281,8 +281,10 @@ def _cache_report(quant, c, seq_len, max_seqs) -> dict:
   shape = dict(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                seq_len=seq_len, max_seqs=max_seqs)
   per_tok = kv_cache.bytes_per_token(quant, c.num_kv_heads, c.head_dim, c.num_layers)
-  return dict(bytes_per_token=per_tok, bits_per_element=8 * per_tok / (2 * c.num_layers * c.num_kv_heads * c.head_dim),
+  full = kv_cache.cache_bytes_report(quant, **shape)
+  return dict(bytes_per_token=per_tok, bits_per_element=full["page_bits_per_element"],
+              allocated_bits_per_element=full["bits_per_element"],
               vs_bf16=per_tok / kv_cache.bytes_per_token(bf16, c.num_kv_heads, c.head_dim,
                                                          c.num_layers),
-              total=kv_cache.cache_bytes_report(quant, **shape)["total"],
+              total=full["total"],
               total_bf16=kv_cache.cache_bytes_report(bf16, **shape)["total"])

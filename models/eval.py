@@ -30,10 +30,11 @@ for the evaluation-only ones):
                                  multiple of 32 that is <= kv_len - 128, i.e. 128..159 tokens.
 
 HACK.md §4 variants (VARIANT_FORMATS, `--formats variants`):
-  hack-p64-vhad, hack-p32-vhad   the real kivi-layout cache with V rotated by a block-diagonal
-                                 Hadamard(64) before it is written; the attention output is rotated
-                                 back (out R^T): exact for an unquantized cache, and it spreads
-                                 per-token V outliers over the channel group before 2-bit rounding.
+  hack-p64-vhad, hack-p32-vhad   the real kivi-layout cache with QuantConfig(v_rotation=64): V
+                                 rotated by a block-diagonal Hadamard(64) before it is written, the
+                                 attention output rotated back (hack_jax.rotation): exact for an
+                                 unquantized cache, and it spreads per-token V outliers over the
+                                 channel group before 2-bit rounding. No extra bytes.
   hack-p64-sink64                the real cache with 64 bf16 sink tokens instead of 4.
   fake-*                         FakeHack (evaluation only, fake quantization like kivi2): K block
                                  size and V channel group chosen separately (fake-k32v64), a bf16
@@ -48,8 +49,8 @@ Several texts (`--text sotu2026,austen:persuasion`) run in one batch per format 
 each format compiles once per context; one jsonl row per text.
 
 The evaluation-only paths are attention backends the Generator receives (`eval_backend`): the
-model's hack_jax.backend.Backend wrapped in FakeQuantBackend (kivi2, fake-*), RotateQK (Hadamard
-on q and K) and RotateV (Hadamard on V); each is a frozen dataclass, so a format's compiled steps
+model's hack_jax.backend.Backend wrapped in FakeQuantBackend (kivi2, fake-*) and RotateQK (Hadamard
+on q and K); each is a frozen dataclass, so a format's compiled steps
 are keyed by its backend and never shared with another format's.
 
 Prefill semantics are the model's (ModelConfig.prefill, hack_jax.prefill): by default the prompt
@@ -97,15 +98,13 @@ class EvalFormat:
 
   fake: None (the cache as is), "kivi2", or a FakeHack (fake-quant attention over a float32
     cache: evaluation only, see FakeHack).
-  hadamard: block size of a block-diagonal Hadamard rotation of K and q (0 = none).
-  v_hadamard: block size of a block-diagonal Hadamard rotation of V before the cache, undone on
-    the attention output (out R^T = sum_j w_j v_j, R orthonormal); 0 = none.
+  hadamard: block size of a block-diagonal Hadamard rotation of K and q (0 = none). (V's rotation
+    is a cache option: QuantConfig.v_rotation.)
   """
   name: str
   quant: QuantConfig
   fake: "str | FakeHack | None" = None
   hadamard: int = 0
-  v_hadamard: int = 0
   note: str = ""
 
 
@@ -175,9 +174,9 @@ FORMATS = {f.name: f for f in [
     EvalFormat("seed-p64-had", _hack(64, layout="seed"), hadamard=64,
                note="seed layout + Hadamard(64) on K and q (outside the cache)"),
     # HACK.md §4 "open work": variants that try to beat KIVI-2 at ~2.6-3 bits.
-    EvalFormat("hack-p64-vhad", _hack(64), v_hadamard=64,
+    EvalFormat("hack-p64-vhad", _hack(64, v_rotation=64),
                note="kivi layout P64 + Hadamard(64) on V before the cache, undone after attention"),
-    EvalFormat("hack-p32-vhad", _hack(32), v_hadamard=64,
+    EvalFormat("hack-p32-vhad", _hack(32, v_rotation=64),
                note="kivi layout P32 + Hadamard(64) on V before the cache, undone after attention"),
     EvalFormat("hack-p64-sink64", _hack(64, num_sink_tokens=64),
                note="kivi layout P64, 64 bf16 sinks (real cache)"),
@@ -447,25 +446,6 @@ class RotateQK:
     return self.base.decode(self._rot(q), self._rot(k), v, layer, step, layer_index=layer_index)
 
 
-@dataclasses.dataclass(frozen=True)
-class RotateV:
-  """Backend wrapper: V @ R goes into the cache and the attention output comes back as out @ R^T
-  (R block-diagonal Hadamard(block), orthonormal: sum_j w_j (v_j R) R^T = sum_j w_j v_j)."""
-  base: Any
-  block: int
-
-  def _call(self, fn, q, k, v, layer, step, layer_index):
-    rot = block_hadamard(v.shape[-1], self.block)
-    layer, out = fn(q, k, rotate(v, rot), layer, step, layer_index=layer_index)
-    return layer, rotate(out, rot.T)
-
-  def prefill(self, q, k, v, layer, step, *, layer_index):
-    return self._call(self.base.prefill, q, k, v, layer, step, layer_index)
-
-  def decode(self, q, k, v, layer, step, *, layer_index):
-    return self._call(self.base.decode, q, k, v, layer, step, layer_index)
-
-
 def eval_backend(fmt: EvalFormat, base: Any, num_layers: int) -> Any:
   """The attention backend of fmt: `base` (the model's, e.g. hack_jax.backend.Backend()) wrapped
   in fmt's evaluation-only transforms. Raises ValueError for an unknown fake format."""
@@ -474,8 +454,6 @@ def eval_backend(fmt: EvalFormat, base: Any, num_layers: int) -> Any:
     if not (fmt.fake == "kivi2" or isinstance(fmt.fake, FakeHack)):
       raise ValueError(f"unknown fake format {fmt.fake!r}")
     backend = FakeQuantBackend(fmt.fake, num_layers)
-  if fmt.v_hadamard:
-    backend = RotateV(backend, fmt.v_hadamard)
   if fmt.hadamard:
     backend = RotateQK(backend, fmt.hadamard)
   return backend
@@ -682,7 +660,7 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
                               partition_size=fmt.quant.partition_size,
                               num_sink_tokens=fmt.quant.num_sink_tokens,
                               rounding=fmt.quant.rounding, fake=str(fmt.fake) if fmt.fake else None,
-                              hadamard=fmt.hadamard, v_hadamard=fmt.v_hadamard),
+                              hadamard=fmt.hadamard, v_rotation=fmt.quant.v_rotation),
                    seed=args.seed, command=command, device=jax.devices()[0].device_kind,
                    date=time.strftime("%Y-%m-%d %H:%M"))
         with open(out, "a", encoding="utf-8") as f:

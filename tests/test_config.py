@@ -25,6 +25,8 @@ def test_defaults():
         {"kv_format": "int8", "layout": "seed", "rounding": "stochastic"},
         {"kv_format": "bf16"},
         {"kv_format": "float32"},
+        {"v_rotation": 64},
+        {"kv_format": "int8", "v_rotation": 2},
     ],
 )
 def test_valid(kwargs):
@@ -48,6 +50,11 @@ def test_valid(kwargs):
         ({"kv_format": "int4"}, "'int4'"),
         ({"layout": "channel"}, "'channel'"),
         ({"rounding": "floor"}, "'floor'"),
+        ({"v_rotation": 1}, "v_rotation=1"),
+        ({"v_rotation": 48}, "v_rotation=48"),
+        ({"v_rotation": -64}, "v_rotation=-64"),
+        ({"v_rotation": 64.0}, "64.0"),
+        ({"v_rotation": True}, "True"),
     ],
 )
 def test_rejects(kwargs, match):

@@ -131,8 +131,8 @@ def test_variants_on_tiny_model(tiny):
   model, (prompts, forced) = tiny
   run = lambda fmt: ev.evaluate_format(fmt, model, _Tok(), prompts, forced)
   ref = run(ev.FORMATS["float32"])
-  # V rotated before an unquantized cache and un-rotated after attention: the same model.
-  rot = run(ev.EvalFormat("f32-vhad", QuantConfig(kv_format="float32"), v_hadamard=32))
+  # V rotated in an unquantized cache (QuantConfig.v_rotation), the output rotated back: the same model.
+  rot = run(ev.EvalFormat("f32-vrot", QuantConfig(kv_format="float32", v_rotation=32)))
   assert abs(rot["nll"] - ref["nll"]) < 1e-4
   # A FakeHack whose every layer is int8 is the int8 fake path; the edge rule picks layers.
   spec = ev.FakeHack(32, 32, edge_layers=2, edge="int8")

@@ -606,14 +606,21 @@ def test_cache_bytes_report_hand_arithmetic():
     """
     llama = kv_cache.cache_bytes_report(QuantConfig(), num_layers=32, num_kv_heads=8, head_dim=128,
                                         seq_len=32768)
-    assert llama == dict(codes=541065216, metadata=135266304, sums=33816576, open_blocks=8388608,
-                         sinks=524288, total=719060992, num_pages=129, bf16=4294967296,
-                         ratio=719060992 / 4294967296)
+    assert llama == pytest.approx(dict(
+        codes=541065216, metadata=135266304, sums=33816576, open_blocks=8388608, sinks=524288,
+        total=719060992, num_pages=129, bf16=4294967296, ratio=719060992 / 4294967296,
+        bits_per_element=8 * 719060992 / (32 * 2 * 8 * 128 * 32768),
+        page_bits_per_element=8 * (541065216 + 135266304 + 33816576) / 129 / 256 / (32 * 2 * 8 * 128)))
+    # V rotation stores no extra byte
+    assert kv_cache.cache_bytes_report(QuantConfig(v_rotation=64), num_layers=32, num_kv_heads=8,
+                                       head_dim=128, seq_len=32768) == llama
     smol = kv_cache.cache_bytes_report(QuantConfig(), num_layers=30, num_kv_heads=3, head_dim=64,
                                        seq_len=8192)
-    assert smol == dict(codes=24330240, metadata=6082560, sums=1520640, open_blocks=1474560,
-                        sinks=92160, total=33500160, num_pages=33, bf16=188743680,
-                        ratio=33500160 / 188743680)
+    assert smol == pytest.approx(dict(
+        codes=24330240, metadata=6082560, sums=1520640, open_blocks=1474560, sinks=92160,
+        total=33500160, num_pages=33, bf16=188743680, ratio=33500160 / 188743680,
+        bits_per_element=8 * 33500160 / (30 * 2 * 3 * 64 * 8192),
+        page_bits_per_element=8 * (24576 + 6144 + 1536) / 256 / (2 * 3 * 64)))
     dense = kv_cache.cache_bytes_report(QuantConfig(kv_format="bf16"), num_layers=32, num_kv_heads=8,
                                         head_dim=128, seq_len=32768, max_seqs=2)
     # 2 * 128 pages + the null page, each 2 (K, V) * 8 * 256 * 128 * 2 B per layer, 32 layers.

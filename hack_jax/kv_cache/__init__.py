@@ -59,6 +59,7 @@ import numpy as np
 from hack_jax import paging
 from hack_jax.config import QuantConfig
 from hack_jax.kv_cache import dense, fp8, int8, kivi, kivi2, seed
+from hack_jax.rotation import rotate_v
 from hack_jax.kv_cache.common import (STATIC, Format, FormatOps, Seal, check_finite, check_kv,
                                       format_of, is_traced, pytree_dataclass)
 from hack_jax.kv_cache.dense import DensePages
@@ -155,8 +156,8 @@ def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pag
     """An all-zero LayerCache of the format config.kv_format / config.layout (shapes: class docs).
 
     Raises ValueError for a config that is not a QuantConfig, num_pages < 2 (page 0 is the null
-    page), non-positive sizes, or (hack) head_dim not a multiple of min(partition_size, head_dim);
-    TypeError for a non-integer size.
+    page), non-positive sizes, (hack) head_dim not a multiple of min(partition_size, head_dim), or
+    head_dim not a multiple of config.v_rotation; TypeError for a non-integer size.
     """
     if not isinstance(config, QuantConfig):
         raise ValueError(f"config must be a QuantConfig, got {type(config).__name__}")
@@ -171,6 +172,8 @@ def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pag
     pc = min(config.partition_size, head_dim)
     if ops.blocked and head_dim % pc:
         raise ValueError(f"head_dim must be a multiple of min(partition_size, head_dim)={pc}: {head_dim=}")
+    if config.v_rotation and head_dim % config.v_rotation:
+        raise ValueError(f"head_dim must be a multiple of v_rotation={config.v_rotation}: {head_dim=}")
     return ops.init(config, num_pages, num_kv_heads, head_dim, max_seqs)
 
 
@@ -216,7 +219,8 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
       layer: the LayerCache.
       k, v: float[S, T, num_kv_heads, head_dim], S = max_seqs; row t of slot s is token
         start[s] + t, rows t < lengths[s] are written (left-aligned; rows beyond are ignored).
-        T is static (a length bucket).
+        T is static (a length bucket). With config.v_rotation, V is stored rotated
+        (hack_jax.rotation; append does the same).
       lengths: i32[S] tokens to write per slot; 0 leaves the slot untouched.
       page_indices: i32[S, pages_per_seq]; pages must be assigned for start + lengths tokens.
       start: i32[S] tokens the slot already holds (chunked prefill), or None = all 0 (the slot
@@ -258,6 +262,7 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
     if not is_traced(lengths):  # rows t >= lengths[s] are ignored: not checked
         rows = np.arange(k.shape[1])[None, :] < np.asarray(lengths)[:, None]
         check_finite(k[rows], v[rows], "write_prefill")
+    v = rotate_v(v, layer.config.v_rotation)
     return ops.write_prefill(layer, k, v, lengths, page_indices, start, key)
 
 
@@ -339,6 +344,7 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
                          f"num_sink_tokens={layer.config.num_sink_tokens}); use seal='always'")
     position = kv_lens - active.astype(jnp.int32)  # of the new token
     active = active & (position >= 0)  # under jit: a negative position is dropped, never wrapped
+    v = rotate_v(v, layer.config.v_rotation)
     return ops.append(layer, k, v, position, active, page_indices, key, seal)
 
 
@@ -367,7 +373,8 @@ def dequantize_cache(layer: LayerCache, page_indices, kv_lens, *, return_step: b
     Returns (k, v) f32[S, capacity, num_kv_heads, head_dim], zero at positions >= kv_lens;
     with return_step, also (k_step, v_step) of the same shape: the quantization scale of each
     element (|x - x_hat| <= step / 2 for nearest rounding), 0 for elements stored in 16 bits or
-    unquantized.
+    unquantized. With config.v_rotation, v (and v_step) are in the rotated basis, as stored:
+    hack_jax.rotation.rotate_v(v, config.v_rotation) gives V back.
     """
     ops = _ops(layer)
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
@@ -418,7 +425,11 @@ def cache_bytes_report(config: QuantConfig, *, num_layers: int, num_kv_heads: in
     Pages are counted whole (pages_needed per sequence, plus the null page), and per-sequence open
     blocks and sinks are included: this is what init_cache would allocate for exactly this load.
     Returns a dict of ints: codes, metadata, sums, open_blocks, sinks, total, num_pages, and
-    bf16 (a dense bf16 cache of exactly max_seqs * seq_len tokens), plus ratio = total / bf16.
+    bf16 (a dense bf16 cache of exactly max_seqs * seq_len tokens), plus floats ratio = total /
+    bf16, bits_per_element = 8 * total / (K and V elements of max_seqs * seq_len tokens) and
+    page_bits_per_element (full pages only, the long-sequence limit: 8 * bytes_per_token / elements
+    per token). All are read from the shapes and dtypes of the arrays init_layer allocates
+    (v_rotation adds none).
     """
     per_seq = paging.pages_needed(seq_len, page_size=config.page_size,
                                   num_sink_tokens=sink_tokens(config))
@@ -432,4 +443,8 @@ def cache_bytes_report(config: QuantConfig, *, num_layers: int, num_kv_heads: in
     report["num_pages"] = num_pages
     report["bf16"] = num_layers * 2 * max_seqs * seq_len * num_kv_heads * head_dim * 2
     report["ratio"] = report["total"] / report["bf16"]
+    elements_per_token = num_layers * 2 * num_kv_heads * head_dim
+    report["bits_per_element"] = 8 * report["total"] / (max_seqs * seq_len * elements_per_token)
+    report["page_bits_per_element"] = 8 * bytes_per_token(config, num_kv_heads, head_dim,
+                                                          num_layers) / elements_per_token
     return report
