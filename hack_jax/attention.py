@@ -186,15 +186,17 @@ _KIVI2_FIELDS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min", "
 def _decode_kernel_args(layer):
     """(arrays, static ints) of a decode kernel call: bf16 pages (k, v); an fp8 / kivi2 layer's arrays
     (kivi2 with its group); a kivi layer's arrays in the kernels' order with its partition_size /
-    num_sink_tokens (the kernels take arrays only)."""
+    num_sink_tokens, and v_group when the config sets one (the kernels take arrays only)."""
     if isinstance(layer, kv_cache.DensePages):
         return (layer.k, layer.v), {}
     if isinstance(layer, kv_cache.Fp8Pages):
         return tuple(getattr(layer, f) for f in _FP8_FIELDS), {}
     if isinstance(layer, kv_cache.Kivi2Pages):
         return tuple(getattr(layer, f) for f in _KIVI2_FIELDS), dict(group=kv_cache.kivi2.GROUP)
-    return (tuple(getattr(layer, f) for f in _KIVI_FIELDS),
-            dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens))
+    static = dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens)
+    if layer.config.v_group:
+        static["v_group"] = layer.config.v_group
+    return tuple(getattr(layer, f) for f in _KIVI_FIELDS), static
 
 
 def _fused_decode_module():
@@ -212,6 +214,9 @@ def _pallas(impl, kind, layer):
                                   "needs none unless it becomes accurate); use impl='reference'")
     if (impl, kind, fmt) not in _PALLAS:
         raise NotImplementedError(f"impl={impl!r} has no {kind} kernel for kv_format={fmt!r}")
+    if impl == "triton" and layer.config.v_group:
+        raise NotImplementedError(f"impl='triton' has no kernel for a V channel group set apart from the "
+                                  f"K block (v_group={layer.config.v_group}); use impl='pallas'")
     module, name = _PALLAS[impl, kind, fmt]
     try:
         return getattr(importlib.import_module(module), name)

@@ -23,6 +23,11 @@ class QuantConfig:
       layout: "kivi" (K per channel, V per token; default, HACK.md §4) or "seed" (K per token,
         V per channel, as the paper describes).
       partition_size: P, tokens or channels per quantization partition; a power of two >= 16.
+        kivi: the K token block (and the INT8 softmax-weight group); also the V channel group
+        unless v_group is set.
+      v_group: kivi only: channels per V quantization group (also the INT8 query group and the K
+        code sums' channel group), min(v_group, head_dim) in effect; 0 = partition_size (the
+        coupled default); else a power of two >= 16. `channel_group` is the value in effect.
       page_size: tokens per cache page; a multiple of 4 * partition_size (one packing group).
       num_sink_tokens: leading tokens kept in residual_dtype (>= 0).
       rounding: "nearest" or "stochastic" (HACK.md §2).
@@ -43,6 +48,7 @@ class QuantConfig:
     num_sink_tokens: int = 4
     rounding: Rounding = "nearest"
     v_rotation: int = 0
+    v_group: int = 0
 
     meta_dtype: ClassVar = jnp.float16
     residual_dtype: ClassVar = jnp.bfloat16
@@ -52,7 +58,7 @@ class QuantConfig:
             value = getattr(self, name)
             if value not in get_args(literal):
                 raise ValueError(f"{name} must be one of {get_args(literal)}, got {value!r}")
-        for name in ("partition_size", "page_size", "num_sink_tokens", "v_rotation"):
+        for name in ("partition_size", "page_size", "num_sink_tokens", "v_rotation", "v_group"):
             value = getattr(self, name)
             # bool is an int subclass; True as a size is always a bug.
             if not isinstance(value, int) or isinstance(value, bool):
@@ -67,6 +73,17 @@ class QuantConfig:
             )
         if self.num_sink_tokens < 0:
             raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
+        g = self.v_group
+        if g and (g < 16 or g & (g - 1)):
+            raise ValueError(f"v_group must be 0 (= partition_size) or a power of two >= 16, got v_group={g}")
+        if g and (self.kv_format, self.layout) != ("hack", "kivi"):
+            raise ValueError(f"v_group applies to kv_format='hack', layout='kivi' only, got "
+                             f"kv_format={self.kv_format!r}, layout={self.layout!r}, v_group={g}")
         b = self.v_rotation
         if b and (b < 2 or b & (b - 1)):
             raise ValueError(f"v_rotation must be 0 (off) or a power of two >= 2, got v_rotation={b}")
+
+    @property
+    def channel_group(self) -> int:
+        """Channels per channel group before the head_dim clamp: v_group, or partition_size when 0."""
+        return self.v_group or self.partition_size

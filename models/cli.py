@@ -11,7 +11,7 @@
                    [--haystack T] [--out FILE.jsonl]   (passkey retrieval, models/passkey.py)
   model and cache options of generate / perplexity: [--model PATH] [--kv-format FMT] [--dtype D]
   [--impl I] [--interpret] [--partition-size P] [--num-sink-tokens N] [--rounding R] [--layout L]
-  [--v-rotation B] [--prefill-attention A]
+  [--v-group G] [--v-rotation B] [--prefill-attention A]
 
 Errors (empty prompt, prompt beyond the cache, bad option values) print
 `hack-jax SUBCOMMAND: error: ...` naming the flag and value on stderr and exit with status 2
@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="hack: tokens / channels per 2-bit quantization group (16, 32, 64, 128)")
   common.add_argument("--num-sink-tokens", type=int, default=4,
                       help="hack: leading tokens kept in 16 bits")
+  common.add_argument("--v-group", type=int, default=0,
+                      help="hack kivi: channels per V quantization group, set apart from the K "
+                      "block --partition-size (e.g. --partition-size 32 --v-group 64); 0 = the "
+                      "partition size (QuantConfig.v_group)")
   common.add_argument("--v-rotation", type=int, default=0,
                       help="V multiplied by a block-diagonal Hadamard matrix of this block size "
                       "(a power of two dividing head_dim) before it is cached, undone on the "

@@ -117,7 +117,7 @@ def quant_config(args) -> QuantConfig:
   p = args.partition_size
   return QuantConfig(kv_format=args.kv_format, partition_size=p, page_size=max(256, 4 * p),
                      num_sink_tokens=args.num_sink_tokens, rounding=args.rounding,
-                     layout=args.layout, v_rotation=args.v_rotation)
+                     layout=args.layout, v_rotation=args.v_rotation, v_group=args.v_group)
 
 
 def encode(tokenizer, prompt: str, *, system: str | None, chat: bool) -> list[int]:

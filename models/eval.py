@@ -35,6 +35,9 @@ HACK.md §4 variants (VARIANT_FORMATS, `--formats variants`):
                                  attention output rotated back (hack_jax.rotation): exact for an
                                  unquantized cache, and it spreads per-token V outliers over the
                                  channel group before 2-bit rounding. No extra bytes.
+  hack-k32v64, hack-k32v64-vhad  the real cache with K blocks of 32 tokens and V channel groups of
+                                 64 (QuantConfig(partition_size=32, v_group=64)), without / with
+                                 v_rotation=64.
   hack-p64-sink64                the real cache with 64 bf16 sink tokens instead of 4.
   fake-*                         FakeHack (evaluation only, fake quantization like kivi2): K block
                                  size and V channel group chosen separately (fake-k32v64), a bf16
@@ -178,6 +181,10 @@ FORMATS = {f.name: f for f in [
                note="kivi layout P64 + Hadamard(64) on V before the cache, undone after attention"),
     EvalFormat("hack-p32-vhad", _hack(32, v_rotation=64),
                note="kivi layout P32 + Hadamard(64) on V before the cache, undone after attention"),
+    EvalFormat("hack-k32v64", _hack(32, v_group=64),
+               note="kivi layout, K blocks of 32 tokens, V groups of 64 channels (real cache)"),
+    EvalFormat("hack-k32v64-vhad", _hack(32, v_group=64, v_rotation=64),
+               note="kivi layout K32/V64 + Hadamard(64) on V (real cache)"),
     EvalFormat("hack-p64-sink64", _hack(64, num_sink_tokens=64),
                note="kivi layout P64, 64 bf16 sinks (real cache)"),
     EvalFormat("fake-hack-p64", QuantConfig(kv_format="float32"), fake=FakeHack(64, 64),
@@ -657,7 +664,7 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
                    model=os.path.basename(ckpt.path), batch=len(prompts),
                    **r, **bytes_info(fmt, ckpt.config, context + args.tokens),
                    quant=dict(kv_format=fmt.quant.kv_format, layout=fmt.quant.layout,
-                              partition_size=fmt.quant.partition_size,
+                              partition_size=fmt.quant.partition_size, v_group=fmt.quant.v_group,
                               num_sink_tokens=fmt.quant.num_sink_tokens,
                               rounding=fmt.quant.rounding, fake=str(fmt.fake) if fmt.fake else None,
                               hadamard=fmt.hadamard, v_rotation=fmt.quant.v_rotation),

@@ -426,6 +426,12 @@ def check_kivi_geometry(partition_size: int, head_dim: int, page_size: int) -> N
                          f"{partition_size=}")
 
 
+def check_channel_group(v_group) -> None:
+    """v_group (channels per V / query group) None, or a power of two >= 32 (the int8 dot's inner dim)."""
+    if v_group is not None and (not isinstance(v_group, int) or not is_pow2(v_group) or v_group < 32):
+        raise ValueError(f"v_group must be None or a power of two >= 32, got {v_group=}")
+
+
 # ----------------------------------------------------------------------------- paged-kivi decode launch pieces
 # Shared by decode_attention.py (HACK) and dequant_decode_attention.py (fused dequant): the same grid,
 # rows, sinks / open-block handling and validation (decode_attention.py's header describes them).
@@ -544,8 +550,9 @@ def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_le
 
 
 def check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
-                    sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens):
-    """Trace-time checks of shapes and dtypes against DESIGN.md's kivi layout; raises ValueError."""
+                    sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens, v_group=None):
+    """Trace-time checks of shapes and dtypes against DESIGN.md's kivi layout; raises ValueError.
+    v_group: channels per V / query group (None: partition_size), clamped to head_dim."""
     P, ns = partition_size, num_sink_tokens
     for name, x in (("q", q), ("k_codes", k_codes), ("page_indices", page_indices), ("kv_lens", kv_lens)):
         if not hasattr(x, "shape"):
@@ -563,7 +570,8 @@ def check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scal
         raise ValueError(f"num_sink_tokens must be an int >= 0, got {num_sink_tokens=}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads must be a multiple of num_kv_heads, got {num_q_heads=}, {num_kv_heads=}")
-    bpp, Pc = page_size // P, min(P, head_dim)
+    check_channel_group(v_group)
+    bpp, Pc = page_size // P, min(v_group or P, head_dim)
     NP = head_dim // Pc
     expect = {
         "k_codes": ((num_pages, num_kv_heads, page_size // 4, head_dim), (jnp.uint8,)),

@@ -334,7 +334,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
 @common.quiet
 def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                           sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
-                          dot_dtype: DotDtype = "int8", num_splits: int | None = None,
+                          v_group: int | None = None, dot_dtype: DotDtype = "int8", num_splits: int | None = None,
                           config: KernelConfig | None = None, interpret: bool = False):
     """HACK decode attention over the paged INT2 kivi cache (module docstring; shapes there).
 
@@ -344,6 +344,8 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
         when num_sink_tokens == 0; k_sums / v_sums are validated but not read by the folded modes.
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] (lists / NumPy arrays of ints accepted).
       partition_size: P (the quantization block). num_sink_tokens: ns.
+      v_group: channels per V / query channel group (None: P), clamped to head_dim; the kernel reads
+        it from k_sums' shape, this checks the arrays against it.
       dot_dtype: "int8" | "folded_f16" | "folded_bf16", the operand mode (ignored if config is given).
       num_splits: split-K programs per (sequence, kv head); overrides the config's.
       config: KernelConfig; None picks default_config(...).
@@ -358,7 +360,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
     common.check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
                                     open_v, sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
-                                    num_sink_tokens=num_sink_tokens)
+                                    num_sink_tokens=num_sink_tokens, v_group=v_group)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, dot_dtype=dot_dtype,
                             num_splits=num_splits, config=config)
     if num_sink_tokens == 0:

@@ -173,7 +173,7 @@ def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k,
 @common.quiet
 def dequant_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                              sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
-                             num_splits: int | None = None, config: KernelConfig | None = None,
+                             v_group: int | None = None, num_splits: int | None = None, config: KernelConfig | None = None,
                              interpret: bool = False):
     """Fused-dequant decode attention over the paged INT2 kivi cache (module docstring).
 
@@ -185,7 +185,7 @@ def dequant_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scal
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
     common.check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
                                     open_v, sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
-                                    num_sink_tokens=num_sink_tokens)
+                                    num_sink_tokens=num_sink_tokens, v_group=v_group)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size,
                             num_splits=num_splits, config=config)
     if num_sink_tokens == 0:

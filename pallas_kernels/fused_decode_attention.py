@@ -205,7 +205,8 @@ def fusion_pays(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size:
 @common.quiet
 def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums,
                                 open_k, open_v, sink_k, sink_v, page_indices, kv_lens, active, *,
-                                partition_size: int, num_sink_tokens: int, dot_dtype: DotDtype = "int8",
+                                partition_size: int, num_sink_tokens: int, v_group: int | None = None,
+                                dot_dtype: DotDtype = "int8",
                                 num_splits: int | None = None, config: KernelConfig | None = None,
                                 interpret: bool = False):
     """Append one token per active slot and attend (module docstring; shapes there).
@@ -216,7 +217,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
         when num_sink_tokens == 0.
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held before this token;
         active: bool[batch].
-      partition_size, num_sink_tokens, dot_dtype, num_splits, config, interpret: as
+      partition_size, num_sink_tokens, v_group, dot_dtype, num_splits, config, interpret: as
         decode_attention.hack_decode_attention; config None: `default_config` (this kernel's occupancy).
 
     Returns:
@@ -230,7 +231,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
     page_indices, kv_lens, active = common.as_index_arrays(page_indices, kv_lens, active)
     common.check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
                                     open_v, sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
-                                    num_sink_tokens=num_sink_tokens)
+                                    num_sink_tokens=num_sink_tokens, v_group=v_group)
     want = (q.shape[0], k_codes.shape[1], q.shape[2])
     for name, x in (("k", k), ("v", v)):
         if not hasattr(x, "shape") or tuple(x.shape) != want or not jnp.issubdtype(x.dtype, jnp.floating):

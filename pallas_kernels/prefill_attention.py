@@ -481,7 +481,8 @@ def validate_inputs(q, layer, page_indices, kv_lens, q_start, config):
     if d != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"q does not match the cache (num_kv_heads={num_kv_heads}, head_dim={d}): {q.shape=}")
     common.check_kivi_geometry(P, head_dim, page_size)
-    Pc = min(P, head_dim)
+    common.check_channel_group(layer.config.v_group or None)
+    Pc = min(layer.config.channel_group, head_dim)
     NP, bpp = head_dim // Pc, page_size // P
     expect = {
         "k_codes": (num_pages, num_kv_heads, page_size // 4, head_dim),

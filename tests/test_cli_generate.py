@@ -55,6 +55,8 @@ def test_non_gguf_model_and_bad_cache_option(capsys, tmp_path):
   assert line.startswith("hack-jax perplexity: error: --model")
   line = _error(capsys, ["generate", "--prompt", "hi", "--kv-format", "fp4"])
   assert line.startswith("hack-jax generate: error: argument --kv-format")
+  line = _error(capsys, ["generate", "--prompt", "hi", "--v-group", "48"])
+  assert line.startswith("hack-jax generate: error: ") and "v_group=48" in line, line
   line = _error(capsys, ["generate", "--prompt", "hi", "--v-rotation", "48"])
   assert line.startswith("hack-jax generate: error: ") and "v_rotation=48" in line, line
 

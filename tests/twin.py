@@ -116,7 +116,7 @@ def build(config, lengths, *, num_kv_heads=2, head_dim=64, how="prefill", seed=0
 
 def _geometry(config, head_dim):
     p = config.partition_size
-    pc = min(p, head_dim)
+    pc = min(config.v_group or p, head_dim)  # the channel group: v_group when set
     return p, pc, head_dim // pc, config.page_size // p
 
 
@@ -258,7 +258,7 @@ def read(cache) -> list:
             else:
                 h, d = layer.num_kv_heads, layer.head_dim
                 seg.open_k_codes = np.zeros((h, 0, d))
-                seg.open_k_scale = seg.open_k_min = np.zeros((h, 0, d // min(p, d)))
+                seg.open_k_scale = seg.open_k_min = np.zeros((h, 0, d // _geometry(cfg, d)[1]))
         else:
             seg.open_k = bf16(kt[:, start:n])
         out.append(seg)
@@ -382,7 +382,7 @@ def np_hack_attention(q, seg: Segments, config, q_pos, *, transient_int8=True):
     h = seg.sink_k.shape[0]
     g = hq // h
     p = config.partition_size
-    pc, ns = min(p, d), config.num_sink_tokens
+    pc, ns = _geometry(config, d)[1], config.num_sink_tokens
     image = np_int8_image if transient_int8 else (lambda x, axis, group: x)
     q_pos = np.repeat(np.asarray(q_pos), g)  # rows r = t * G + g
     vis = lambda first, count: np.arange(first, first + count)[None, :] <= q_pos[:, None]

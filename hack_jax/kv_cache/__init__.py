@@ -156,7 +156,7 @@ def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pag
     """An all-zero LayerCache of the format config.kv_format / config.layout (shapes: class docs).
 
     Raises ValueError for a config that is not a QuantConfig, num_pages < 2 (page 0 is the null
-    page), non-positive sizes, (hack) head_dim not a multiple of min(partition_size, head_dim), or
+    page), non-positive sizes, (hack) head_dim not a multiple of min(config.channel_group, head_dim), or
     head_dim not a multiple of config.v_rotation; TypeError for a non-integer size.
     """
     if not isinstance(config, QuantConfig):
@@ -169,9 +169,10 @@ def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pag
     if min(num_kv_heads, head_dim, max_seqs) < 1:
         raise ValueError(f"sizes must be positive: {num_kv_heads=} {head_dim=} {max_seqs=}")
     ops = FORMATS[format_of(config)]
-    pc = min(config.partition_size, head_dim)
+    pc = min(config.channel_group, head_dim)
     if ops.blocked and head_dim % pc:
-        raise ValueError(f"head_dim must be a multiple of min(partition_size, head_dim)={pc}: {head_dim=}")
+        raise ValueError(f"head_dim must be a multiple of the channel group min(v_group or partition_size, "
+                         f"head_dim)={pc}: {head_dim=}")
     if config.v_rotation and head_dim % config.v_rotation:
         raise ValueError(f"head_dim must be a multiple of v_rotation={config.v_rotation}: {head_dim=}")
     return ops.init(config, num_pages, num_kv_heads, head_dim, max_seqs)

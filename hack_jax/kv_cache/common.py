@@ -75,9 +75,10 @@ class FormatOps:
 
 
 def geometry(config: QuantConfig, head_dim: int):
-    """(P, Pc, NP, bpp): partition, channel group, channel groups per head, blocks per page."""
+    """(P, Pc, NP, bpp): token block, channel group (min(config.channel_group, head_dim)), channel
+    groups per head, blocks per page."""
     p = config.partition_size
-    pc = min(p, head_dim)
+    pc = min(config.channel_group, head_dim)
     return p, pc, head_dim // pc, config.page_size // p
 
 

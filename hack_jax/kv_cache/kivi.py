@@ -17,7 +17,8 @@ from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, geometry, pytree
 
 @pytree_dataclass
 class KiviPages(Pages):
-    """P = partition_size, Pc = min(P, head_dim), NP = head_dim // Pc, bpp = page_size // P,
+    """P = partition_size, Pc = min(config.channel_group, head_dim) (v_group, default P),
+    NP = head_dim // Pc, bpp = page_size // P,
     S = max_seqs, ns = num_sink_tokens, sums u8 when 3 * (codes summed: Pc or P) <= 255 else u16:
       k_codes  u8[num_pages, num_kv_heads, page_size // 4, head_dim]  packed per packing group of 4 blocks
       k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]      per (block, channel)
