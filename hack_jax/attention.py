@@ -80,7 +80,8 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
     page-table column (one holding tokens < kv_len) at an id outside [0, num_pages), at the null page
     or shared with another live column (paging.validate_page_indices; dead columns are never read);
     TypeError for non-integer page_indices / kv_lens; NotImplementedError when a Pallas impl has no
-    kernel for the layer's format.
+    kernel for the layer's format; ValueError for impl="pallas" / "pallas_dequant" off a GPU without
+    interpret=True. A NaN in q (or, under jit, in the cached K/V) gives NaN rows, never 0.
     """
     q = jnp.asarray(q)
     if q.ndim != 3:
@@ -88,6 +89,7 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
     page_indices, kv_lens = _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
     if impl != "reference":
         kernel = _pallas(impl, "decode", layer)  # NotImplementedError first for a layout without kernels
+        _check_platform(impl, kernel_options)
         arrays, static = _decode_kernel_args(layer)
         return kernel(q, *arrays, page_indices, kv_lens, **static, **kernel_options)
     return _reference(q[:, None], layer, page_indices, kv_lens, None, decode=True)[:, 0]
@@ -95,7 +97,15 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
 
 def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q_start=None,
                       impl="reference", **kernel_options):
-    """Causal attention of prompts (or prompt chunks) over the cache contents (write_prefill).
+    """Attention of prompts (or prompt chunks) over the cache contents (write_prefill): the
+    "homomorphic" prefill of hack_jax.prefill, the paper's numerics.
+
+    NOT causal for kv_format="hack": a query reads its own sealed P-token block as 2-bit codes whose
+    per-channel min/max over the block (kivi: K's; seed: V's) include the block's later tokens, so
+    changing a later token of the block moves earlier rows (issue 17.2). The position mask is causal; the quantization is not. The
+    default model prefill (hack_jax.prefill, attention="auto") is exact and causal: it attends the
+    fresh tokens on their 16-bit K/V. The baseline formats (bf16 / float32 / int8: per token) are
+    causal here.
 
     Args:
       q: float[max_seqs, T, num_q_heads, head_dim], left-aligned: row t is the query at position
@@ -120,8 +130,9 @@ def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q
     if not isinstance(q_start, jax.core.Tracer) and q_start.size and int(q_start.min()) < 0:
         raise ValueError(f"q_start must be >= 0: q_start={np.asarray(q_start).tolist()}")
     if impl != "reference":
-        return _pallas(impl, "prefill", layer)(q, *_kernel_cache(layer), page_indices, kv_lens,
-                                               q_start=q_start, **kernel_options)
+        kernel = _pallas(impl, "prefill", layer)
+        _check_platform(impl, kernel_options)
+        return kernel(q, *_kernel_cache(layer), page_indices, kv_lens, q_start=q_start, **kernel_options)
     return _reference(q, layer, page_indices, kv_lens, q_start, decode=False)
 
 
@@ -199,11 +210,22 @@ def _pallas(impl, kind, layer):
         raise NotImplementedError(f"impl={impl!r} has no {kind} kernel for kv_format={fmt!r}")
     module, name = _PALLAS[impl, kind, fmt]
     try:
-        return getattr(importlib.import_module(module), name)
+        kernel = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise NotImplementedError(
             f"impl={impl!r} {kind} kernel for kv_format={fmt!r} is unavailable: "
             f"{module}.{name} ({type(e).__name__}: {e})") from e
+    return kernel
+
+
+def _check_platform(impl, kernel_options):
+    """The Pallas kernels compile for NVIDIA GPUs (Triton) only; elsewhere they run in interpret mode.
+    A clear ValueError here instead of jax's lowering error from inside the kernel call."""
+    if impl in ("pallas", "pallas_dequant") and not kernel_options.get("interpret", False) and (
+            jax.default_backend() != "gpu"):
+        raise ValueError(f"impl={impl!r} runs GPU (Triton) kernels; jax's backend here is "
+                         f"{jax.default_backend()!r}: pass interpret=True (slow, for tests) or use "
+                         f"impl='reference'")
 
 
 @functools.partial(jax.jit, static_argnames="decode")
@@ -378,6 +400,7 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache, *, page_indices, kv_lens, a
     page_indices, kv_lens, active = _check_append(layer, k, v, page_indices, kv_lens, active)
     _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
     fn = _fused_decode_module().hack_fused_decode_attention
+    _check_platform(impl, kernel_options)
     arrays, static = _decode_kernel_args(layer)
     before = kv_lens - active.astype(jnp.int32)  # the fused kernel's position of the new token
     out, open_k, open_v, sink_k, sink_v = fn(q, k, v, *arrays, page_indices, before, active, **static,
