@@ -492,5 +492,5 @@ def cache_bytes_report(config: QuantConfig, *, num_layers: int, num_kv_heads: in
     report["total"] = sum(report.values())
     report["num_pages"] = num_pages
     report["bf16"] = num_layers * 2 * max_seqs * seq_len * num_kv_heads * head_dim * 2
-    report["ratio"] = report["total"] / report["bf16"]
+    report["ratio"] = report["total"] / report["bf16"] if report["bf16"] else math.inf  # seq_len 0
     return report
