@@ -49,6 +49,7 @@ for the steps where the host knows no block fills (`seals_block`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Union, get_args
@@ -227,6 +228,13 @@ def _memory_limit() -> int | None:
         return None
 
 
+@functools.cache
+def _compiled(fn, *static):
+    """fn under jax.jit: an eager (validated, concrete) call runs as one compiled program instead of
+    a few hundred dispatched ops; inside an outer jit it is inlined."""
+    return jax.jit(fn, static_argnames=static)
+
+
 def _validate_pages(layer, page_indices, kv_lens):
     """Host check of concrete (non-traced) inputs; inside jit the allocator is the check."""
     if is_traced(page_indices, kv_lens):
@@ -295,7 +303,7 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
     if not is_traced(lengths):  # rows t >= lengths[s] are ignored: not checked
         rows = np.arange(k.shape[1])[None, :] < np.asarray(lengths)[:, None]
         check_finite(k[rows], v[rows], "write_prefill", layer.config)
-    return ops.write_prefill(layer, k, v, lengths, page_indices, start, key)
+    return _compiled(ops.write_prefill)(layer, k, v, lengths, page_indices, start, key)
 
 
 def seals_block(config: QuantConfig, kv_lens, active) -> bool:
@@ -385,7 +393,7 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
                          f"num_sink_tokens={layer.config.num_sink_tokens}); use seal='always'")
     position = kv_lens - active.astype(jnp.int32)  # of the new token
     active = active & (position >= 0)  # under jit: a negative position is dropped, never wrapped
-    return ops.append(layer, k, v, position, active, page_indices, key, seal)
+    return _compiled(ops.append, "seal")(layer, k, v, position, active, page_indices, key, seal=seal)
 
 
 # ----------------------------------------------------------------------------- reading
