@@ -152,14 +152,13 @@ def quantize(x, *, bits, axis, partition_size, rounding="nearest", key=None, met
     x = jnp.asarray(x)
     meta_dtype = jnp.dtype(meta_dtype)
     _validate(x, bits, axis, partition_size, rounding, key, meta_dtype, noise)
-    if rounding == "stochastic" and noise is not None:
-        key = jnp.asarray(noise, jnp.float32)
-    return _quantize(x, key, bits=bits, axis=axis % x.ndim, partition_size=partition_size,
+    noise = None if noise is None or rounding != "stochastic" else jnp.asarray(noise, jnp.float32)
+    return _quantize(x, key, noise, bits=bits, axis=axis % x.ndim, partition_size=partition_size,
                      rounding=rounding, meta_dtype=meta_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "axis", "partition_size", "rounding", "meta_dtype"))
-def _quantize(x, key, *, bits, axis, partition_size, rounding, meta_dtype):
+def _quantize(x, key, noise, *, bits, axis, partition_size, rounding, meta_dtype):
     levels = 2**bits - 1
     bound = saturation_bound(bits, meta_dtype)
     xp = split_partitions(jnp.clip(x.astype(jnp.float32), -bound, bound), axis, partition_size)
@@ -183,9 +182,9 @@ def _quantize(x, key, *, bits, axis, partition_size, rounding, meta_dtype):
         lo_code, hi_code = 0, levels
 
     t = (xp - jnp.expand_dims(m32, axis + 1)) / jnp.expand_dims(jnp.where(s32 > 0, s32, 1.0), axis + 1)
-    if rounding == "stochastic":  # key: a PRNG key, or the noise itself (f32 of x's shape)
-        u = (split_partitions(key, axis, partition_size) if key.dtype == jnp.float32
-             else jax.random.uniform(key, t.shape, jnp.float32))
+    if rounding == "stochastic":
+        u = (jax.random.uniform(key, t.shape, jnp.float32) if noise is None
+             else split_partitions(noise, axis, partition_size))
         q = jnp.floor(t + u)
     else:
         q = jnp.round(t)

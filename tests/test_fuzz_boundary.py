@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 import tiny_llama
 import twin
@@ -128,6 +128,8 @@ def check_attention(layer, fmt, k, v, lengths, table, rng):
 @given(fmt=st.sampled_from(list(CONFIGS)), lengths=st.lists(st.integers(0, 200), min_size=S, max_size=S),
        fault=st.sampled_from(FAULTS), bf16_input=st.booleans(),
        active=st.lists(st.booleans(), min_size=S, max_size=S), seed=st.integers(0, 2**16))
+@example(fmt="kivi", lengths=[70, 9], fault="wide", bf16_input=False, active=[True, True], seed=0)
+@example(fmt="kivi", lengths=[70, 9], fault="big", bf16_input=False, active=[True, False], seed=1)
 def test_write_append_attend(fmt, lengths, fault, bf16_input, active, seed):
     mutation = fault if fault in ("null", "dup", "oob", "wide", "float_table", "float_len") else "none"
     poison = fault if fault in ("nan", "big") else "none"
@@ -227,6 +229,7 @@ OPS = st.tuples(st.sampled_from(["admit", "reserve", "release"]),
 
 @settings(max_examples=30, **SETTINGS)
 @given(ops=st.lists(OPS, max_size=12))
+@example(ops=[("admit", True, 10), ("admit", 1, 4)])  # issue 17.6: True ran as slot 1
 def test_page_allocator(ops):
     """An independent model of the allocator: slot -> tokens reserved; every rejected op changes
     nothing, every accepted one leaves each row with exactly pages_needed distinct non-null pages."""
@@ -319,6 +322,7 @@ def oracle_logprobs(prompt, forced):
        max_new=st.sampled_from([1, 3, 1, 3, 0, 30, True]),
        bad=st.sampled_from(["none"] * 6 + ["empty", "vocab", "float_ids", "forced_shape", "forced_float"]),
        seed=st.integers(0, 2**16))
+@example(lens=[3], max_new=2, bad="forced_float", seed=0)  # issue 17.6: 1.5 ran as 1
 def test_generate_ids(lens, max_new, bad, seed):
     gen = generator()
     rng = np.random.default_rng(seed)

@@ -205,6 +205,9 @@ def _check_size(config, num_layers, num_kv_heads, head_dim, num_pages, max_seqs)
     """Up-front checks of init_cache's sizes, before anything is allocated: page ids are i32, and the
     cache must fit the default device's memory (its bytes_limit where jax reports one, else the
     host's physical memory: CPU). ValueError naming the sizes otherwise."""
+    for name, value in dict(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages,
+                            max_seqs=max_seqs).items():
+        paging.require_int(name, value)
     if num_pages > paging.INT32_MAX:
         raise ValueError(f"num_pages must fit the i32 page ids (<= {paging.INT32_MAX}): {num_pages=}")
     if min(num_layers, num_kv_heads, head_dim, num_pages, max_seqs) < 1:
