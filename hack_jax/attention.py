@@ -89,9 +89,8 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
     page_indices, kv_lens = _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
     if impl != "reference":
         kernel = _pallas(impl, "decode", layer)  # NotImplementedError first for a layout without kernels
-        _check_platform(impl, kernel_options)
         arrays, static = _decode_kernel_args(layer)
-        return kernel(q, *arrays, page_indices, kv_lens, **static, **kernel_options)
+        return _run_kernel(impl, kernel, q, *arrays, page_indices, kv_lens, **static, **kernel_options)
     return _reference(q[:, None], layer, page_indices, kv_lens, None, decode=True)[:, 0]
 
 
@@ -130,9 +129,8 @@ def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q
     if not isinstance(q_start, jax.core.Tracer) and q_start.size and int(q_start.min()) < 0:
         raise ValueError(f"q_start must be >= 0: q_start={np.asarray(q_start).tolist()}")
     if impl != "reference":
-        kernel = _pallas(impl, "prefill", layer)
-        _check_platform(impl, kernel_options)
-        return kernel(q, *_kernel_cache(layer), page_indices, kv_lens, q_start=q_start, **kernel_options)
+        return _run_kernel(impl, _pallas(impl, "prefill", layer), q, *_kernel_cache(layer), page_indices,
+                           kv_lens, q_start=q_start, **kernel_options)
     return _reference(q, layer, page_indices, kv_lens, q_start, decode=False)
 
 
@@ -218,14 +216,19 @@ def _pallas(impl, kind, layer):
     return kernel
 
 
-def _check_platform(impl, kernel_options):
-    """The Pallas kernels compile for NVIDIA GPUs (Triton) only; elsewhere they run in interpret mode.
-    A clear ValueError here instead of jax's lowering error from inside the kernel call."""
-    if impl in ("pallas", "pallas_dequant") and not kernel_options.get("interpret", False) and (
-            jax.default_backend() != "gpu"):
+def _run_kernel(impl, kernel, *args, **kwargs):
+    """kernel(*args, **kwargs), with jax's "Only interpret mode is supported on CPU backend." (a
+    Pallas-Triton kernel run eagerly off the GPU, raised from inside jax) replaced by a ValueError
+    that names the fix. The kernels' own validation and lowering for another platform (jit(...).lower(
+    lowering_platforms=("cuda",)) on a CPU host) are untouched."""
+    try:
+        return kernel(*args, **kwargs)
+    except ValueError as e:
+        if "interpret mode" not in str(e) or kwargs.get("interpret", False):
+            raise
         raise ValueError(f"impl={impl!r} runs GPU (Triton) kernels; jax's backend here is "
                          f"{jax.default_backend()!r}: pass interpret=True (slow, for tests) or use "
-                         f"impl='reference'")
+                         f"impl='reference'") from e
 
 
 @functools.partial(jax.jit, static_argnames="decode")
@@ -399,8 +402,7 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache, *, page_indices, kv_lens, a
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens, active = _check_append(layer, k, v, page_indices, kv_lens, active)
     _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
-    fn = _fused_decode_module().hack_fused_decode_attention
-    _check_platform(impl, kernel_options)
+    fn = functools.partial(_run_kernel, impl, _fused_decode_module().hack_fused_decode_attention)
     arrays, static = _decode_kernel_args(layer)
     before = kv_lens - active.astype(jnp.int32)  # the fused kernel's position of the new token
     out, open_k, open_v, sink_k, sink_v = fn(q, k, v, *arrays, page_indices, before, active, **static,
