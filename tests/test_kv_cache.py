@@ -843,11 +843,11 @@ def test_seals_block_and_sizes_reject_bad_arguments():
     assert kv_cache.bytes_per_token(config, 1, 64, 2) == 2 * kv_cache.bytes_per_token(config, 1, 64, 1) > 0
 
 
-@pytest.mark.parametrize("fmt", ["kivi", "seed", "int8"])
+@pytest.mark.parametrize("fmt", ["kivi", "seed", "int8", "kivi2"])
 def test_values_beyond_the_float16_metadata_are_rejected_unchanged(fmt):
     """issue 17.8: 70000 was clipped to 65504 by the f16 scale/min, silently. Now the writers reject
     it eagerly (the cache unchanged); bf16 stores it (no f16 metadata)."""
-    config = FORMATS[fmt]
+    config = FORMATS[fmt] if fmt in FORMATS else QuantConfig(kv_format=fmt)
     layer = empty_layer(config, 4, 2)
     k, v = make_kv(num_seqs=2, t_len=80)
     table = np.array([[1], [2]], np.int32)

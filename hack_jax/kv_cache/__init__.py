@@ -277,7 +277,7 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
     baselines: every token into its page row.
     Raises ValueError on shape mismatch, a length beyond T, a negative start, or (concrete inputs
     only) negative lengths, bad page ids / over capacity, NaN or inf in k / v, or (kv_format "hack" /
-    "int8") |k|, |v| > 65504, beyond the float16 metadata (under jit such values saturate there);
+    "int8" / "kivi2") |k|, |v| > 65504, beyond the float16 metadata (under jit they saturate there);
     TypeError for
     non-integer lengths / page_indices / start; under jit, tokens beyond capacity or bound for
     unassigned pages are dropped.
@@ -359,7 +359,7 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
     zeroed; seed: K quantized per token at once into the page, only V goes through the open block.
     Raises ValueError on shape mismatch, an unknown `seal`, or (concrete inputs only) a negative
     kv_len or an active slot with kv_len 0 (no room for its new token), bad page ids / over capacity, NaN or
-    inf in an active slot's k / v (or, "hack" / "int8", |value| > 65504: write_prefill), seal="never" with a
+    inf in an active slot's k / v (or, "hack" / "int8" / "kivi2", |value| > 65504: write_prefill), seal="never" with a
     slot that seals; TypeError for non-integer kv_lens / page_indices. Under jit nothing can raise:
     a token at a negative position or beyond capacity, or bound for the null page or an id outside
     [0, num_pages), is dropped (never written elsewhere).

@@ -187,15 +187,19 @@ def check_kv(layer, k, v, ndim, what):
                          f"({layer.num_kv_heads}, {layer.head_dim}): {k.shape=}")
 
 
+F16_META_FORMATS = ("hack", "int8", "kivi2")  # kv_formats whose scale / min are config.meta_dtype
+
+
 def check_finite(k, v, what, config=None):
     """Concrete K/V only (a host sync; inside jit nothing can raise): ValueError on NaN or inf, which
     no format can store (2-bit codes would hold garbage for the whole block), and, for the quantized
-    formats (config given, kv_format "hack" / "int8"), on a finite value beyond the float16 metadata's
+    formats with float16 scale/min (config given, kv_format "hack" / "int8" / "kivi2"; fp8's scale is
+    float32), on a finite value beyond the float16 metadata's
     range (|x| > saturation_bound, 65504): quantize would clip it there silently. Under jit those
     values saturate (quantize's documented behaviour) and NaN stays NaN."""
     bound = None
-    if config is not None and config.kv_format in ("hack", "int8"):
-        bound = saturation_bound(2 if config.kv_format == "hack" else 8, config.meta_dtype)
+    if config is not None and config.kv_format in F16_META_FORMATS:
+        bound = saturation_bound(2, config.meta_dtype)  # finfo(meta_dtype).max for bits > 1
     for name, x in (("k", k), ("v", v)):
         if is_traced(x) or not x.size:
             continue
