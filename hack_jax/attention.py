@@ -85,7 +85,8 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
     page-table column (one holding tokens < kv_len) at an id outside [0, num_pages), at the null page
     or shared with another live column (paging.validate_page_indices; dead columns are never read);
     TypeError for non-integer page_indices / kv_lens; NotImplementedError when a Pallas impl has no
-    kernel for the layer's format.
+    kernel for the layer's format; ValueError for impl="pallas" / "pallas_dequant" off a GPU without
+    interpret=True. A NaN in q (or, under jit, in the cached K/V) gives NaN rows, never 0.
     """
     q = jnp.asarray(q)
     if q.ndim != 3:
@@ -94,7 +95,7 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
     if impl != "reference":
         kernel = _pallas(impl, "decode", layer)  # NotImplementedError first for a layout without kernels
         arrays, static = _decode_kernel_args(layer)
-        out = kernel(q, *arrays, page_indices, kv_lens, **static, **kernel_options)
+        out = _run_kernel(impl, kernel, q, *arrays, page_indices, kv_lens, **static, **kernel_options)
     else:
         out = _reference(q[:, None], layer, page_indices, kv_lens, None, decode=True)[:, 0]
     return _unrotate(out, layer)
@@ -102,7 +103,15 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
 
 def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q_start=None,
                       impl="reference", **kernel_options):
-    """Causal attention of prompts (or prompt chunks) over the cache contents (write_prefill).
+    """Attention of prompts (or prompt chunks) over the cache contents (write_prefill): the
+    "homomorphic" prefill of hack_jax.prefill, the paper's numerics.
+
+    NOT causal for kv_format="hack": a query reads its own sealed P-token block as 2-bit codes whose
+    per-channel min/max over the block (kivi: K's; seed: V's) include the block's later tokens, so
+    changing a later token of the block moves earlier rows (issue 17.2). The position mask is causal; the quantization is not. The
+    default model prefill (hack_jax.prefill, attention="auto") is exact and causal: it attends the
+    fresh tokens on their 16-bit K/V. The baseline formats (bf16 / float32 / int8: per token) are
+    causal here.
 
     Args:
       q: float[max_seqs, T, num_q_heads, head_dim], left-aligned: row t is the query at position
@@ -127,8 +136,8 @@ def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q
     if not isinstance(q_start, jax.core.Tracer) and q_start.size and int(q_start.min()) < 0:
         raise ValueError(f"q_start must be >= 0: q_start={np.asarray(q_start).tolist()}")
     if impl != "reference":
-        out = _pallas(impl, "prefill", layer)(q, *_kernel_cache(layer), page_indices, kv_lens,
-                                              q_start=q_start, **kernel_options)
+        out = _run_kernel(impl, _pallas(impl, "prefill", layer), q, *_kernel_cache(layer), page_indices,
+                          kv_lens, q_start=q_start, **kernel_options)
     else:
         out = _reference(q, layer, page_indices, kv_lens, q_start, decode=False)
     return _unrotate(out, layer)
@@ -219,11 +228,27 @@ def _pallas(impl, kind, layer):
                                   f"K block (v_group={layer.config.v_group}); use impl='pallas'")
     module, name = _PALLAS[impl, kind, fmt]
     try:
-        return getattr(importlib.import_module(module), name)
+        kernel = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise NotImplementedError(
             f"impl={impl!r} {kind} kernel for kv_format={fmt!r} is unavailable: "
             f"{module}.{name} ({type(e).__name__}: {e})") from e
+    return kernel
+
+
+def _run_kernel(impl, kernel, *args, **kwargs):
+    """kernel(*args, **kwargs), with jax's "Only interpret mode is supported on CPU backend." (a
+    Pallas-Triton kernel run eagerly off the GPU, raised from inside jax) replaced by a ValueError
+    that names the fix. The kernels' own validation and lowering for another platform (jit(...).lower(
+    lowering_platforms=("cuda",)) on a CPU host) are untouched."""
+    try:
+        return kernel(*args, **kwargs)
+    except ValueError as e:
+        if "interpret mode" not in str(e) or kwargs.get("interpret", False):
+            raise
+        raise ValueError(f"impl={impl!r} runs GPU (Triton) kernels; jax's backend here is "
+                         f"{jax.default_backend()!r}: pass interpret=True (slow, for tests) or use "
+                         f"impl='reference'") from e
 
 
 @functools.partial(jax.jit, static_argnames="decode")
@@ -398,7 +423,7 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache, *, page_indices, kv_lens, a
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens, active = _check_append(layer, k, v, page_indices, kv_lens, active)
     _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
-    fn = _fused_decode_module().hack_fused_decode_attention
+    fn = functools.partial(_run_kernel, impl, _fused_decode_module().hack_fused_decode_attention)
     arrays, static = _decode_kernel_args(layer)
     before = kv_lens - active.astype(jnp.int32)  # the fused kernel's position of the new token
     v = rotate_v(v, layer.config.v_rotation)  # what kv_cache.append stores

@@ -38,10 +38,16 @@ def require_int(name: str, value) -> int:
     return int(value)
 
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
 def check_index_dtype(what: str, **arrays) -> None:
     """TypeError naming the array when a length / page-id / position array is not of an integer
-    dtype (float lengths would be truncated silently). Accepts lists, NumPy and jax arrays and
-    tracers (their dtype is static); None entries are skipped."""
+    dtype (float lengths would be truncated silently); ValueError when a concrete array of a wider
+    integer dtype (int64, uint32, ...) holds a value outside int32, which the cast to i32 would wrap
+    (2**32 + 100 -> 100) past every later check. Accepts lists, NumPy and jax arrays and tracers
+    (their dtype is static; a traced array is i32 already under jax's default 32-bit mode); None
+    entries are skipped."""
     for name, x in arrays.items():
         if x is None:
             continue
@@ -49,6 +55,16 @@ def check_index_dtype(what: str, **arrays) -> None:
             x = np.asarray(x)
         if x.size and not np.issubdtype(x.dtype, np.integer):
             raise TypeError(f"{what}: {name} must be integers, got dtype {x.dtype}")
+        if x.size and np.dtype(x.dtype).itemsize >= 4 and np.dtype(x.dtype) != np.int32 and not _traced(x):
+            a = np.asarray(x)
+            if int(a.min()) < INT32_MIN or int(a.max()) > INT32_MAX:
+                raise ValueError(f"{what}: {name} holds values outside the int32 range (they would "
+                                 f"wrap): min={int(a.min())} max={int(a.max())}")
+
+
+def _traced(x) -> bool:
+    """A jax tracer (its values unknown), recognised without importing jax: paging is NumPy only."""
+    return any(c.__name__ == "Tracer" for c in type(x).__mro__)
 
 
 def pages_needed(num_tokens: int, *, page_size: int, num_sink_tokens: int) -> int:
@@ -147,7 +163,9 @@ class PageAllocator:
         return self.page_indices
 
     def _check_slot(self, slot) -> int:
-        if not (isinstance(slot, (int, np.integer)) and 0 <= slot < self.max_seqs):
+        if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)):
+            raise TypeError(f"slot must be an int, got {slot!r} ({type(slot).__name__})")
+        if not 0 <= slot < self.max_seqs:
             raise ValueError(f"slot out of range [0, {self.max_seqs}): {slot=}")
         return int(slot)
 

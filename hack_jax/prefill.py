@@ -162,7 +162,7 @@ def _reference(q, k, v, lengths):
     l = w.sum(-1)
     acc = jnp.einsum("stkgj,sjkd->stkgd", w, v.astype(jnp.float32), precision=_HIGHEST)
     out = reference.softmax_state_output(reference.SoftmaxState(acc, m, l))
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))  # NaN stays NaN
     return out.reshape(s, t, hq, d), lse.reshape(s, t, hq)
 
 

@@ -86,7 +86,7 @@ def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _validate(x, bits, axis, partition_size, rounding, key, meta_dtype):
+def _validate(x, bits, axis, partition_size, rounding, key, meta_dtype, noise=None):
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x must have a floating dtype, got dtype={x.dtype}")
     if not _is_int(bits) or not 1 <= bits <= 8:
@@ -102,8 +102,10 @@ def _validate(x, bits, axis, partition_size, rounding, key, meta_dtype):
         )
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding=}")
-    if rounding == "stochastic" and key is None:
+    if rounding == "stochastic" and key is None and noise is None:
         raise ValueError("rounding='stochastic' needs a PRNG key, got key=None")
+    if noise is not None and jnp.shape(noise) != x.shape:
+        raise ValueError(f"noise must have x's shape {x.shape}, got {jnp.shape(noise)}")
     if key is not None and not (isinstance(key, jax.Array) and (
             jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.dtype == jnp.uint32)):
         raise TypeError(f"key must be a jax PRNG key (jax.random.key), got {key!r}")
@@ -111,7 +113,8 @@ def _validate(x, bits, axis, partition_size, rounding, key, meta_dtype):
         raise ValueError(f"meta_dtype must be a floating dtype, got {meta_dtype=}")
 
 
-def quantize(x, *, bits, axis, partition_size, rounding="nearest", key=None, meta_dtype=jnp.float16):
+def quantize(x, *, bits, axis, partition_size, rounding="nearest", key=None, meta_dtype=jnp.float16,
+             noise=None):
     """Quantizes x asymmetrically per partition along `axis` (HACK.md §2, module docstring).
 
     Args:
@@ -121,8 +124,10 @@ def quantize(x, *, bits, axis, partition_size, rounding="nearest", key=None, met
       partition_size: P, consecutive elements along `axis` sharing one scale and minimum.
       rounding: "nearest" (half to even) or "stochastic": q = floor((x - m) / s + u),
         u ~ U[0, 1) drawn from `key`, which makes q unbiased (E[s q + m] = x).
-      key: jax PRNG key, required for stochastic rounding, ignored otherwise.
+      key: jax PRNG key, required for stochastic rounding (unless noise is given), ignored otherwise.
       meta_dtype: dtype of scale and minimum.
+      noise: optional f32 of x's shape in [0, 1): the u of stochastic rounding, instead of drawing it
+        from key (the cache draws it per (sequence, token position): kv_cache.common.token_noise).
 
     Returns:
       QuantizedTensor (shapes in its docstring). dequantize(result) ~ x with
@@ -146,13 +151,14 @@ def quantize(x, *, bits, axis, partition_size, rounding="nearest", key=None, met
     """
     x = jnp.asarray(x)
     meta_dtype = jnp.dtype(meta_dtype)
-    _validate(x, bits, axis, partition_size, rounding, key, meta_dtype)
-    return _quantize(x, key, bits=bits, axis=axis % x.ndim, partition_size=partition_size,
+    _validate(x, bits, axis, partition_size, rounding, key, meta_dtype, noise)
+    noise = None if noise is None or rounding != "stochastic" else jnp.asarray(noise, jnp.float32)
+    return _quantize(x, key, noise, bits=bits, axis=axis % x.ndim, partition_size=partition_size,
                      rounding=rounding, meta_dtype=meta_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "axis", "partition_size", "rounding", "meta_dtype"))
-def _quantize(x, key, *, bits, axis, partition_size, rounding, meta_dtype):
+def _quantize(x, key, noise, *, bits, axis, partition_size, rounding, meta_dtype):
     levels = 2**bits - 1
     bound = saturation_bound(bits, meta_dtype)
     xp = split_partitions(jnp.clip(x.astype(jnp.float32), -bound, bound), axis, partition_size)
@@ -177,7 +183,9 @@ def _quantize(x, key, *, bits, axis, partition_size, rounding, meta_dtype):
 
     t = (xp - jnp.expand_dims(m32, axis + 1)) / jnp.expand_dims(jnp.where(s32 > 0, s32, 1.0), axis + 1)
     if rounding == "stochastic":
-        q = jnp.floor(t + jax.random.uniform(key, t.shape, jnp.float32))
+        u = (jax.random.uniform(key, t.shape, jnp.float32) if noise is None
+             else split_partitions(noise, axis, partition_size))
+        q = jnp.floor(t + u)
     else:
         q = jnp.round(t)
     q = jnp.clip(q, lo_code, hi_code).astype(jnp.int32)

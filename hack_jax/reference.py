@@ -70,9 +70,10 @@ def online_softmax_merge(a, b):
 
 
 def softmax_state_output(state):
-    """acc / l: f32[..., rows, head_dim]; rows with l == 0 (nothing visible) give 0."""
+    """acc / l: f32[..., rows, head_dim]; rows with l == 0 (nothing visible) give 0, and a NaN in
+    the inputs (l or acc NaN) stays NaN: a NaN query or key never becomes a plausible 0."""
     denom = state.l[..., None]
-    return jnp.where(denom > 0, state.acc / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return jnp.where(denom == 0, 0.0, state.acc / jnp.where(denom == 0, 1.0, denom))
 
 
 def _block_weights(logits, mask):

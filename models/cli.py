@@ -181,8 +181,12 @@ def _perplexity(args, parser) -> int:
     _, text = load_text(args.text)
   except (OSError, ValueError) as e:
     parser.error(f"--text {args.text!r}: {e}")
+  if not text.strip():
+    parser.error(f"--text {args.text!r} is empty: perplexity needs at least 2 tokens of text")
   ckpt, model = _load(args)
   ids = ckpt.tokenizer.encode(text)
+  if len(ids) < 2:
+    parser.error(f"--text {args.text!r} holds {len(ids)} token(s): perplexity needs at least 2")
   limit = ckpt.config.max_seq_len
   if args.tokens is not None:
     if args.tokens < 2:

@@ -92,11 +92,10 @@ def load(spec: WorkerSpec):
   if spec.random is not None:
     tokenizer = IdTokenizer()
     if spec.tokenizer is not None:
-      from gguf import GGUFReader
 
-      from models.gguf_loader import read_metadata
+      from models.gguf_loader import open_gguf, read_metadata
       from models.tokenizer import Tokenizer
-      tokenizer = Tokenizer.from_gguf_metadata(read_metadata(GGUFReader(spec.tokenizer)))
+      tokenizer = Tokenizer.from_gguf_metadata(read_metadata(open_gguf(spec.tokenizer)))
     return Llama(spec.random, rngs=nnx.Rngs(spec.seed)), tokenizer
   from models.gguf_loader import load_checkpoint
   from hack_jax.backend import Backend

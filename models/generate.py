@@ -172,8 +172,8 @@ class Generator:
     model: a Llama. tokenizer: its Tokenizer. quant: the cache format (QuantConfig.kv_format
       picks "hack" | "bf16" | "int8" | "float32").
     max_seqs: cache slots = prompts per batch (longer prompt lists are run in chunks).
-    max_len: tokens per sequence (prompt + generated): the capacity enforced, at most the model's
-      context length (the cache itself is allocated in whole pages).
+    max_len: tokens per sequence (prompt + generated): the capacity enforced is min(max_len, the
+      model's context length), and the cache's pages are allocated for that capacity (whole pages).
     prefill_chunk: None = one prefill step per batch, prompts padded to a length bucket; an int
       C = prompts longer than C are prefilled C tokens per step (one compiled step serves every
       chunk: each chunk attends to the cached prefix and to itself, hack_jax.prefill), shorter
@@ -194,8 +194,12 @@ class Generator:
   def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
                max_seqs: int = 4, max_len: int = 2048, prefill_chunk: int | None = None,
                attention: Any = None, mesh: Mesh | None = None):
+    for name, value in (("max_seqs", max_seqs), ("max_len", max_len)):
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
     if max_seqs < 1 or max_len < 2:
-      raise ValueError(f"need max_seqs >= 1 and max_len >= 2: {max_seqs=} {max_len=}")
+      raise ValueError(f"need max_seqs >= 1 and max_len >= 2 (tokens per sequence: prompt + "
+                       f"generated): {max_seqs=} {max_len=}")
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(
         prefill_chunk, (int, np.integer)) or prefill_chunk < 1):
       raise ValueError(f"prefill_chunk must be None or an int >= 1: {prefill_chunk=}")
@@ -211,9 +215,9 @@ class Generator:
         self.attention = sharding.ShardedBackend(self.attention, self.mesh)
       self.state = jax.device_put(self.state, sharding.param_shardings(self.state, self.mesh, c))
     sinks = kv_cache.sink_tokens(quant)
-    self.pages_per_seq = max(1, math.ceil((max_len - sinks) / quant.page_size))
+    self.capacity = min(max_len, c.max_seq_len)  # pages for what can be held, not for max_len
+    self.pages_per_seq = max(1, math.ceil((self.capacity - sinks) / quant.page_size))
     self.num_pages = 1 + max_seqs * self.pages_per_seq
-    self.capacity = min(max_len, c.max_seq_len)
     self._executables: dict[Any, Any] = {}
 
   # --------------------------------------------------------------------------------------- setup
@@ -289,10 +293,11 @@ class Generator:
         raise ValueError(f"prompt {i} has {len(p)} tokens; with {max_new_tokens=} it needs "
                          f"{len(p) + max_new_tokens} > cache capacity {self.capacity}")
     if forced is not None:
-      forced = np.asarray(forced, np.int32)
+      forced = np.asarray(forced)
       if forced.shape != (len(prompt_ids), max_new_tokens):
         raise ValueError(f"forced must be [{len(prompt_ids)}, {max_new_tokens}]: {forced.shape=}")
-      self._check_ids(forced, "forced")
+      self._check_ids(forced, "forced")  # before the cast: 1.5 must not run as 1
+      forced = forced.astype(np.int32)
     stats = dict(prompt_tokens=0, generated_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0,
                  compile_s=0.0, max_len=0)
     key = jax.random.key(seed)

@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import os
+import struct
 from typing import Any
 
 import numpy as np
@@ -118,6 +119,43 @@ def sha256_file(path: str) -> str:
   return h.hexdigest()
 
 
+def open_gguf(path) -> GGUFReader:
+  """A GGUFReader of `path`, with one clear error for a damaged file.
+
+  Raises FileNotFoundError (no such file) or ValueError naming the file and its size when it is not a
+  GGUF file, is truncated (the header, the tensor table or a tensor's data run past the end) or is
+  corrupt (counts in the header that the file cannot hold; anything the gguf reader trips on),
+  instead of the reader's IndexError / numpy reshape messages.
+  """
+  path = os.fspath(path)
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    head = f.read(24)
+  if head[:4] != b"GGUF":
+    raise ValueError(f"{path}: not a GGUF file (starts with {head[:4]!r}, {size} bytes)")
+  if len(head) < 24:
+    raise ValueError(f"{path}: truncated GGUF file ({size} bytes: the header alone takes 24)")
+  _, _, n_tensors, n_kv = struct.unpack("<IIQQ", head)
+  # each tensor-table entry takes >= 24 bytes and each metadata entry >= 12: larger counts are corrupt
+  if 24 * n_tensors + 12 * n_kv > size:
+    raise ValueError(f"{path}: corrupt GGUF header: it claims {n_tensors} tensors and {n_kv} metadata "
+                     f"entries, more than a {size}-byte file can hold (truncated or damaged)")
+  try:
+    reader = GGUFReader(path)
+  except (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error, UnicodeDecodeError) as e:
+    raise ValueError(f"{path}: truncated or corrupt GGUF file ({size} bytes; reading it failed: "
+                     f"{type(e).__name__}: {e})") from e
+  end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+  if end > size:
+    raise ValueError(f"{path}: truncated GGUF file ({size} bytes; its tensors end at byte {end})")
+  # the tensor data runs to the end of the file (up to alignment padding); a header whose tensor count
+  # was lowered would leave the rest unread (and shift every tensor's data)
+  if reader.tensors and size - end > max(int(getattr(reader, "alignment", 32)), 4096):
+    raise ValueError(f"{path}: corrupt GGUF file: its {len(reader.tensors)} tensors end at byte {end} "
+                     f"of {size} (a wrong tensor count in the header?)")
+  return reader
+
+
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
   """All GGUF key/value fields decoded to Python values (strings, numbers, lists)."""
   return {key: field.contents() for key, field in reader.fields.items()}
@@ -182,8 +220,9 @@ def load_checkpoint(path: str | None = None, *, dtype: Any = np.float32, verify:
     Checkpoint with weights laid out as in the module docstring.
 
   Raises:
-    FileNotFoundError: no such file. ValueError: sha256 mismatch for the default model, an
-    architecture other than llama/qwen2, unsupported RoPE scaling, or missing tensors.
+    FileNotFoundError: no such file. ValueError: a truncated or corrupt GGUF file (open_gguf), sha256
+    mismatch for the default model, an architecture other than llama/qwen2, unsupported RoPE
+    scaling, or missing tensors.
   """
   is_default = path is None
   if isinstance(path, str) and path in SPLIT_MODELS:
@@ -196,7 +235,7 @@ def load_checkpoint(path: str | None = None, *, dtype: Any = np.float32, verify:
     raise FileNotFoundError(f"GGUF file not found: {path}")
   if is_default and verify and (digest := sha256_file(path)) != DEFAULT_MODEL_SHA256:
     raise ValueError(f"sha256 mismatch for {path}: {digest=} expected {DEFAULT_MODEL_SHA256}")
-  reader = GGUFReader(path)
+  reader = open_gguf(path)
   metadata = read_metadata(reader)
   tensors = {t.name: t for t in reader.tensors}
   config = ModelConfig.from_gguf_fields(

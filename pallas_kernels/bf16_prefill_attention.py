@@ -99,7 +99,7 @@ def _bf16_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_re
              jnp.zeros((R,), jnp.float32))
     carry = lax.fori_loop(0, num_full, functools.partial(step, False), carry)
     acc, _, l = lax.fori_loop(num_full, num_tiles, functools.partial(step, True), carry)
-    ok = (pos < kv_len) & (l > 0)
+    ok = (pos < kv_len) & (l != 0)  # != 0: a NaN l stays NaN
     out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
     o_ref[...] = out.reshape(block_q, group_pad, head_dim)
 

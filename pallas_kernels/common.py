@@ -375,8 +375,8 @@ def lse_combine(m, l, acc, axes):
     w = jnp.exp(m - base)
     l_tot = jnp.sum(l * w, axis=axes)
     acc_tot = jnp.sum(acc * w[..., None], axis=axes)
-    safe = jnp.where(l_tot > 0, l_tot, 1.0)
-    return jnp.where((l_tot > 0)[..., None], acc_tot / safe[..., None], 0.0)
+    safe = jnp.where(l_tot == 0, 1.0, l_tot)  # == 0, not > 0: a NaN total stays NaN
+    return jnp.where((l_tot == 0)[..., None], 0.0, acc_tot / safe[..., None])
 
 
 # ----------------------------------------------------------------------------- validation

@@ -113,7 +113,7 @@ def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, *, programs):
         return l + l_ref[b, h, s, :] * w, acc + acc_ref[b, h, s, :, :] * w[:, None]
 
     l, acc = jax.lax.fori_loop(0, programs, body, (jnp.zeros((rows,), jnp.float32), jnp.zeros_like(out_ref)))
-    out_ref[...] = jnp.where((l > 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    out_ref[...] = jnp.where((l == 0)[:, None], 0.0, acc / jnp.where(l == 0, 1.0, l)[:, None])
 
 
 def combine_splits(acc, m, l, num_q_heads, *, interpret):

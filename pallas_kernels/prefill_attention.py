@@ -225,7 +225,7 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
                          lambda s: s, state)
 
     m, l, accs = state
-    ok = (pos < kv_len) & (l > 0)
+    ok = (pos < kv_len) & (l != 0)  # != 0: a NaN l stays NaN
     denom = jnp.where(ok, l, 1.0)[:, None]
     for p in range(NP):
         out = jnp.where(ok[:, None], accs[p] / denom, 0.0)  # [R, Pc]

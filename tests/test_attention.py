@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import twin
 from hack_jax import attention, kv_cache, paging
 from hack_jax.config import QuantConfig
 from test_kv_cache import (FORMATS, LENGTHS, append_jit, empty_layer, make_kv, prefill_jit,
@@ -184,3 +185,70 @@ def test_concrete_table_and_length_errors():
     with pytest.raises(TypeError, match="q_start must be integers"):
         attention.prefill_attention(q[:, None], layer, page_indices=table, kv_lens=lengths,
                                     q_start=start + 0.5)
+
+
+# ----------------------------------------------------------------------------- issue 17
+
+
+def _small_kivi(lengths=(8, 70)):
+    """A kivi layer (2 kv heads, head_dim 128) holding two sequences written by prefill, its table."""
+    config = QuantConfig()
+    k, v = make_kv(num_seqs=2, t_len=max(lengths), exact=True)
+    table = np.array([[1], [2]], np.int32)
+    layer = prefill_jit(empty_layer(config, 4, 2), k, v, lengths=np.array(lengths, np.int32), page_indices=table)
+    return layer, k, v, table
+
+
+def test_int64_lengths_and_page_ids_that_would_wrap_are_rejected():
+    """issue 17.4: kv_lens 2**32 + 8 ran as 8; a page id 2**32 + 1 ran as page 1."""
+    layer, _, _, table = _small_kivi()
+    q = make_q()[:2]
+    with pytest.raises(ValueError, match="int32 range"):
+        attention.decode_attention(q, layer, page_indices=table, kv_lens=np.array([2**32 + 8, 70]))
+    with pytest.raises(ValueError, match="int32 range"):
+        attention.decode_attention(q, layer, page_indices=np.array([[2**32 + 1], [2]]),
+                                   kv_lens=np.array([8, 70]))
+    with pytest.raises(ValueError, match="int32 range"):
+        attention.prefill_attention(q[:, None], layer, page_indices=table, kv_lens=np.array([8, 70]),
+                                    q_start=np.array([2**33, 0]))
+
+
+def test_nan_query_or_key_gives_nan_not_zero():
+    """issue 17.5: a NaN query row came out as 0 (softmax_state_output's l > 0 test), and a NaN K
+    appended under jit too. Now NaN propagates to that sequence's output only; the other sequence
+    still matches the float64 reference."""
+    layer, k, v, table = _small_kivi()
+    lens = np.array([8, 70], np.int32)
+    q = make_q()[:2]
+    q_nan = q.copy()
+    q_nan[0, 1, 5] = np.nan
+    for impl_layer in (layer,):
+        out = np.asarray(attention.decode_attention(q_nan, impl_layer, page_indices=table, kv_lens=lens))
+        assert np.isnan(out[0, 1]).all() and np.isfinite(out[1]).all()
+    append = jax.jit(kv_cache.append)  # traced: nothing can raise, the NaN is stored
+    k_new = np.ones((2, 2, 128), np.float32)
+    k_new[0, 0, 7] = np.nan
+    after = append(layer, k_new, k_new, kv_lens=lens + 1, active=np.array([True, True]), page_indices=table)
+    out = np.asarray(jax.jit(attention.decode_attention)(q, after, page_indices=table, kv_lens=lens + 1))
+    assert np.isnan(out[0, :2]).all()  # q heads 0, 1 use kv head 0, which holds the NaN key
+    assert np.isfinite(out[1]).all()
+    kk, vv = (np.concatenate([x, np.zeros_like(x[:, :1])], axis=1) for x in (k, v))
+    kk[0, 8], vv[0, 8] = k_new[0], k_new[0]
+    kk[1, 70], vv[1, 70] = k_new[1], k_new[1]
+    want = twin.np_cache_attention(q[:, None], twin.Cache(after, kk, vv, lens + 1, table), lens[:, None])
+    np.testing.assert_allclose(out[1], want[1, 0], atol=1e-4)  # float64 homomorphic twin of the codes
+
+
+def test_pallas_off_gpu_without_interpret_names_the_fix():
+    """issue 17 unclear errors: impl='pallas' on a CPU without interpret raised jax's 'Only interpret
+    mode is supported on CPU backend.' from inside the kernel call."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("the check applies off the GPU")
+    layer, _, _, table = _small_kivi()
+    q = make_q()[:2]
+    with pytest.raises(ValueError, match="interpret=True"):
+        attention.decode_attention(q, layer, page_indices=table, kv_lens=np.array([8, 70], np.int32),
+                                   impl="pallas")
+    with pytest.raises(ValueError, match="interpret=True"):
+        attention.prefill_attention(q[:, None], layer, page_indices=table,
+                                    kv_lens=np.array([8, 70], np.int32), impl="pallas")

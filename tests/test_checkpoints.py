@@ -501,3 +501,28 @@ def test_rope_scaling_settings(tmp_path):
     dataclasses.replace(linear, rope_freq_factors=(1.0,) * 7)
   with pytest.raises(ValueError, match="rope_freq_factors"):
     dataclasses.replace(linear, rope_freq_factors=(0.0,) * 8)
+
+
+def test_truncated_or_corrupt_gguf_is_one_clear_error(tmp_path):
+  """issue 17 unclear errors: a corrupted tensor count gave an IndexError from inside the gguf
+  reader, truncated files numpy's 'cannot reshape array of size ...'; now one ValueError names the
+  file and says it is truncated / corrupt (models.gguf_loader.open_gguf, used by load_checkpoint)."""
+  import struct
+  from models.gguf_loader import default_model_path
+  src = default_model_path()
+  size = os.path.getsize(src)
+  with open(src, "rb") as f:
+    data = f.read()
+  cases = {f"cut{n}.gguf": data[:n] for n in (100, 1_000_000, size // 2, size - 1)}
+  for count in (10**6, 34):  # more tensors than the file holds; fewer (the rest unread, offsets shifted)
+    cases[f"count{count}.gguf"] = data[:8] + struct.pack("<Q", count) + data[16:]
+  for name, content in cases.items():
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as info:
+      load_checkpoint(str(path), verify=False)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}:") and ("truncated" in msg or "corrupt" in msg), (name, msg)
+  (tmp_path / "text.gguf").write_bytes(b"hello world" * 10)
+  with pytest.raises(ValueError, match="not a GGUF file"):
+    load_checkpoint(str(tmp_path / "text.gguf"))

@@ -123,3 +123,17 @@ def test_generate_json_end_to_end_on_tiny_model(capsys, monkeypatch):
   t = out["timings"]
   assert t["prompt_tokens"] == sum(c["prompt_tokens"] for c in comps)
   assert t["generated_tokens"] == 24 and t["compile_s"] > 0 and t["decode_tok_s"] > 0
+
+
+def test_perplexity_of_an_empty_or_one_token_text(capsys, tmp_path, monkeypatch):
+  """issue 17 unclear errors: an empty or one-word --text gave 'need max_seqs >= 1 and max_len >= 2:
+  max_seqs=1 max_len=0' from the Generator."""
+  empty = tmp_path / "empty.txt"
+  empty.write_text("  \n", encoding="utf-8")
+  line = _error(capsys, ["perplexity", "--text", str(empty)])
+  assert line.startswith("hack-jax perplexity: error: --text") and "is empty" in line, line
+  one = tmp_path / "one.txt"
+  one.write_text("Hello", encoding="utf-8")
+  monkeypatch.setattr(cli, "_load", lambda args: tiny_llama.checkpoint_and_model())
+  line = _error(capsys, ["perplexity", "--text", str(one)])
+  assert "holds 1 token(s): perplexity needs at least 2" in line, line

@@ -736,3 +736,155 @@ def test_stacked_flat_view():
     assert stacked.pallas_addressable(shapes(400_000))  # 4.9e9: 64-bit offsets
     assert stacked.use_flat(shapes(100_000)) == (jax.default_backend() != "cpu")
     assert not stacked.use_flat(shapes(200_000))
+
+
+# ----------------------------------------------------------------------------- issue 17
+
+
+def _nbytes(tree):
+    return sum(np.asarray(a).nbytes for a in jax.tree.leaves(tree))
+
+
+def test_cache_bytes_report_of_a_load_held_in_sinks():
+    """issue 17.1: seq_len <= num_sink_tokens needs no page, but init_cache needs the null page plus
+    one: the report counts those 2 pages (it raised 'need the null page plus at least one page')."""
+    for seq_len in (0, 3, 4):
+        report = kv_cache.cache_bytes_report(QuantConfig(), num_layers=1, num_kv_heads=1, head_dim=64,
+                                             seq_len=seq_len)
+        cache = kv_cache.init_cache(QuantConfig(), num_layers=1, num_kv_heads=1, head_dim=64,
+                                    num_pages=2, max_seqs=1, pages_per_seq=1)
+        assert report["num_pages"] == 2 and report["total"] == _nbytes(cache.layers)
+
+
+def _slot_bytes(layer, slot, pages):
+    """Every byte the cache holds for one sequence: its pages' arrays and its per-slot buffers."""
+    out = []
+    for f in dataclasses.fields(layer):
+        if f.name == "config":
+            continue
+        a = np.asarray(getattr(layer, f.name))
+        out.append(a[slot] if f.name.startswith(("open", "sink")) else a[np.asarray(pages)])
+    return out
+
+
+@pytest.mark.parametrize("layout", ["kivi", "seed"])
+def test_stochastic_noise_is_keyed_by_sequence_position_not_slot(layout):
+    """issue 17.3: with one key, a sequence gets the same codes in slot 0 and in slot 1 (beside
+    another sequence), and a prefill of 150 tokens stores the bytes of a 70-token prefill plus 80
+    appends (on main the noise was drawn per array position: slot and batch shape changed it)."""
+    config = QuantConfig(layout=layout, rounding="stochastic", num_sink_tokens=4 if layout == "kivi" else 0)
+    key = jax.random.key(7)
+    n = 150
+    k, v = make_kv(3, exact=True, num_seqs=2, t_len=n)
+    other_k, other_v = make_kv(4, exact=True, num_seqs=2, t_len=n)
+    table = np.array([[1, 0], [2, 0]], np.int32)
+    lengths = np.array([n, 0], np.int32)
+    alone = prefill_jit(empty_layer(config, 4, 2), k, v, lengths=lengths, page_indices=table, key=key)
+    # the same sequence in slot 1, slot 0 holding another one
+    k2 = np.stack([other_k[0], k[0]]); v2 = np.stack([other_v[0], v[0]])
+    swapped = prefill_jit(empty_layer(config, 4, 2), k2, v2, lengths=np.array([90, n], np.int32),
+                          page_indices=np.array([[2, 0], [1, 0]], np.int32), key=key)
+    for a, b in zip(_slot_bytes(alone, 0, [1]), _slot_bytes(swapped, 1, [1])):
+        np.testing.assert_array_equal(a, b)
+    # prefill 70, then append the rest one token per step with the same key
+    layer = prefill_jit(empty_layer(config, 4, 2), k, v, lengths=np.array([70, 0], np.int32),
+                        page_indices=table, key=key)
+    active = np.array([True, False])
+    for t in range(70, n):
+        layer = append_jit(layer, k[:, t], v[:, t], kv_lens=np.array([t + 1, 0], np.int32),
+                           active=active, page_indices=table, key=key)
+    for a, b in zip(_slot_bytes(alone, 0, [1]), _slot_bytes(layer, 0, [1])):
+        np.testing.assert_array_equal(a, b)
+    # and the noise is live: another key gives other codes
+    other = prefill_jit(empty_layer(config, 4, 2), k, v, lengths=lengths, page_indices=table,
+                        key=jax.random.key(8))
+    assert not np.array_equal(np.asarray(alone.k_codes[1]), np.asarray(other.k_codes[1]))
+
+
+def test_nearest_cache_bytes_do_not_depend_on_batch_mates():
+    """issue 17.3 (nearest): a sequence's bytes are the same alone (max_seqs 1, T = its length) and
+    beside a longer sequence (max_seqs 2, T padded to the mate's length): the cache reduces nothing
+    over the batch axis. (The log-prob difference of the issue comes from the model's float matmuls,
+    whose CPU accumulation order depends on the batch size, not from the cache.)"""
+    config = QuantConfig()
+    k, v = make_kv(5, exact=False, num_seqs=2, t_len=300)
+    alone = prefill_jit(empty_layer(config, 2, 1), k[:1, :70], v[:1, :70], lengths=np.array([70], np.int32),
+                        page_indices=np.array([[1, 0]], np.int32))
+    pair = prefill_jit(empty_layer(config, 4, 2), k, v, lengths=np.array([70, 300], np.int32),
+                       page_indices=np.array([[3, 0], [1, 2]], np.int32))
+    for a, b in zip(_slot_bytes(alone, 0, [1]), _slot_bytes(pair, 0, [3])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_lengths_and_page_ids_that_would_wrap_to_int32_are_rejected():
+    """issue 17.4: an int64 2**32 + 8 wrapped to 8 and passed every check."""
+    layer = empty_layer(QuantConfig(), 4, 2)
+    k, v = make_kv(num_seqs=2, t_len=8)
+    table = np.array([[1], [2]], np.int32)
+    with pytest.raises(ValueError, match="int32 range"):
+        kv_cache.write_prefill(layer, k, v, lengths=np.array([2**32 + 8, 8]), page_indices=table)
+    with pytest.raises(ValueError, match="int32 range"):
+        kv_cache.write_prefill(layer, k, v, lengths=np.array([8, 8]), page_indices=np.array([[2**32 + 1], [2]]))
+    with pytest.raises(ValueError, match="int32 range"):
+        kv_cache.write_prefill(layer, k, v, lengths=np.array([8, 8]), page_indices=table,
+                               start=np.array([-2**40, 0]))
+    with pytest.raises(ValueError, match="int32 range"):
+        kv_cache.append(layer, k[:, 0], v[:, 0], kv_lens=np.array([2**32 + 9, 9]),
+                        active=np.array([True, True]), page_indices=table)
+    assert kv_cache.seals_block(QuantConfig(), np.array([68], np.int64), [True])  # in range: fine
+
+
+def test_seals_block_and_sizes_reject_bad_arguments():
+    """issue 17.6: seals_block broadcast [1, 2] against [True]; bytes_per_token(num_layers=-1) was -42."""
+    config = QuantConfig()
+    with pytest.raises(ValueError, match="one shape"):
+        kv_cache.seals_block(config, [1, 2], [True])
+    with pytest.raises(TypeError, match="integers"):
+        kv_cache.seals_block(config, [1.5], [True])
+    with pytest.raises(ValueError, match="num_layers must be >= 1"):
+        kv_cache.bytes_per_token(config, 1, 64, -1)
+    with pytest.raises(TypeError, match="num_kv_heads"):
+        kv_cache.bytes_per_token(config, 1.5, 64, 1)
+    with pytest.raises(ValueError, match="seq_len"):
+        kv_cache.cache_bytes_report(config, num_layers=1, num_kv_heads=1, head_dim=64, seq_len=-1)
+    assert kv_cache.bytes_per_token(config, 1, 64, 2) == 2 * kv_cache.bytes_per_token(config, 1, 64, 1) > 0
+
+
+@pytest.mark.parametrize("fmt", ["kivi", "seed", "int8", "kivi2"])
+def test_values_beyond_the_float16_metadata_are_rejected_unchanged(fmt):
+    """issue 17.8: 70000 was clipped to 65504 by the f16 scale/min, silently. Now the writers reject
+    it eagerly (the cache unchanged); bf16 stores it (no f16 metadata)."""
+    config = FORMATS[fmt] if fmt in FORMATS else QuantConfig(kv_format=fmt)
+    layer = empty_layer(config, 4, 2)
+    k, v = make_kv(num_seqs=2, t_len=80)
+    table = np.array([[1], [2]], np.int32)
+    before = jax.tree.map(np.asarray, layer)
+    big = k.copy()
+    big[1, 70, 0, 3] = 70000.0
+    with pytest.raises(ValueError, match="65504"):
+        kv_cache.write_prefill(layer, big, v, lengths=np.array([80, 80], np.int32), page_indices=table)
+    with pytest.raises(ValueError, match="65504"):
+        kv_cache.append(layer, k[:, 0], -big[:, 70], kv_lens=np.array([1, 1], np.int32),
+                        active=np.array([True, True]), page_indices=table)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(layer)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    dense = empty_layer(FORMATS["bf16"], 4, 2)
+    out = kv_cache.write_prefill(dense, big, v, lengths=np.array([80, 80], np.int32), page_indices=table)
+    kk, _ = kv_cache.dequantize_cache(out, table, np.array([80, 80], np.int32))
+    assert float(kk[1, 70, 0, 3]) == 70144.0  # bf16 holds it (to its 8-bit mantissa)
+
+
+def test_clear_errors_for_a_whole_cache_and_an_oversized_cache():
+    """issue 17 unclear errors: write_prefill(KVCache) and init_cache(num_pages=2**40) (an XLA
+    out-of-memory error) now name the problem up front."""
+    cache = kv_cache.init_cache(QuantConfig(), num_layers=1, num_kv_heads=2, head_dim=128, num_pages=3,
+                                max_seqs=1, pages_per_seq=1)
+    k, v = make_kv(num_seqs=1, t_len=8)
+    with pytest.raises(ValueError, match=r"got KVCache.*cache\.layers\[i\]"):
+        kv_cache.write_prefill(cache, k, v, lengths=np.array([8], np.int32), page_indices=np.array([[1]]))
+    with pytest.raises(ValueError, match="i32 page ids"):
+        kv_cache.init_cache(QuantConfig(), num_layers=1, num_kv_heads=1, head_dim=64, num_pages=2**40,
+                            max_seqs=1, pages_per_seq=1)
+    with pytest.raises(ValueError, match=r"GiB .*more than the .* GiB of cpu memory"):
+        kv_cache.init_cache(QuantConfig(), num_layers=64, num_kv_heads=8, head_dim=128,
+                            num_pages=2**31 - 1, max_seqs=1, pages_per_seq=1)

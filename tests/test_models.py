@@ -453,3 +453,23 @@ def _scan_vs_unrolled(kv_format, impl):
              for i in range(2) for p in (7, 11))
   for a in [*out[True][1].values(), *out["stacked"][1].values()]:  # the null page stays empty
     assert a.shape[0] != num_pages or not a[0].any()
+
+
+# ----------------------------------------------------------------------------- issue 17 (tiny model)
+
+
+def test_generator_edge_inputs_on_a_tiny_model():
+  """issue 17.1: a 2-token sequence (prompt 1 + 1 generated) crashed after generating, in the
+  stats' cache_bytes_report ('need the null page plus at least one page'); 17.6: forced ids 1.5
+  ran as 1; 17.7: max_len=10**6 on a 512-token model allocated pages for 10**6 tokens."""
+  import tiny_llama
+  ckpt, model = tiny_llama.checkpoint_and_model()
+  gen = Generator(model, ckpt.tokenizer, QuantConfig(), max_seqs=1, max_len=10**6)
+  assert gen.capacity == 512 and gen.pages_per_seq == 2  # ceil((512 - 4) / 256)
+  assert gen.num_pages == 3
+  out = gen.generate_ids([[5]], 1, stop_on_eos=False)
+  assert len(out.tokens[0]) == 1 and out.stats["cache_bytes"]["num_pages"] == 2
+  with pytest.raises(TypeError, match="integers"):
+    gen.generate_ids([[5, 6]], 2, forced=np.array([[1.5, 2.5]]))
+  with pytest.raises(TypeError, match="max_len must be an int"):
+    Generator(model, ckpt.tokenizer, QuantConfig(), max_len=100.0)

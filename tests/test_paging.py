@@ -149,3 +149,13 @@ def test_non_int_sizes_and_lengths_are_type_errors():
     with pytest.raises(TypeError, match="lengths must be integers"):
         paging.check_index_dtype("here", lengths=[1.0, 2.0])
     paging.check_index_dtype("here", lengths=np.array([1, 2], np.int64), ids=[], start=None)
+
+
+def test_bool_slot_is_a_type_error():
+    """issue 17.6: admit(True, 10) used slot 1."""
+    alloc = make()
+    for call in (lambda: alloc.admit(True, 10), lambda: alloc.reserve(np.bool_(False), 10),
+                 lambda: alloc.release(1.0)):
+        with pytest.raises(TypeError, match="slot must be an int"):
+            call()
+    assert alloc.num_free_pages == 8 and not alloc.page_indices.any()

@@ -49,7 +49,9 @@ for the steps where the host knows no block fills (`seals_block`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
 from typing import Union, get_args
 
 import jax
@@ -88,7 +90,9 @@ __all__ = [
 def _ops(layer) -> FormatOps:
     ops = FORMATS.get(format_of(layer.config)) if hasattr(layer, "config") else None
     if ops is None or not isinstance(layer, ops.pages):
-        raise ValueError(f"layer must be a kv_cache LayerCache, got {type(layer).__name__}")
+        hint = (" (the writers and readers take one layer: cache.layers[i], or for a stacked cache "
+                "jax.tree.map(lambda a: a[i], cache.layers))" if isinstance(layer, KVCache) else "")
+        raise ValueError(f"layer must be a kv_cache LayerCache, got {type(layer).__name__}{hint}")
     return ops
 
 
@@ -190,6 +194,7 @@ def init_cache(config: QuantConfig, *, num_layers: int, num_kv_heads: int, head_
     paging.require_int("pages_per_seq", pages_per_seq)
     if num_layers < 1 or pages_per_seq < 1:
         raise ValueError(f"sizes must be positive: {num_layers=} {pages_per_seq=}")
+    _check_size(config, num_layers, num_kv_heads, head_dim, num_pages, max_seqs)
     layer = init_layer(config, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        num_pages=num_pages, max_seqs=max_seqs)
     if stacked:
@@ -198,6 +203,43 @@ def init_cache(config: QuantConfig, *, num_layers: int, num_kv_heads: int, head_
         layers = (layer,) + tuple(jax.tree.map(jnp.copy, layer) for _ in range(num_layers - 1))
     return KVCache(layers=layers, page_indices=jnp.zeros((max_seqs, pages_per_seq), jnp.int32),
                    kv_lens=jnp.zeros((max_seqs,), jnp.int32), config=config)
+
+
+def _check_size(config, num_layers, num_kv_heads, head_dim, num_pages, max_seqs):
+    """Up-front checks of init_cache's sizes, before anything is allocated: page ids are i32, and the
+    cache must fit the default device's memory (its bytes_limit where jax reports one, else the
+    host's physical memory: CPU). ValueError naming the sizes otherwise."""
+    for name, value in dict(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages,
+                            max_seqs=max_seqs).items():
+        paging.require_int(name, value)
+    if num_pages > paging.INT32_MAX:
+        raise ValueError(f"num_pages must fit the i32 page ids (<= {paging.INT32_MAX}): {num_pages=}")
+    if min(num_layers, num_kv_heads, head_dim, num_pages, max_seqs) < 1:
+        return  # init_layer names the bad size
+    shapes = _layer_shapes(config, num_kv_heads, head_dim, num_pages, max_seqs)
+    need = num_layers * sum(_nbytes(x) for x in jax.tree.leaves(shapes))
+    limit = _memory_limit()
+    if limit and need > limit:
+        raise ValueError(f"the cache needs {need / 2**30:.1f} GiB ({num_layers=} {num_pages=} "
+                         f"{num_kv_heads=} {head_dim=} {max_seqs=}), more than the "
+                         f"{limit / 2**30:.1f} GiB of {jax.devices()[0].platform} memory")
+
+
+def _memory_limit() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@functools.cache
+def _compiled(fn, *static):
+    """fn under jax.jit: an eager (validated, concrete) call runs as one compiled program instead of
+    a few hundred dispatched ops; inside an outer jit it is inlined."""
+    return jax.jit(fn, static_argnames=static)
 
 
 def _validate_pages(layer, page_indices, kv_lens):
@@ -230,12 +272,18 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
         whole blocks, then a new open block; the packing-group planes of blocks sealed before are
         kept. With bf16-exact K/V (what the open block stores anyway) and nearest rounding, any
         split into chunks stores the same bytes as one write_prefill (and as appends).
-      key: PRNG key, required for rounding="stochastic" (ValueError otherwise), ignored for nearest.
+      key: PRNG key, required for rounding="stochastic" (ValueError otherwise), ignored for nearest:
+        one key for every slot or a key array [S] (one per sequence). The noise of the token at
+        position t is drawn from (the slot's key, t) alone (common.token_noise): the same
+        sequence gets the same codes in any slot and beside any batch mates, and, given the same
+        key, any split into chunks and appends stores the same bytes.
     Returns the new LayerCache. 2-bit formats: complete blocks quantized (all at once, scattered
     into their page slots with code sums), the remainder into the open block, sinks in 16 bits;
     baselines: every token into its page row.
     Raises ValueError on shape mismatch, a length beyond T, a negative start, or (concrete inputs
-    only) negative lengths, bad page ids / over capacity, NaN or inf in k / v; TypeError for
+    only) negative lengths, bad page ids / over capacity, NaN or inf in k / v, or (kv_format "hack" /
+    "int8" / "kivi2") |k|, |v| > 65504, beyond the float16 metadata (under jit they saturate there);
+    TypeError for
     non-integer lengths / page_indices / start; under jit, tokens beyond capacity or bound for
     unassigned pages are dropped.
     """
@@ -262,9 +310,9 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
     _validate_pages(layer, page_indices, lengths if start is None else start + lengths)
     if not is_traced(lengths):  # rows t >= lengths[s] are ignored: not checked
         rows = np.arange(k.shape[1])[None, :] < np.asarray(lengths)[:, None]
-        check_finite(k[rows], v[rows], "write_prefill")
+        check_finite(k[rows], v[rows], "write_prefill", layer.config)
     v = rotate_v(v, layer.config.v_rotation)
-    return ops.write_prefill(layer, k, v, lengths, page_indices, start, key)
+    return _compiled(ops.write_prefill)(layer, k, v, lengths, page_indices, start, key)
 
 
 def seals_block(config: QuantConfig, kv_lens, active) -> bool:
@@ -274,10 +322,17 @@ def seals_block(config: QuantConfig, kv_lens, active) -> bool:
     num_sink_tokens and (kv_lens[s] - num_sink_tokens) % partition_size == 0. A decode loop that
     knows its lengths on the host (models.generate.Generator) passes seal="never" to `append` on
     the other steps (P - 1 of every P tokens at batch 1). NumPy only (no device sync)."""
+    lens, act = np.asarray(kv_lens), np.asarray(active)
+    if lens.ndim != 1 or act.shape != lens.shape:
+        raise ValueError(f"seals_block: kv_lens and active must be [max_seqs] of one shape, got "
+                         f"{lens.shape=} {act.shape=}")
+    paging.check_index_dtype("seals_block", kv_lens=lens)
+    if act.size and act.dtype != bool:
+        raise TypeError(f"seals_block: active must be bool, got dtype {act.dtype}")
     if not FORMATS[format_of(config)].blocked:
         return False
-    lens = np.asarray(kv_lens, np.int64)
-    on = np.asarray(active, bool) & (lens > config.num_sink_tokens)
+    lens = lens.astype(np.int64)
+    on = act & (lens > config.num_sink_tokens)
     return bool(np.any(on & ((lens - config.num_sink_tokens) % config.partition_size == 0)))
 
 
@@ -293,7 +348,8 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
         sits at position kv_lens[s] - 1, an inactive slot is left as it is.
       active: bool[S] which slots take a token this step.
       page_indices: i32[S, pages_per_seq]; the new token's page must be assigned.
-      key: PRNG key for rounding="stochastic" (ValueError if None then); pass a fresh key per step.
+      key: PRNG key for rounding="stochastic" (ValueError if None then), as write_prefill's: a
+        sealed block's noise is drawn per (key, token position), not per slot.
       seal: (2-bit formats; ignored by the others) whether the sealing of full open blocks is
         compiled in. "always" (default): every slot's sealed block is computed and the writes of
         the slots that do not seal are dropped (correct at every step; ~10 page-pool scatters per
@@ -308,7 +364,8 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
     block's packing-group plane is cleared, then OR-ed, since pages are reused) and its open block
     zeroed; seed: K quantized per token at once into the page, only V goes through the open block.
     Raises ValueError on shape mismatch, an unknown `seal`, or (concrete inputs only) a negative
-    kv_len or an active slot with kv_len 0 (no room for its new token), bad page ids / over capacity, NaN or inf in an active slot's k / v, seal="never" with a
+    kv_len or an active slot with kv_len 0 (no room for its new token), bad page ids / over capacity, NaN or
+    inf in an active slot's k / v (or, "hack" / "int8" / "kivi2", |value| > 65504: write_prefill), seal="never" with a
     slot that seals; TypeError for non-integer kv_lens / page_indices. Under jit nothing can raise:
     a token at a negative position or beyond capacity, or bound for the null page or an id outside
     [0, num_pages), is dropped (never written elsewhere).
@@ -335,9 +392,9 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
     if not is_traced(active):
         _validate_pages(layer, page_indices, kv_lens)
         rows = np.asarray(active)
-        check_finite(k[rows], v[rows], "append")
+        check_finite(k[rows], v[rows], "append", layer.config)
     else:
-        check_finite(k, v, "append")
+        check_finite(k, v, "append", layer.config)
     if seal == "never" and not is_traced(kv_lens, active) and seals_block(layer.config, kv_lens, active):
         raise ValueError(f"append: seal='never' but an active slot fills its open block at this step "
                          f"(kv_lens={np.asarray(kv_lens).tolist()}, "
@@ -346,7 +403,7 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
     position = kv_lens - active.astype(jnp.int32)  # of the new token
     active = active & (position >= 0)  # under jit: a negative position is dropped, never wrapped
     v = rotate_v(v, layer.config.v_rotation)
-    return ops.append(layer, k, v, position, active, page_indices, key, seal)
+    return _compiled(ops.append, "seal")(layer, k, v, position, active, page_indices, key, seal=seal)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -391,6 +448,12 @@ def dequantize_cache(layer: LayerCache, page_indices, kv_lens, *, return_step: b
 # ----------------------------------------------------------------------------- memory
 
 
+def _check_sizes(**sizes):
+    for name, value in sizes.items():
+        if paging.require_int(name, value) < 1:
+            raise ValueError(f"{name} must be >= 1: {name}={value}")
+
+
 def _layer_shapes(config, num_kv_heads, head_dim, num_pages, max_seqs):
     return jax.eval_shape(lambda: init_layer(config, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                              num_pages=num_pages, max_seqs=max_seqs))
@@ -412,7 +475,9 @@ def _category(name: str) -> str:
 
 def bytes_per_token(config: QuantConfig, num_kv_heads: int, head_dim: int, num_layers: int) -> float:
     """Page bytes per cached token over all layers (codes + metadata + sums, full pages); the
-    per-sequence open blocks and sinks are not per-token and are counted by cache_bytes_report."""
+    per-sequence open blocks and sinks are not per-token and are counted by cache_bytes_report.
+    ValueError for a size < 1, TypeError for a non-int size."""
+    _check_sizes(num_kv_heads=num_kv_heads, head_dim=head_dim, num_layers=num_layers)
     shapes = _layer_shapes(config, num_kv_heads, head_dim, 2, 1)
     page = sum(_nbytes(getattr(shapes, f.name)) for f in dataclasses.fields(shapes)
                if f.name != "config" and _category(f.name) not in ("open_blocks", "sinks")) / 2
@@ -430,11 +495,17 @@ def cache_bytes_report(config: QuantConfig, *, num_layers: int, num_kv_heads: in
     bf16, bits_per_element = 8 * total / (K and V elements of max_seqs * seq_len tokens) and
     page_bits_per_element (full pages only, the long-sequence limit: 8 * bytes_per_token / elements
     per token). All are read from the shapes and dtypes of the arrays init_layer allocates
-    (v_rotation adds none).
+    (v_rotation adds none); ratio and bits_per_element are inf for seq_len 0. A load held entirely
+    in sinks (seq_len <= num_sink_tokens) still counts the one usable page init_cache needs besides
+    the null page. ValueError for sizes < 1 or seq_len < 0, TypeError for non-int sizes.
     """
+    _check_sizes(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 max_seqs=max_seqs)
+    if paging.require_int("seq_len", seq_len) < 0:
+        raise ValueError(f"seq_len must be >= 0: {seq_len=}")
     per_seq = paging.pages_needed(seq_len, page_size=config.page_size,
                                   num_sink_tokens=sink_tokens(config))
-    num_pages = max_seqs * per_seq + 1
+    num_pages = max(max_seqs * per_seq, 1) + 1
     shapes = _layer_shapes(config, num_kv_heads, head_dim, num_pages, max_seqs)
     report = dict(codes=0, metadata=0, sums=0, open_blocks=0, sinks=0)
     for f in dataclasses.fields(shapes):
@@ -443,9 +514,10 @@ def cache_bytes_report(config: QuantConfig, *, num_layers: int, num_kv_heads: in
     report["total"] = sum(report.values())
     report["num_pages"] = num_pages
     report["bf16"] = num_layers * 2 * max_seqs * seq_len * num_kv_heads * head_dim * 2
-    report["ratio"] = report["total"] / report["bf16"]
+    report["ratio"] = report["total"] / report["bf16"] if report["bf16"] else math.inf  # seq_len 0
     elements_per_token = num_layers * 2 * num_kv_heads * head_dim
-    report["bits_per_element"] = 8 * report["total"] / (max_seqs * seq_len * elements_per_token)
+    report["bits_per_element"] = (8 * report["total"] / (max_seqs * seq_len * elements_per_token)
+                                  if seq_len else math.inf)
     report["page_bits_per_element"] = 8 * bytes_per_token(config, num_kv_heads, head_dim,
                                                           num_layers) / elements_per_token
     return report

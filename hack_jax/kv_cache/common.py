@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from hack_jax import paging
 from hack_jax.config import QuantConfig
-from hack_jax.quantization import quantize
+from hack_jax.quantization import quantize, saturation_bound
 
 STATIC = dict(static=True)
 ALL = slice(None)
@@ -109,8 +109,33 @@ def put(a, index, x):
     return a.at[index].set(x.astype(a.dtype), mode="drop")
 
 
-def split_key(key):
-    return (None, None) if key is None else tuple(jax.random.split(key))
+def token_noise(config, key, which, positions, num_kv_heads, head_dim):
+    """The stochastic-rounding noise of tokens, keyed by (sequence key, token position): U[0, 1)
+    f32[S, H, N, D] for the tokens at positions i32[S, N] (sinks included in the count); element
+    (s, h, n, d) is drawn from fold_in(fold_in(key_s, which), positions[s, n]) alone, so a token's
+    codes never depend on its slot, its batch mates or how its sequence was split into prefill
+    chunks and appends (given the same key). which: 0 for K, 1 for V.
+
+    key: one PRNG key shared by every slot, or one per slot (a key array [S]: independent noise per
+    sequence); raw uint32 keys are accepted. None for rounding="nearest" (returns None);
+    ValueError for rounding="stochastic" without a key.
+    """
+    if config.rounding != "stochastic":
+        return None
+    if key is None:
+        raise ValueError("rounding='stochastic' needs a PRNG key, got key=None")
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    if key.ndim not in (0, 1) or (key.ndim == 1 and key.shape[0] != positions.shape[0]):
+        raise ValueError(f"key must be one PRNG key or one per slot [{positions.shape[0]}], got "
+                         f"key.shape={key.shape}")
+
+    def one(k, t):  # one token: [H, D]
+        return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(k, which), t),
+                                  (num_kv_heads, head_dim), jnp.float32)
+
+    per_seq = jax.vmap(lambda k, ts: jax.vmap(lambda t: one(k, t))(ts), in_axes=(0 if key.ndim else None, 0))
+    return jnp.swapaxes(per_seq(key, positions), 1, 2)  # [S, N, H, D] -> [S, H, N, D]
 
 
 def token_targets(layer, lengths, page_indices, t_len, start):
@@ -130,19 +155,20 @@ def flat_tokens(a, ids):
     return g.reshape((ids.shape[0], -1) + g.shape[3:]).astype(jnp.float32)
 
 
-def quant_blocks_over_tokens(blocks, config, key):
+def quant_blocks_over_tokens(blocks, config, noise):
     """Per (block, channel): blocks f32[..., NB, P, D] -> codes u8[..., NB, P, D],
-    scale/min f16[..., NB, D], sums i32[..., NB, D] (sum over the block's tokens)."""
+    scale/min f16[..., NB, D], sums i32[..., NB, D] (sum over the block's tokens). noise: blocks'
+    shape (token_noise), or None for nearest rounding."""
     q = quantize(blocks, bits=2, axis=blocks.ndim - 2, partition_size=config.partition_size,
-                 rounding=config.rounding, key=key, meta_dtype=config.meta_dtype)
+                 rounding=config.rounding, noise=noise, meta_dtype=config.meta_dtype)
     return q.codes, q.scale[..., 0, :], q.minimum[..., 0, :], q.code_sums[..., 0, :]
 
 
-def quant_tokens_over_channels(x, config, pc, key):
+def quant_tokens_over_channels(x, config, pc, noise):
     """Per (token, channel group): x f32[..., D] -> codes u8[..., D], scale/min f16[..., NP],
-    sums i32[..., NP]."""
+    sums i32[..., NP]. noise: x's shape (token_noise), or None for nearest rounding."""
     q = quantize(x, bits=2, axis=x.ndim - 1, partition_size=pc, rounding=config.rounding,
-                 key=key, meta_dtype=config.meta_dtype)
+                 noise=noise, meta_dtype=config.meta_dtype)
     return q.codes, q.scale, q.minimum, q.code_sums
 
 
@@ -162,10 +188,27 @@ def check_kv(layer, k, v, ndim, what):
                          f"({layer.num_kv_heads}, {layer.head_dim}): {k.shape=}")
 
 
-def check_finite(k, v, what):
+F16_META_FORMATS = ("hack", "int8", "kivi2")  # kv_formats whose scale / min are config.meta_dtype
+
+
+def check_finite(k, v, what, config=None):
     """Concrete K/V only (a host sync; inside jit nothing can raise): ValueError on NaN or inf, which
-    no format can store (2-bit codes would hold garbage for the whole block)."""
+    no format can store (2-bit codes would hold garbage for the whole block), and, for the quantized
+    formats with float16 scale/min (config given, kv_format "hack" / "int8" / "kivi2"; fp8's scale is
+    float32), on a finite value beyond the float16 metadata's
+    range (|x| > saturation_bound, 65504): quantize would clip it there silently. Under jit those
+    values saturate (quantize's documented behaviour) and NaN stays NaN."""
+    bound = None
+    if config is not None and config.kv_format in F16_META_FORMATS:
+        bound = saturation_bound(2, config.meta_dtype)  # finfo(meta_dtype).max for bits > 1
     for name, x in (("k", k), ("v", v)):
-        if not is_traced(x) and x.size and not bool(jnp.isfinite(x).all()):
+        if is_traced(x) or not x.size:
+            continue
+        if not bool(jnp.isfinite(x).all()):
             n = int((~jnp.isfinite(x)).sum())
             raise ValueError(f"{what}: {name} holds {n} NaN or inf value(s) in the rows to be written")
+        if bound is not None and float(jnp.abs(x).max()) > bound:
+            raise ValueError(f"{what}: {name} holds |value| up to {float(jnp.abs(x).max()):g}, beyond "
+                             f"{bound:g}, the largest the {jnp.dtype(config.meta_dtype).name} scale/min "
+                             f"of kv_format={config.kv_format!r} hold (it would be clipped); rescale, "
+                             f"or use kv_format='bf16' / 'float32'")

@@ -180,6 +180,7 @@ class AppendStep:
         i = jnp.arange(p)
         self.blk_rows = (slot // 4)[:, None] * p + i[None, :]  # [S, P] packed rows of the block
         self.tok_rows = slot[:, None] * p + i[None, :]  # [S, P] token rows of the block
+        self.block_positions = ns + (u - self.pos)[:, None] + i[None, :]  # [S, P] its tokens' positions
 
     def put_row(self, a, x, ok, row):
         """Row `row` i32[S] of per-sequence buffer a [S, H, R, D] set to x [S, H, D] where ok."""

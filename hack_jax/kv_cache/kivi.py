@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from hack_jax.config import QuantConfig
 from hack_jax.kv_cache import hack
 from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, geometry, pytree_dataclass,
-                                      quant_blocks_over_tokens, quant_tokens_over_channels, split_key,
+                                      quant_blocks_over_tokens, quant_tokens_over_channels, token_noise,
                                       sums_dtype)
 
 
@@ -66,12 +66,13 @@ def write_prefill(layer, k, v, lengths, page_indices, start, key):
     cfg = layer.config
     st = hack.PrefillStream(layer, k, v, lengths, page_indices, start)
     s, h, nb, nu, p, d = st.s, st.h, st.nb, st.nu, st.p, st.d
-    key_k, key_v = split_key(key)
+    noise_k, noise_v = (token_noise(cfg, key, i, st.ns + st.u, h, d) for i in (0, 1))  # [S, H, NU, D]
     ku = st.stream(st.kt, layer.open_k)
     vu = st.stream(st.vt, layer.open_v)
-    kc, ksc, kmn, _ = quant_blocks_over_tokens(ku.reshape(s, h, nb, p, d), cfg, key_k)
+    kc, ksc, kmn, _ = quant_blocks_over_tokens(ku.reshape(s, h, nb, p, d), cfg,
+                                               None if noise_k is None else noise_k.reshape(s, h, nb, p, d))
     kc = kc.reshape(s, h, nu, d)
-    vc, vsc, vmn, _ = quant_tokens_over_channels(vu, cfg, st.pc, key_v)
+    vc, vsc, vmn, _ = quant_tokens_over_channels(vu, cfg, st.pc, noise_v)
     sealed, blk, keep = st.tok_sealed, st.blk_sealed, st.keep(st.b0 * p)
     return dataclasses.replace(
         layer,
@@ -95,10 +96,12 @@ def append(layer, k, v, kv_lens, active, page_indices, key, seal):
     out = dict(step.sinks(layer, k, v), open_k=step.put_open(layer.open_k, k),
                open_v=step.put_open(layer.open_v, v))
     if seal == "always":
-        key_k, key_v = split_key(key)
-        kc, ksc, kmn, _ = quant_blocks_over_tokens(out["open_k"].astype(jnp.float32)[:, :, None], cfg, key_k)
+        h, d = layer.num_kv_heads, layer.head_dim
+        noise_k, noise_v = (token_noise(cfg, key, i, step.block_positions, h, d) for i in (0, 1))  # [S, H, P, D]
+        kc, ksc, kmn, _ = quant_blocks_over_tokens(out["open_k"].astype(jnp.float32)[:, :, None], cfg,
+                                                   None if noise_k is None else noise_k[:, :, None])
         kc = kc[:, :, 0]  # [S, H, P, D]
-        vc, vsc, vmn, _ = quant_tokens_over_channels(out["open_v"].astype(jnp.float32), cfg, step.pc, key_v)
+        vc, vsc, vmn, _ = quant_tokens_over_channels(out["open_v"].astype(jnp.float32), cfg, step.pc, noise_v)
         out.update(
             k_codes=step.put_block_codes(layer.k_codes, kc),
             k_scale=step.put_block(layer.k_scale, ksc[:, :, 0]),

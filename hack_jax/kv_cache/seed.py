@@ -14,7 +14,7 @@ from hack_jax.config import QuantConfig
 from hack_jax.kv_cache import hack
 from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, geometry, page_ids, put,
                                       pytree_dataclass, quant_blocks_over_tokens,
-                                      quant_tokens_over_channels, split_key, sums_dtype)
+                                      quant_tokens_over_channels, token_noise, sums_dtype)
 
 
 @pytree_dataclass
@@ -62,11 +62,12 @@ def write_prefill(layer, k, v, lengths, page_indices, start, key):
     cfg = layer.config
     st = hack.PrefillStream(layer, k, v, lengths, page_indices, start)
     s, h, nb, nu, p, d = st.s, st.h, st.nb, st.nu, st.p, st.d
-    key_k, key_v = split_key(key)
+    noise_k, noise_v = (token_noise(cfg, key, i, st.ns + st.u, h, d) for i in (0, 1))  # [S, H, NU, D]
     ku = st.stream(st.kt, None)  # K of earlier tokens is already in the pages
     vu = st.stream(st.vt, layer.open_v)
-    kc, ksc, kmn, ksum = quant_tokens_over_channels(ku, cfg, st.pc, key_k)
-    vc, vsc, vmn, vsum = quant_blocks_over_tokens(vu.reshape(s, h, nb, p, d), cfg, key_v)
+    kc, ksc, kmn, ksum = quant_tokens_over_channels(ku, cfg, st.pc, noise_k)
+    vc, vsc, vmn, vsum = quant_blocks_over_tokens(vu.reshape(s, h, nb, p, d), cfg,
+                                                  None if noise_v is None else noise_v.reshape(s, h, nb, p, d))
     new, blk = st.tok_new, st.blk_sealed
     return dataclasses.replace(
         layer,
@@ -88,8 +89,10 @@ def append(layer, k, v, kv_lens, active, page_indices, key, seal):
     cfg = layer.config
     n = layer.num_pages
     step = hack.AppendStep(layer, kv_lens, active, page_indices)
-    key_k, key_v = split_key(key)
-    kc, ksc, kmn, ksum = quant_tokens_over_channels(k.astype(jnp.float32), cfg, step.pc, key_k)
+    h, d = layer.num_kv_heads, layer.head_dim
+    noise_k = token_noise(cfg, key, 0, kv_lens[:, None], h, d)  # the new token, at position kv_lens
+    kc, ksc, kmn, ksum = quant_tokens_over_channels(k.astype(jnp.float32), cfg, step.pc,
+                                                    None if noise_k is None else noise_k[:, :, 0])
     tok_pages = page_ids(page_indices, step.u // step.ps, step.in_pages, n)  # [S]
     prow = (step.slot // 4) * step.p + step.pos
     old = layer.k_codes[jnp.minimum(tok_pages, n - 1), :, prow]  # [S, H, D]
@@ -100,7 +103,9 @@ def append(layer, k, v, kv_lens, active, page_indices, key, seal):
                k_scale=put_tok(layer.k_scale, ksc), k_min=put_tok(layer.k_min, kmn),
                k_sums=put_tok(layer.k_sums, ksum), open_v=step.put_open(layer.open_v, v))
     if seal == "always":
-        vc, vsc, vmn, vsum = quant_blocks_over_tokens(out["open_v"].astype(jnp.float32)[:, :, None], cfg, key_v)
+        noise_v = token_noise(cfg, key, 1, step.block_positions, h, d)
+        vc, vsc, vmn, vsum = quant_blocks_over_tokens(out["open_v"].astype(jnp.float32)[:, :, None], cfg,
+                                                      None if noise_v is None else noise_v[:, :, None])
         out.update(v_codes=step.put_block_codes(layer.v_codes, vc[:, :, 0]),
                    v_scale=step.put_block(layer.v_scale, vsc[:, :, 0]),
                    v_min=step.put_block(layer.v_min, vmn[:, :, 0]),
