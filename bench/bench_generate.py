@@ -2,7 +2,7 @@
 
 The whole decoder (models.llama.Llama built from
 models.config.PRESETS in bf16, random weights: the KV path's speed does not depend on weight values)
-runs the same jitted steps as models.generate.Generator (`_decode_step`, `_prefill_step`), for
+runs the same jitted steps as models.generate.Generator (models.stepper.forward_step with its SampleHead), for
 Llama-3.1-8B and Qwen2.5-7B shapes, per cache "format":
   hack      kv_format="hack" (kivi, P=64, pages of 256, 4 sinks) + our Pallas kernels (impl=pallas)
   bf16      kv_format="bf16" paged + our bf16 Pallas kernels
@@ -34,7 +34,7 @@ What is measured
            one without the sealing path on the steps where no slot fills its open block
            (kv_cache.seals_block); both run once before the timed regions.
   prefill  batch 1 (`--prefill-batches`), one prompt of C random tokens (bucket = C) through
-           `_prefill_step` into an empty cache of that format (write_prefill + prefill attention):
+           `forward_step` (a prefill Step) into an empty cache of that format (write_prefill + prefill attention):
            median of `--prefill-reps` runs after one warm-up run (single timed run at >= 64K).
   capacity computed, not allocated: free = bytes_limit - bytes_in_use of
            jax.devices()[0].memory_stats() after the weights are resident, minus RESERVE_GIB for
@@ -97,6 +97,7 @@ from hack_jax import kv_cache, paging  # noqa: E402
 from hack_jax.config import QuantConfig  # noqa: E402
 from hack_jax.kv_cache import stacked as stacked_cache  # noqa: E402
 from models import generate as mgen  # noqa: E402
+from models import stepper as mstep  # noqa: E402
 from models import llama as mllama  # noqa: E402
 from models import sharding  # noqa: E402
 from hack_jax.step import Step  # noqa: E402
@@ -420,9 +421,9 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
     modes = ["always", "never"] if args.seal == "host" and fmt == "hack" else [
         "always" if args.seal == "host" else args.seal]
     for mode in modes:
-        compiled[mode] = mgen._decode_step.lower(
-            state, tokens, step_record(1, mode), cache, targets, graphdef=graphdef, sampling=sampling,
-            attention=cfg.attention).compile()
+        compiled[mode] = mstep.forward_step.lower(
+            state, tokens, step_record(1, mode), cache, None, targets, graphdef=graphdef,
+            attention=cfg.attention, head=mstep.SampleHead(sampling)).compile()
     compile_s = time.perf_counter() - t0
 
     def step_for(lens):  # lens: tokens held after the step -> (executable, its Step)
@@ -438,7 +439,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
         jax.block_until_ready(steps)
         t = time.perf_counter()
         for exe, step in steps:
-            cache, tokens, _ = exe(state, tokens, step, cache, targets)
+            cache, tokens, _ = exe(state, tokens, step, cache, None, targets)
         jax.block_until_ready((cache, tokens))
         return time.perf_counter() - t
 
@@ -455,7 +456,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
         try:
             row["warmup_s"] = round(run(args.warmup, ctx), 4)  # first one: incl. any lazy kernel compile
             for mode, exe in compiled.items():  # --seal host: both loaded before the timed regions
-                cache, tokens, _ = exe(state, tokens, step_record(ctx + 1, mode), cache, targets)
+                cache, tokens, _ = exe(state, tokens, step_record(ctx + 1, mode), cache, None, targets)
             times = [run(args.steps, ctx) for _ in range(args.reps)]
             tpot = float(np.median(times)) / args.steps
             if not bool(jnp.all((tokens >= 0) & (tokens < cfg.vocab_size))):
@@ -484,15 +485,15 @@ def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
     record = jax.device_put(Step.prefill(table, np.full((batch,), context, np.int32), jax.random.key(4)))
     targets = jnp.zeros((batch,), jnp.int32)
     t0 = time.perf_counter()
-    step = mgen._prefill_step.lower(state, tokens, record, cache, targets, graphdef=graphdef,
-                                    sampling=mgen.Sampling(), attention=cfg.attention).compile()
+    step = mstep.forward_step.lower(state, tokens, record, cache, None, targets, graphdef=graphdef,
+                                    attention=cfg.attention, head=mstep.SampleHead(mgen.Sampling())).compile()
     compile_s = time.perf_counter() - t0
     print(f"    compiled prefill in {compile_s:.1f} s", flush=True)
 
     def run():
         nonlocal cache
         t = time.perf_counter()
-        cache, nxt, _ = step(state, tokens, record, cache, targets)
+        cache, nxt, _ = step(state, tokens, record, cache, None, targets)
         jax.block_until_ready((cache, nxt))
         return time.perf_counter() - t
 

@@ -1,18 +1,22 @@
-"""A stream of requests: continuous batching (models/engine.py) vs fixed batching (the Generator).
+"""A stream of requests: continuous batching vs fixed batching (models/engine.py, the Generator).
 
 Workload: --requests requests, all arriving at t = 0 (offline throughput, as vLLM's
 benchmark_throughput), with prompt lengths drawn uniformly from --prompt-len LO HI and output
 lengths uniformly from --output-len LO HI (seeded; random token ids; ignore_eos, so every request
 produces exactly its output length). Modes, each with --max-seqs slots:
   continuous  Engine: a request joins as soon as a slot is free and leaves at its own length.
-  fixed       Generator.generate_ids on chunks of max_seqs requests in arrival order; a chunk
-              decodes until its longest request is done (the Generator has one max_new_tokens per
-              call), so finished slots idle. Only each request's own tokens are counted.
-Timing: each mode runs the stream twice on one Engine / Generator and times the second pass
-(the first compiles every step and pays the first-use costs of eager ops); compile time is
-reported on its own. Reported: requests/s, output tokens/s, total
-(prompt + output) tokens/s, mean time to first token and mean latency (continuous only: the
-Generator reports no per-request times), and whether both modes produced the same greedy tokens.
+  fixed       the same Engine (the same compiled steps) fed waves of max_seqs requests in arrival
+              order: a wave starts when the previous one is done, so slots freed by its shorter
+              requests idle until its longest one ends (static batching).
+  generator   Generator.generate_ids on the same waves: one prefill call of max_seqs rows, then
+              decode until the wave's longest request is done (one max_new_tokens per call); only
+              each request's own tokens are counted. Its own compiled steps (CPU comparisons).
+Timing: each mode first runs an untimed pass over the first --warm requests (default all: the
+first-use costs of eager ops; the Engine's steps are compiled before, by Engine.warmup, in
+parallel), then the timed pass over all; compile time is reported on its own and excluded.
+Reported: requests/s, output tokens/s, total (prompt + output) tokens/s, mean time to first token,
+mean and p90 latency (Engine modes; from the pass's start, t = 0 for every request), and whether
+each mode produced the first mode's greedy tokens.
 
 Models: smollm2 (the real SmolLM2-135M-Instruct GGUF, its tokenizer; CPU default), a preset from
 models.config.PRESETS (e.g. llama-3.1-8b: random bf16 weights, token ids in, no detokenization
@@ -21,7 +25,8 @@ beyond a null tokenizer; GPU with --impl pallas), or toy (2 layers, for tests).
 Usage:
   python bench/bench_serving.py                                   # CPU, SmolLM2, hack and bf16
   python bench/bench_serving.py --model llama-3.1-8b --impl pallas --requests 64 --max-seqs 16 \\
-      --prompt-len 128 2048 --output-len 32 512                   # GPU, Llama-3.1-8B shapes
+      --prompt-len 512 8192 --output-len 32 512 --modes continuous fixed --warm 2
+                                                                  # GPU, Llama-3.1-8B shapes
 Outputs: JSON lines appended to --out (default bench/results/serving.jsonl) and a Markdown table
 (serving.md beside it) rebuilt from all rows.
 """
@@ -86,38 +91,47 @@ def workload(args, vocab):
           for p, o in zip(plen, olen)]
 
 
-def run_continuous(model, tok, quant, reqs, args):
-  eng = Engine(model, tok, quant, max_seqs=args.max_seqs, max_len=args.max_len)
-  eng.warmup([len(r.prompt_ids) for r in reqs])
-  eng.generate(reqs)  # untimed pass: first-use costs outside the compiled steps
-  before = dict(eng.stats)
-  t0 = time.perf_counter()
-  out = eng.generate(reqs)
-  wall = time.perf_counter() - t0 - (eng.stats["compile_s"] - before["compile_s"])
-  ttft = [c.times["first_token"] - c.times["submitted"] for c in out]
-  lat = [c.times["finished"] - c.times["submitted"] for c in out]
+def run_engine(eng, reqs, mode, warm):
+  """continuous: every request submitted at t = 0; fixed: waves of max_seqs requests on the same
+  Engine (a wave starts when the previous one is done). One untimed pass over reqs[:warm] first."""
+  def stream(batch):
+    before, t0 = dict(eng.stats), time.perf_counter()
+    waves = [batch] if mode == "continuous" else [
+        batch[lo:lo + eng.max_seqs] for lo in range(0, len(batch), eng.max_seqs)]
+    out = [c for wave in waves for c in eng.generate(wave)]
+    wall = time.perf_counter() - t0 - (eng.stats["compile_s"] - before["compile_s"])
+    return wall, out, before, t0
+
+  if warm:
+    stream(reqs[:warm])
+  wall, out, before, t0 = stream(reqs)
+  ttft = [c.times["first_token"] - t0 for c in out]
+  lat = [c.times["finished"] - t0 for c in out]
   return wall, eng.stats["compile_s"], [c.tokens for c in out], dict(
       mean_ttft_s=float(np.mean(ttft)), mean_latency_s=float(np.mean(lat)),
+      p90_latency_s=float(np.percentile(lat, 90)),
       decode_steps=eng.stats["decode_steps"] - before["decode_steps"],
-      prefill_calls=eng.stats["prefill_calls"] - before["prefill_calls"])
+      prefill_calls=eng.stats["prefill_calls"] - before["prefill_calls"],
+      compile_in_run_s=eng.stats["compile_s"] - before["compile_s"])
 
 
-def run_fixed(model, tok, quant, reqs, args):
-  gen = Generator(model, tok, quant, max_seqs=args.max_seqs, max_len=args.max_len)
+def run_generator(model, tok, quant, reqs, args):
+  gen = Generator(model, tok, quant, max_seqs=args.max_seqs, max_len=args.max_len,
+                  prefill_chunk=args.prefill_chunk)
 
-  def stream():
+  def stream(batch):
     tokens, compile_s, t0 = [], 0.0, time.perf_counter()
-    for lo in range(0, len(reqs), args.max_seqs):
-      chunk = reqs[lo:lo + args.max_seqs]
+    for lo in range(0, len(batch), args.max_seqs):
+      chunk = batch[lo:lo + args.max_seqs]
       res = gen.generate_ids([list(r.prompt_ids) for r in chunk], max(r.max_tokens for r in chunk),
                              stop_on_eos=False)
       compile_s += res.stats["compile_s"]
       tokens += [t[:r.max_tokens] for t, r in zip(res.tokens, chunk)]
     return time.perf_counter() - t0 - compile_s, compile_s, tokens
 
-  _, compile_s, _ = stream()  # untimed pass: compiles and first-use costs (eager ops)
-  wall, _, tokens = stream()
-  return wall, compile_s, tokens, {}
+  _, compile_s, _ = stream(reqs if args.warm is None else reqs[:args.warm])  # compiles, first use
+  wall, more, tokens = stream(reqs)
+  return wall, compile_s + more, tokens, dict(compile_in_run_s=more)
 
 
 def write_markdown(path_jsonl):
@@ -128,13 +142,14 @@ def write_markdown(path_jsonl):
            "tokens. load: the machine's 1-minute load average when the row was written (a CPU "
            "shared with other jobs: rows at high load are slower for reasons outside the run).",
            "",
-           "| date | device | model | kv | slots | requests | prompt | output | mode | wall s | "
-           "req/s | out tok/s | total tok/s | mean TTFT s | mean latency s | same tokens | load |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| date | device | model | kv | slots | prefill chunk | requests | prompt | output | mode | "
+           "wall s | req/s | out tok/s | total tok/s | mean TTFT s | mean latency s | same tokens | load |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     f = lambda k, d=2: "-" if r.get(k) is None else f"{r[k]:.{d}f}"
     lines.append(f"| {r['date']} | {r['device']} | {r['model']} | {r['kv_format']} | "
-                 f"{r['max_seqs']} | {r['requests']} | {r['prompt_len']} | {r['output_len']} | "
+                 f"{r['max_seqs']} | {r.get('prefill_chunk') or '-'} | {r['requests']} | "
+                 f"{r['prompt_len']} | {r['output_len']} | "
                  f"{r['mode']} | {f('wall_s', 1)} | {f('requests_per_s', 3)} | "
                  f"{f('output_tok_per_s', 1)} | {f('total_tok_per_s', 1)} | {f('mean_ttft_s')} | "
                  f"{f('mean_latency_s')} | {r.get('same_tokens', '-')} | {f('load_avg_1min', 1)} |")
@@ -147,13 +162,18 @@ def main(argv=None):
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   ap.add_argument("--model", default="smollm2", choices=["smollm2", "toy", *sorted(PRESETS)])
   ap.add_argument("--formats", nargs="+", default=["hack", "bf16"], choices=["hack", "bf16"])
-  ap.add_argument("--modes", nargs="+", default=["continuous", "fixed"],
-                  choices=["continuous", "fixed"])
+  ap.add_argument("--modes", nargs="+", default=["continuous", "fixed", "generator"],
+                  choices=["continuous", "fixed", "generator"])
   ap.add_argument("--requests", type=int, default=8)
   ap.add_argument("--max-seqs", type=int, default=4)
   ap.add_argument("--prompt-len", nargs=2, type=int, default=[16, 64], metavar=("LO", "HI"))
   ap.add_argument("--output-len", nargs=2, type=int, default=[4, 40], metavar=("LO", "HI"))
   ap.add_argument("--max-len", type=int, default=None, help="None: longest prompt + output")
+  ap.add_argument("--prefill-rows", type=int, default=1, help="Engine: prompts per prefill call")
+  ap.add_argument("--prefill-chunk", type=int, default=None,
+                  help="prompt tokens per prefill step (None: a prompt in one step)")
+  ap.add_argument("--warm", type=int, default=None,
+                  help="requests in the untimed first pass of each mode (None: all)")
   ap.add_argument("--impl", default="reference", choices=["reference", "pallas"])
   ap.add_argument("--interpret", action="store_true")
   ap.add_argument("--seed", type=int, default=0)
@@ -166,14 +186,24 @@ def main(argv=None):
   n_prompt = sum(len(r.prompt_ids) for r in reqs)
   n_out = sum(r.max_tokens for r in reqs)
   device = f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()})"
+  warm = len(reqs) if args.warm is None else args.warm
   for fmt in args.formats:
     quant = QuantConfig(kv_format=fmt)
-    tokens = {}
+    tokens, eng = {}, None
     for mode in args.modes:
-      wall, compile_s, tokens[mode], extra = (run_continuous if mode == "continuous" else
-                                              run_fixed)(model, tok, quant, reqs, args)
+      if mode == "generator":
+        wall, compile_s, tokens[mode], extra = run_generator(model, tok, quant, reqs, args)
+      else:
+        if eng is None:  # one Engine (one set of executables) for both policies
+          eng = Engine(model, tok, quant, max_seqs=args.max_seqs, max_len=args.max_len,
+                       prefill_rows=args.prefill_rows, prefill_chunk=args.prefill_chunk)
+          eng.warmup([len(r.prompt_ids) for r in reqs])
+          print(f"{fmt}: compiled {eng.stepper.num_executables} steps in "
+                f"{eng.stats['compile_s']:.1f} s", flush=True)
+        wall, compile_s, tokens[mode], extra = run_engine(eng, reqs, mode, warm)
       row = dict(date=time.strftime("%Y-%m-%d"), device=device, jax=jax.__version__, model=label,
                  impl=args.impl, kv_format=fmt, mode=mode, max_seqs=args.max_seqs,
+                 prefill_rows=args.prefill_rows, prefill_chunk=args.prefill_chunk,
                  requests=len(reqs), prompt_len=f"{args.prompt_len[0]}-{args.prompt_len[1]}",
                  output_len=f"{args.output_len[0]}-{args.output_len[1]}",
                  prompt_tokens=n_prompt, output_tokens=n_out, wall_s=wall, compile_s=compile_s,
@@ -181,13 +211,14 @@ def main(argv=None):
                  total_tok_per_s=(n_prompt + n_out) / wall,
                  load_avg_1min=os.getloadavg()[0],  # a shared machine: other work skews the wall
                  **extra)
-      if len(tokens) == 2:
-        row["same_tokens"] = tokens["continuous"] == tokens["fixed"]
+      if mode != args.modes[0]:
+        row["same_tokens"] = tokens[mode] == tokens[args.modes[0]]
       print(json.dumps(row), flush=True)
       os.makedirs(os.path.dirname(args.out), exist_ok=True)
       with open(args.out, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
-  write_markdown(args.out)
+      write_markdown(args.out)  # after every row: a run cut short by a time limit keeps its table
+    del eng  # its cache, before the next format's
 
 
 if __name__ == "__main__":

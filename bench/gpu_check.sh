@@ -49,6 +49,10 @@
 #                                                  bench/bench_disagg.py (prefill worker -> hand-off -> decode
 #                                                  worker, both processes on the GPU: job completion time) ->
 #                                                  OUT_DIR/disagg/ (DISAGG_TIMEOUT=420)
+#   SERVING=1 SERVING_ARGS="..."                   bench/bench_serving.py: a stream of 64 requests (prompts 512-8K, outputs
+#                                                  32-512) at Llama-3.1-8B shapes, random bf16 weights, 16 slots,
+#                                                  continuous vs fixed batching, hack vs bf16 -> OUT_DIR/serving/
+#                                                  (SERVING_TIMEOUT=270; rows are written as they finish)
 #   MODEL_CHECK=1 MODEL=/path/to.gguf TEXT=...      bench/model_check.py (the real model, pallas vs
 #                                                  reference) -> OUT_DIR/model_check/ (MODEL_CHECK_TIMEOUT=220);
 #                                                  needs the `gguf` wheel in .whl/ (installed to /tmp/site)
@@ -211,6 +215,15 @@ if [[ -n "${DISAGG:-}" ]]; then
   timeout -k 10 "${DISAGG_TIMEOUT:-420}" python3 bench/bench_disagg.py --out "$OUT/disagg" ${DISAGG_ARGS:-} 2>&1 \
     | tee "$OUT/disagg.log"
   echo "disagg bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/disagg.log"
+fi
+
+if [[ -n "${SERVING:-}" ]]; then
+  mkdir -p "$OUT/serving"
+  # shellcheck disable=SC2086
+  timeout -k 5 "${SERVING_TIMEOUT:-270}" python3 bench/bench_serving.py --out "$OUT/serving/serving.jsonl" \
+    ${SERVING_ARGS:---model llama-3.1-8b --impl pallas --requests 64 --max-seqs 16 --prompt-len 512 8192 --output-len 32 512 --modes continuous fixed --warm 2} \
+    2>&1 | tee "$OUT/serving.log"
+  echo "serving bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/serving.log"
 fi
 
 if [[ -n "${EVAL:-}" ]]; then

@@ -1,8 +1,10 @@
 """Llama-family decoders (llama, qwen2 GGUF checkpoints) running on the hack_jax KV cache.
 
 Data flow: tokens -> models.llama (Flax NNX decoder) -> hack_jax.kv_cache (write) ->
-hack_jax.attention (the one dispatch) -> logits. models.generate drives prefill/decode;
-models.cli is the `hack-jax` console script.
+hack_jax.attention (the one dispatch) -> logits. models.stepper holds the compiled forward
+steps that both drivers run: models.generate (fixed batches, perplexity) and models.engine
+(continuous batching: CLI generate, server, disaggregated serving); models.cli is the `hack-jax`
+console script.
 
 Importing this package sets one XLA flag for the process unless XLA_FLAGS already names it:
 `--xla_gpu_graph_min_graph_size=1`, so XLA's GPU command buffers (CUDA graphs) also capture the short

@@ -114,6 +114,9 @@ def _add_serve_arguments(s) -> None:
   s.add_argument("--max-seqs", type=int, default=8, help="requests decoded together (cache slots)")
   s.add_argument("--prefill-rows", type=int, default=1,
                  help="prompts per prefill call (each call computes this many rows)")
+  s.add_argument("--prefill-chunk", type=int, default=None,
+                 help="prefill at most this many prompt tokens per step, interleaved with the "
+                 "decode steps (None: a prompt in one step, padded to a power of two)")
   s.add_argument("--max-len", type=int, default=2048,
                  help="tokens per request, prompt + completion (capped at the context length)")
   s.add_argument("--model-name", default=None, help="id in /v1/models (None: the file name)")

@@ -49,6 +49,9 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                  help="tokens per sequence the cache holds (None: longest prompt + new tokens)")
   g.add_argument("--max-seqs", type=int, default=None,
                  help="sequences decoded together (None: all of them, at most 16)")
+  g.add_argument("--prefill-chunk", type=int, default=None,
+                 help="prefill at most this many prompt tokens per step, interleaved with the "
+                 "decode steps (None: a prompt in one step, padded to a power of two)")
   g.add_argument("--no-stream", action="store_true", help="print the texts at the end")
   g.add_argument("--json", action="store_true", help="print one JSON object (no streaming)")
   g.add_argument("--logprobs", action="store_true",
@@ -66,7 +69,9 @@ def check_args(args) -> None:
             ("-n", args.num_samples, args.num_samples >= 1, ">= 1"),
             ("--max-cache-len", args.max_cache_len,
              args.max_cache_len is None or args.max_cache_len >= 2, ">= 2"),
-            ("--max-seqs", args.max_seqs, args.max_seqs is None or args.max_seqs >= 1, ">= 1")]
+            ("--max-seqs", args.max_seqs, args.max_seqs is None or args.max_seqs >= 1, ">= 1"),
+            ("--prefill-chunk", args.prefill_chunk,
+             args.prefill_chunk is None or args.prefill_chunk >= 1, ">= 1")]
   for flag, value, ok, rule in checks:
     if not ok:
       raise ValueError(f"{flag} must be {rule}, got {value}")
@@ -193,7 +198,7 @@ def run(args, load) -> int:
   max_seqs = args.max_seqs or min(len(jobs), 16)
   engine = Engine(model, ckpt.tokenizer, quant, max_seqs=max_seqs,
                   max_len=args.max_cache_len or min(need, c.max_seq_len),
-                  on_stage=_stage_printer(say))
+                  prefill_chunk=args.prefill_chunk, on_stage=_stage_printer(say))
   requests = [Request(ids[i], max_tokens=args.max_new_tokens, sampling=sampling,
                       stop=args.stop or (), ignore_eos=args.ignore_eos, seed=args.seed + j)
               for i, j in jobs]

@@ -4,15 +4,20 @@ An Engine owns one fixed-shape cache (max_seqs slots x max_len tokens) and a hos
 Each `step()`:
   1. finishes cancelled requests (their pages go back to the pool);
   2. admits waiting requests (first come, first served) into free slots while the pool can hold
-     their prompt + max_tokens, and prefills them, prefill_rows prompts per call: tokens [R, T]
-     with T a length bucket (generate.length_bucket), written into those R slots of the cache
-     (the call sees only their open blocks, sinks and table rows, plus the shared page pool), so
-     a prefill costs R prompts, not max_seqs, and running sequences keep their cache;
-  3. runs one decode step for every running request (one token each, all max_seqs rows).
+     their prompt + max_tokens;
+  3. advances every prefilling request by one chunk: its whole prompt, or with prefill_chunk C
+     its next C tokens (a long prompt is prefilled over several steps, interleaved with the
+     decode steps of the others), prefill_rows prompts per call: tokens [R, T] with T the length
+     bucket (stepper.length_bucket) capped at C for a first chunk, C for a later one, written into
+     those R slots of the cache (the call sees only their open blocks, sinks and table rows, plus
+     the shared page pool), so a prefill costs R prompts, not max_seqs, and running sequences
+     keep their cache; a request whose prompt is now cached gets its first token;
+  4. runs one decode step for every request that was decoding (one token each, all max_seqs rows).
 Shapes never depend on which slots are busy, so the compiled steps are reused: one prefill
-executable per (length bucket, greedy), and for decode one per (seal, greedy) pair
-(kv_cache.seals_block; greedy = every request of the step has temperature 0). Nothing
-recompiles when a request is admitted.
+executable per (length bucket <= C, greedy), one chunk executable per greedy, and for decode one
+per (seal, greedy) pair (kv_cache.seals_block; greedy = every request of the step has temperature
+0). Nothing recompiles when a request is admitted. The steps are models/stepper.py's, shared with
+the fixed-batch Generator.
 
 Sampling settings are per request, passed to the step as arrays (temperature f32[S], top_k i32[S],
 top_p f32[S]); token i of a request is drawn with fold_in(key(request.seed), i), so what a request
@@ -29,25 +34,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
-import math
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
-from hack_jax import handoff, kv_cache, paging
+from hack_jax import handoff, paging
 from hack_jax.config import QuantConfig
 from hack_jax.step import Step
-from models import sharding
-from models.generate import Sampling, length_bucket
-from models.llama import Llama, init_cache
+from models.generate import Sampling
+from models.llama import Llama
+from models.stepper import (RowSampleHead, Stepper, chunk_length, decode_record,  # noqa: F401
+                            sample_rows)
 from models.tokenizer import Tokenizer
 
 
@@ -124,6 +126,7 @@ class _Seq:
   req: Request
   slot: int
   key: np.ndarray  # u32 key data of jax.random.key(req.seed)
+  done: int = 0  # prompt tokens in the cache (prefilling while < len(req.prompt_ids))
   tokens: list[int] = dataclasses.field(default_factory=list)
   text: str = ""  # decoded so far (complete characters)
   prefix: int = 0  # incremental detokenization window: tokens[prefix:read] decoded last time
@@ -131,84 +134,8 @@ class _Seq:
   sent: int = 0  # characters of text already emitted
 
 
-def sample_rows(logits, keys, counters, temperature, top_k, top_p):
-  """Per-row sampling. logits f32[S, V]; keys: u32 key data [S, ...] (one per row), counters
-  i32[S] (the row draws with fold_in(key, counter)); temperature f32[S] (0 = argmax), top_k
-  i32[S] (0 = off), top_p f32[S] (1 = off) -> i32[S]. Per row the same filtering as
-  generate.sample: temperature, then top-k, then the smallest top-p nucleus."""
-  v = logits.shape[-1]
-  greedy = temperature <= 0
-  scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-  desc = jnp.sort(scaled, axis=-1)[:, ::-1]
-  kth = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
-  kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
-  desc = jnp.where(desc < kth, -jnp.inf, desc)
-  probs = jax.nn.softmax(desc, axis=-1)
-  keep = jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]
-  cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-  cutoff = jnp.where(top_p[:, None] < 1, jnp.maximum(cutoff, kth), kth)
-  filtered = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-  row_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys), counters)
-  drawn = jax.vmap(jax.random.categorical)(row_keys, filtered)
-  return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-
-
-def _sample_and_logprob(logits, samp, greedy):
-  token = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else sample_rows(logits, **samp))
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-
-
 def _round_key(count):  # stochastic rounding of the cache (QuantConfig.rounding): a key per step
   return jax.random.fold_in(jax.random.key(0), count)
-
-
-# Per-sequence arrays of a LayerCache (hack_jax.kv_cache: open blocks and sinks, [max_seqs, ...]);
-# every other array is the shared page pool [num_pages, ...].
-_PER_SEQUENCE = ("open_k", "open_v", "sink_k", "sink_v")
-
-
-def _take_rows(cache, rows):
-  """The cache restricted to slots `rows` (i32[R], distinct): the rows' per-sequence arrays (axis 1
-  of a stacked cache), the page pool shared."""
-  axis = 1 if cache.stacked else 0
-  def take(layer):
-    return dataclasses.replace(layer, **{f: jnp.take(getattr(layer, f), rows, axis=axis)
-                                         for f in _PER_SEQUENCE if hasattr(layer, f)})
-  layers = take(cache.layers) if cache.stacked else tuple(take(l) for l in cache.layers)
-  return dataclasses.replace(cache, layers=layers)
-
-
-def _put_rows(cache, sub, rows):
-  """Inverse of _take_rows: sub's pool and its rows written back into cache."""
-  def put(layer, new):
-    at = (lambda a: a.at[:, rows]) if cache.stacked else (lambda a: a.at[rows])
-    return dataclasses.replace(new, **{f: at(getattr(layer, f)).set(getattr(new, f))
-                                       for f in _PER_SEQUENCE if hasattr(layer, f)})
-  layers = (put(cache.layers, sub.layers) if cache.stacked
-            else tuple(map(put, cache.layers, sub.layers)))
-  return dataclasses.replace(cache, layers=layers)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy"), donate_argnames=("cache",))
-def _prefill(state, tokens, rows, step, cache, samp, *, graphdef, greedy):
-  """Prefills R slots: rows i32[R] (distinct slots), tokens i32[R, T], step a prefill Step over those
-  R rows (its page_indices the rows' table rows; write_lens 0 = row untouched) -> (cache, first
-  token i32[R], its log-prob f32[R]). Only R rows are computed, whatever max_seqs is."""
-  model = nnx.merge(graphdef, state)
-  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  sub, hidden = model.run(tokens, positions, _take_rows(cache, rows), step)
-  last = jnp.take_along_axis(hidden, jnp.maximum(step.write_lens - 1, 0)[:, None, None], axis=1)[:, 0]
-  return _put_rows(cache, sub, rows), *_sample_and_logprob(model.logits(last), samp, greedy)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy"), donate_argnames=("cache",))
-def _decode(state, tokens, step, cache, samp, *, graphdef, greedy):
-  """tokens i32[S] fed at positions step.kv_lens - 1 (step: a decode Step) -> (cache, next token
-  i32[S], its log-prob f32[S])."""
-  model = nnx.merge(graphdef, state)
-  cache, hidden = model.run(tokens[:, None], step.kv_lens[:, None] - 1, cache, step)
-  return cache, *_sample_and_logprob(model.logits(hidden[:, 0]), samp, greedy)
 
 
 class Engine:
@@ -222,10 +149,17 @@ class Engine:
       a request waits until the pool can hold its prompt + max_tokens (no preemption).
     prefill_rows: prompts per prefill call (R): a call computes R rows, not max_seqs, so admitting
       one request costs one prompt's prefill; more requests admitted at once take several calls.
+    prefill_chunk: None = a prompt is prefilled in one call (padded to its length bucket); an int
+      C = at most C tokens of a prompt per step: a longer prompt is prefilled over several steps,
+      C tokens each (each chunk attends to its cached prefix and to itself, hack_jax.prefill),
+      interleaved with the decode steps of the running requests, so a long prompt neither stalls
+      them for its whole prefill nor needs a compile beyond the C-token chunk step. A multiple of
+      64 (the hack block) is cheapest.
+    attention: the attention backend the steps run (None = model.config.attention).
     on_stage: optional callback(stage, info dict), e.g. for a progress display: "compiling"
       (what) and "compiled" (what, seconds) around each compile; "prefilling" (requests, tokens)
-      and "prefilled" (requests, tokens, seconds incl. the first token, compile excluded) around
-      each prefill call.
+      and "prefilled" (requests, tokens, seconds incl. the first tokens, compile excluded) around
+      the prefill work of each step (with prefill_chunk: this step's chunks).
     mesh: None (the model's, for a models.sharding.shard_model model, else one device) or a 1-D
       "tp" mesh: tensor parallelism over kv heads (models/sharding.py), weights and cache sharded.
   Thread safety: submit() and cancel() may be called from any thread; step() / stream() from one.
@@ -234,29 +168,26 @@ class Engine:
 
   def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
                max_seqs: int = 8, max_len: int = 2048, num_pages: int | None = None,
-               prefill_rows: int = 1, on_stage: Callable[[str, dict], None] | None = None,
-               mesh: Mesh | None = None):
-    self.mesh = sharding.mesh_of(model) if mesh is None else mesh
-    if self.mesh is not None and sharding.mesh_of(model) is None:
-      model = sharding.shard_model(model, self.mesh)
+               prefill_rows: int = 1, prefill_chunk: int | None = None, attention: Any = None,
+               on_stage: Callable[[str, dict], None] | None = None, mesh: Mesh | None = None):
     c = model.config
     if max_seqs < 1 or not 2 <= max_len <= c.max_seq_len or not 1 <= prefill_rows <= max_seqs:
       raise ValueError(f"need max_seqs >= 1, 2 <= max_len <= context length {c.max_seq_len} and "
                        f"1 <= prefill_rows <= max_seqs: {max_seqs=} {max_len=} {prefill_rows=}")
-    self.prefill_rows = prefill_rows
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(
+        prefill_chunk, (int, np.integer)) or prefill_chunk < 1):
+      raise ValueError(f"prefill_chunk must be None or an int >= 1: {prefill_chunk=}")
+    self.prefill_rows, self.prefill_chunk = prefill_rows, prefill_chunk
     self.config, self.quant, self.tokenizer = c, quant, tokenizer
     self.max_seqs, self.capacity = max_seqs, max_len
-    self.graphdef, self.state = nnx.split(model)
-    sinks = kv_cache.sink_tokens(quant)
-    pages_per_seq = max(1, math.ceil((max_len - sinks) / quant.page_size))
-    num_pages = 1 + max_seqs * pages_per_seq if num_pages is None else num_pages
-    self.allocator = paging.PageAllocator(num_pages, max_seqs, pages_per_seq, quant.page_size, sinks)
-    self.cache = self._placed(init_cache(c, quant, num_pages=num_pages, max_seqs=max_seqs,
-                                         pages_per_seq=pages_per_seq))
+    self.stepper = Stepper(model, quant, max_seqs=max_seqs, max_len=max_len, num_pages=num_pages,
+                           attention=attention, mesh=mesh, on_stage=on_stage)
+    self.mesh = self.stepper.mesh
+    self.allocator = self.stepper.new_allocator()
+    self.cache = self.stepper.new_cache()
     self.on_stage = on_stage
     self.stats = dict(compile_s=0.0, prefill_s=0.0, decode_s=0.0, prompt_tokens=0,
                       decode_tokens=0, decode_steps=0, prefill_calls=0, cancelled=0)
-    self._executables: dict[Any, Any] = {}
     self._slots: list[_Seq | None] = [None] * max_seqs
     self._kv_lens = np.zeros(max_seqs, np.int32)
     self._pending = np.zeros(max_seqs, np.int32)  # the token each running slot feeds next
@@ -343,12 +274,14 @@ class Engine:
   def step(self) -> list[Event]:
     """One scheduler iteration (module docstring); returns the Events it produced."""
     events = self._cancel()
-    admitted = self._admit()
-    if admitted:
-      events += self._prefill(admitted)
-    running = [s for s in self._slots if s is not None and s not in admitted]
-    if running:
-      events += self._decode(running)
+    self._admit()
+    seqs = sorted((s for s in self._slots if s is not None), key=lambda s: s.rid)
+    decoding = [s for s in seqs if s.done == len(s.req.prompt_ids)]
+    prefilling = [s for s in seqs if s.done < len(s.req.prompt_ids)]
+    if prefilling:
+      events += self._prefill(prefilling)
+    if decoding:
+      events += self._decode(decoding)
     return events
 
   def _cancel(self) -> list[Event]:
@@ -402,101 +335,106 @@ class Engine:
     return None if greedy else dict(keys=keys, counters=counters, temperature=temp, top_k=top_k,
                                     top_p=top_p), greedy
 
-  def _run(self, fn, args, what, **static):
-    """Runs jitted `fn` through its ahead-of-time compiled executable."""
-    return self._compiled(fn, args, what, **static)(*args)
+  def _run(self, tokens, step, samp, greedy, rows, what):
+    """One step through the stepper (the cache donated and replaced) -> (tokens, log-probs) on
+    the host; the seconds it took, compile excluded, are returned too."""
+    compile0, t0 = self.stepper.compile_s, time.perf_counter()
+    self.cache, tok, logp = self.stepper(tokens, step, self.cache, RowSampleHead(greedy), samp,
+                                         rows, what=what)
+    tok, logp = np.asarray(tok), np.asarray(logp)
+    self.stats["compile_s"] = self.stepper.compile_s
+    return tok, logp, time.perf_counter() - t0 - (self.stepper.compile_s - compile0)
 
-  def _compiled(self, fn, args, what, **static):
-    """The executable of jitted `fn` for these shapes and statics, compiled once (time -> stats)."""
-    # tokens' shape and the Step's structure (its static mode and seal) pick the executable
-    key = (fn, args[1].shape, jax.tree.structure(args[2]), tuple(sorted(static.items())))
-    if key not in self._executables:
-      self._stage("compiling", what=what)
-      t0 = time.perf_counter()
-      self._executables[key] = fn.lower(*args, graphdef=self.graphdef, **static).compile()
-      dt = time.perf_counter() - t0
-      self.stats["compile_s"] += dt
-      self._stage("compiled", what=what, seconds=dt)
-    return self._executables[key]
+  def warmup(self, prompt_lengths: Iterable[int], *, greedy: bool = True) -> None:
+    """Compiles ahead of time every step that requests with these prompt lengths can use (one
+    prefill per length bucket up to prefill_chunk, the chunk step if a prompt is longer; decode
+    with and without block sealing), so that no compile falls inside the run; they compile in
+    parallel (Stepper.compile_many). greedy: compile the greedy variants (all temperatures 0) or
+    the sampling ones."""
+    s, r, pages = self.max_seqs, self.prefill_rows, self.allocator.page_indices
+    zeros, rows, head = np.zeros(s, np.int32), np.arange(r, dtype=np.int32), RowSampleHead(greedy)
+    state, calls = self.stepper.state, []
+    samp, _ = self._sampling_arrays([None] * r, greedy)
+    lengths, chunk = [int(n) for n in prompt_lengths], self.prefill_chunk
+    for t in sorted({chunk_length(n, chunk) for n in lengths}):
+      step = Step.prefill(pages[:r], zeros[:r], _round_key(0))
+      calls.append(((state, np.zeros((r, t), np.int32), step, self.cache, rows, samp), head,
+                    f"prefill, {t}-token bucket"))
+    if chunk is not None and any(n > chunk for n in lengths):
+      step = Step.chunk(pages[:r], zeros[:r], zeros[:r], _round_key(0))
+      calls.append(((state, np.zeros((r, chunk), np.int32), step, self.cache, rows, samp), head,
+                    f"prefill, {chunk}-token chunk"))
+    samp, _ = self._sampling_arrays([None] * s, greedy)
+    for seal in ("never", "always") if self.quant.kv_format == "hack" else ("never",):
+      step = Step.decode(pages, zeros, np.zeros(s, bool), _round_key(0), seal)
+      calls.append(((state, zeros, step, self.cache, None, samp), head, f"decode step ({seal} seals)"))
+    self.stepper.compile_many(calls)
+    self.stats["compile_s"] = self.stepper.compile_s
 
   def _stage(self, stage, **info):
     if self.on_stage is not None:
       self.on_stage(stage, info)
-
-  def warmup(self, prompt_lengths: Iterable[int], *, greedy: bool = True) -> None:
-    """Compiles ahead of time every step that requests with these prompt lengths can use (one
-    prefill per length bucket; decode with and without block sealing), so that no compile falls
-    inside the run. greedy: compile the greedy variants (all temperatures 0) or the sampling
-    ones."""
-    s, r, pages = self.max_seqs, self.prefill_rows, self.allocator.page_indices
-    zeros = np.zeros(s, np.int32)
-    samp, _ = self._sampling_arrays([None] * r, greedy)
-    for bucket in sorted({length_bucket(int(n)) for n in prompt_lengths}):
-      self._compiled(_prefill, (self.state, np.zeros((r, bucket), np.int32),
-                                np.arange(r, dtype=np.int32),
-                                Step.prefill(pages[:r], zeros[:r], _round_key(0)), self.cache, samp),
-                     f"prefill, {bucket}-token bucket", greedy=greedy)
-    samp, _ = self._sampling_arrays([None] * s, greedy)
-    for seal in ("never", "always") if self.quant.kv_format == "hack" else ("never",):
-      self._compiled(_decode, (self.state, zeros, Step.decode(pages, zeros, np.zeros(s, bool), _round_key(0), seal),
-                               self.cache, samp), "decode step", greedy=greedy)
 
   def _round_key(self) -> jax.Array:
     self._steps += 1
     return _round_key(self._steps)
 
   def _prefill(self, seqs: list[_Seq]) -> list[Event]:
-    """Prefills the admitted seqs, prefill_rows at a time (idle rows padded with other slots,
-    written 0 tokens); returns their first-token Events."""
-    tokens_in = sum(len(q.req.prompt_ids) for q in seqs)
+    """Advances each prefilling seq by one chunk (all of its prompt without prefill_chunk), in
+    calls of prefill_rows seqs of one kind: continuing ones (chunk steps) first, then fresh ones
+    (prefill steps); returns the first-token Events of the seqs whose prompt is now cached."""
+    chunk = self.prefill_chunk or max(len(q.req.prompt_ids) for q in seqs)
+    tokens_in = sum(min(len(q.req.prompt_ids) - q.done, chunk) for q in seqs)
     self._stage("prefilling", requests=len(seqs), tokens=tokens_in)
     r, events, seconds = self.prefill_rows, [], 0.0
-    for lo in range(0, len(seqs), r):
-      chunk = seqs[lo:lo + r]
-      taken = {q.slot for q in chunk}
-      idle = [i for i in range(self.max_seqs) if i not in taken]
-      rows = [q.slot for q in chunk] + idle[:r - len(chunk)]
-      lengths = np.zeros(r, np.int32)
-      lengths[:len(chunk)] = [len(q.req.prompt_ids) for q in chunk]
-      bucket = length_bucket(int(lengths.max()))
-      tokens = np.zeros((r, bucket), np.int32)
-      for i, q in enumerate(chunk):
-        tokens[i, :lengths[i]] = q.req.prompt_ids
-      rows = np.asarray(rows, np.int32)
-      kv_lens = np.where(lengths > 0, lengths, self._kv_lens[rows]).astype(np.int32)
-      samp, greedy = self._sampling_arrays(chunk + [None] * (r - len(chunk)))
-      compile0, t0 = self.stats["compile_s"], time.perf_counter()
-      step = Step.prefill(self.allocator.page_indices[rows], lengths, self._round_key())
-      self.cache, tok, logp = self._run(_prefill, (self.state, tokens, rows, step, self.cache, samp),
-                                        f"prefill, {bucket}-token bucket", greedy=greedy)
-      tok, logp = np.asarray(tok), np.asarray(logp)
-      seconds += time.perf_counter() - t0 - (self.stats["compile_s"] - compile0)
-      self._kv_lens[rows] = kv_lens
-      self.stats["prefill_calls"] += 1
-      for i, q in enumerate(chunk):
-        events += self._on_token(q, int(tok[i]), float(logp[i]))
+    for group in ([q for q in seqs if q.done > 0], [q for q in seqs if q.done == 0]):
+      for lo in range(0, len(group), r):
+        got, dt = self._prefill_call(group[lo:lo + r])
+        events, seconds = events + got, seconds + dt
     self.stats["prefill_s"] += seconds
     self.stats["prompt_tokens"] += tokens_in
     self._stage("prefilled", requests=len(seqs), tokens=tokens_in, seconds=seconds)
     return events
 
+  def _prefill_call(self, part: list[_Seq]) -> tuple[list[Event], float]:
+    """One prefill (all part fresh) or chunk (all part continuing) call over prefill_rows rows:
+    part's slots, then idle rows padded with other slots (written 0 tokens)."""
+    r, n, fresh = self.prefill_rows, len(part), part[0].done == 0
+    remaining = [len(q.req.prompt_ids) - q.done for q in part]
+    t = chunk_length(max(remaining), self.prefill_chunk) if fresh else self.prefill_chunk
+    taken = {q.slot for q in part}
+    rows = np.asarray([q.slot for q in part] + [i for i in range(self.max_seqs)
+                                                if i not in taken][:r - n], np.int32)
+    lengths, start = np.zeros(r, np.int32), self._kv_lens[rows].copy()
+    tokens = np.zeros((r, t), np.int32)
+    for i, q in enumerate(part):
+      lengths[i], start[i] = min(remaining[i], t), q.done
+      tokens[i, :lengths[i]] = q.req.prompt_ids[q.done:q.done + lengths[i]]
+    samp, greedy = self._sampling_arrays(part + [None] * (r - n))
+    table = self.allocator.page_indices[rows]
+    step = (Step.prefill(table, lengths, self._round_key()) if fresh
+            else Step.chunk(table, start, lengths, self._round_key()))
+    what = f"prefill, {t}-token bucket" if fresh else f"prefill, {t}-token chunk"
+    tok, logp, seconds = self._run(tokens, step, samp, greedy, rows, what)
+    self.stats["prefill_calls"] += 1
+    events = []
+    for i, q in enumerate(part):
+      q.done += int(lengths[i])
+      self._kv_lens[q.slot] = q.done
+      if q.done == len(q.req.prompt_ids):
+        events += self._on_token(q, int(tok[i]), float(logp[i]))
+    return events, seconds
+
   def _decode(self, seqs: list[_Seq]) -> list[Event]:
     active = np.zeros(self.max_seqs, bool)
-    for q in seqs:
-      active[q.slot] = True
-      self.allocator.reserve(q.slot, int(self._kv_lens[q.slot]) + 1)
     rows: list[_Seq | None] = [None] * self.max_seqs
     for q in seqs:
-      rows[q.slot] = q
+      active[q.slot], rows[q.slot] = True, q
     samp, greedy = self._sampling_arrays(rows)
     kv_lens = self._kv_lens + active
-    seal = "always" if kv_cache.seals_block(self.quant, kv_lens, active) else "never"
-    compile0, t0 = self.stats["compile_s"], time.perf_counter()
-    step = Step.decode(self.allocator.page_indices, kv_lens, active, self._round_key(), seal)
-    self.cache, tok, logp = self._run(_decode, (self.state, self._pending.copy(), step, self.cache,
-                                                samp), "decode step", greedy=greedy)
-    tok, logp = np.asarray(tok), np.asarray(logp)
-    self.stats["decode_s"] += time.perf_counter() - t0 - (self.stats["compile_s"] - compile0)
+    step = decode_record(self.allocator, self.quant, kv_lens, active, self._round_key())
+    tok, logp, seconds = self._run(self._pending.copy(), step, samp, greedy, None, "decode step")
+    self.stats["decode_s"] += seconds
     self.stats["decode_tokens"] += len(seqs)
     self.stats["decode_steps"] += 1
     self._kv_lens = kv_lens
@@ -584,22 +522,19 @@ class Engine:
       slot = self._slots.index(None)
       self.allocator.admit(slot, kv_len)
       try:
-        self.cache = self._placed(handoff.import_sequence(self.cache, payload, slot=slot,
-                                                          page_indices=self.allocator.page_indices))
+        self.cache = self.stepper.placed(handoff.import_sequence(
+            self.cache, payload, slot=slot, page_indices=self.allocator.page_indices))
       except ValueError:
         self.allocator.release(slot)
         raise
       rid = next(self._ids)
       self.times[rid] = dict(submitted=time.perf_counter())
       seq = _Seq(rid, request, slot, np.asarray(jax.random.key_data(jax.random.key(request.seed))))
+      seq.done = kv_len
       self._slots[slot], self._kv_lens[slot] = seq, kv_len
       self._committed += need
     pages = self._live_pages(self.allocator.page_indices, slot, kv_len)
     return rid, self._on_token(seq, int(first_token), float(first_logprob)), pages
-
-  def _placed(self, cache):
-    """The cache sharded over the mesh (as the compiled steps expect it), or as it is."""
-    return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh)
 
   def _live_pages(self, table, slot, kv_len) -> list[int]:
     a = self.allocator

@@ -9,14 +9,14 @@ never change shape:
 Between steps the host PageAllocator reserves the page the next token needs, and the host builds
 the step's record (hack_jax.step.Step: page table, kv_lens after the step, active slots, key), the
 one place the lengths live; the only per-step device-to-host transfer is the i32[max_seqs] of
-sampled tokens (needed for the stop test). Steps are compiled ahead of time so the reported tokens/s exclude
-compilation (reported separately as compile_s).
+sampled tokens (needed for the stop test). The steps themselves (one jitted forward step, compiled
+ahead of time so the reported tokens/s exclude compilation, reported separately as compile_s) are
+models/stepper.py's, shared with the continuous-batching Engine (models/engine.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import sys
 import time
@@ -25,20 +25,16 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 from tqdm import tqdm
 
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
-from hack_jax.paging import PageAllocator
 from hack_jax.step import Step
-
-from models import sharding
-from models.llama import Llama, init_cache
+from models.llama import Llama
+from models.stepper import (MIN_BUCKET, SampleHead, ScoreHead, Stepper, chunk_length,  # noqa: F401
+                            decode_record, length_bucket, sample)
 from models.tokenizer import Tokenizer
-
-MIN_BUCKET = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,29 +64,6 @@ class Sampling:
       raise ValueError(f"top_p must be in (0, 1] (1 = off): {self.top_p=}")
 
 
-def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-  """logits f32[B, V] -> i32[B] token ids (temperature, then top-k, then top-p filtering)."""
-  if sampling.temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits / sampling.temperature
-  if sampling.top_k:
-    kth = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))[0][:, -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if sampling.top_p < 1:
-    desc = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(desc, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < top_p.
-    keep = jnp.cumsum(probs, axis=-1) - probs < sampling.top_p
-    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
-def length_bucket(n: int) -> int:
-  """The prefill length for an n-token prompt: the smallest power of two >= max(n, 64)."""
-  return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
-
-
 def encode_prompt(tokenizer: Tokenizer, prompt: str, *, chat: bool | None = None) -> list[int]:
   """Prompt text -> ids, through the chat template when chat (None: when the model has one).
 
@@ -100,53 +73,6 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, *, chat: bool | None = None
   if tokenizer.chat_template is not None if chat is None else chat:
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
   return tokenizer.encode(prompt)
-
-
-_STATIC = ("graphdef", "sampling", "attention")
-
-
-def _positions(tokens, step):
-  """Row t of slot s is position step.start[s] + t (0 for a fresh prefill)."""
-  return step.start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _prefill_step(state, tokens, step, cache, targets, *, graphdef, sampling, attention):
-  """tokens i32[S, T], step a prefill or chunk Step (rows t < write_lens[s] are written at positions
-  start[s] + t), targets i32[S] -> (cache, the token sampled after each slot's last written row
-  i32[S], log p(targets) f32[S] there)."""
-  model = nnx.merge(graphdef, state)
-  cache, hidden = model.run(tokens, _positions(tokens, step), cache, step, attention)
-  last = jnp.take_along_axis(hidden, jnp.maximum(step.write_lens - 1, 0)[:, None, None], axis=1)[:, 0]
-  return cache, *_sample_and_score(model, last, step, sampling, targets)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _decode_step(state, tokens, step, cache, targets, *, graphdef, sampling, attention):
-  """tokens i32[S] (the token fed per slot, at position step.kv_lens - 1), step a decode Step
-  (its static seal picks the compiled append), targets i32[S] -> (cache, next sampled i32[S],
-  log p(targets) f32[S])."""
-  model = nnx.merge(graphdef, state)
-  cache, hidden = model.run(tokens[:, None], step.kv_lens[:, None] - 1, cache, step, attention)
-  return cache, *_sample_and_score(model, hidden[:, 0], step, sampling, targets)
-
-
-def _sample_and_score(model, hidden, step, sampling, targets):
-  """hidden [S, D] -> (sampled i32[S], log p(targets) f32[S]); the sampling key is
-  fold_in(step.key, num_layers) (layer i rounds with fold_in(step.key, i))."""
-  logits = model.logits(hidden)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  key = jax.random.fold_in(step.key, model.config.num_layers)
-  return sample(logits, key, sampling), jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "attention"), donate_argnames=("cache",))
-def _score_step(state, tokens, step, cache, targets, *, graphdef, attention):
-  """Prefill (or a chunk) and score: -log p(targets[:, t] | positions <= start + t), f32[S, T]."""
-  model = nnx.merge(graphdef, state)
-  cache, hidden = model.run(tokens, _positions(tokens, step), cache, step, attention)
-  logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
-  return cache, -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
 @dataclasses.dataclass
@@ -206,39 +132,33 @@ class Generator:
     self.prefill_chunk = prefill_chunk
     c = model.config
     self.config, self.quant, self.tokenizer, self.max_seqs = c, quant, tokenizer, max_seqs
-    self.attention = c.attention if attention is None else attention
-    self.graphdef, self.state = nnx.split(model)
-    self.mesh = sharding.mesh_of(model) if mesh is None else mesh
-    if self.mesh is not None:
-      sharding.check_config(c, self.mesh)
-      if not isinstance(self.attention, sharding.ShardedBackend):
-        self.attention = sharding.ShardedBackend(self.attention, self.mesh)
-      self.state = jax.device_put(self.state, sharding.param_shardings(self.state, self.mesh, c))
-    sinks = kv_cache.sink_tokens(quant)
     self.capacity = min(max_len, c.max_seq_len)  # pages for what can be held, not for max_len
-    self.pages_per_seq = max(1, math.ceil((self.capacity - sinks) / quant.page_size))
-    self.num_pages = 1 + max_seqs * self.pages_per_seq
-    self._executables: dict[Any, Any] = {}
+    self.stepper = Stepper(model, quant, max_seqs=max_seqs, max_len=self.capacity, attention=attention,
+                           mesh=mesh)
+    self.attention, self.mesh = self.stepper.attention, self.stepper.mesh
+    self.graphdef, self.state = self.stepper.graphdef, self.stepper.state
+
+  @property
+  def pages_per_seq(self) -> int:
+    """Pages each slot's table holds (for `capacity` tokens)."""
+    return self.stepper.pages_per_seq
+
+  @property
+  def num_pages(self) -> int:
+    """Pages of the cache, the null page included."""
+    return self.stepper.num_pages
 
   # --------------------------------------------------------------------------------------- setup
 
   def new_cache(self) -> kv_cache.KVCache:
-    """An empty cache of this generator's shape (placed sharded over the mesh, if any)."""
-    cache = init_cache(self.config, self.quant, num_pages=self.num_pages, max_seqs=self.max_seqs,
-                       pages_per_seq=self.pages_per_seq)
-    return cache if self.mesh is None else sharding.shard_cache(cache, self.mesh)
+    return self.stepper.new_cache()
 
-  def _run(self, fn, args, stats, **static):
-    """Runs jitted `fn` through an ahead-of-time compiled executable (compile time -> stats)."""
-    static = dict(static, attention=self.attention)
-    leaves, treedef = jax.tree.flatten(args[1:3])  # tokens and the Step (its static mode / seal)
-    key = (fn, treedef, tuple(getattr(a, "shape", None) for a in leaves),
-           tuple(sorted(static.items(), key=lambda kv: kv[0])))
-    if key not in self._executables:
-      t0 = time.perf_counter()
-      self._executables[key] = fn.lower(*args, graphdef=self.graphdef, **static).compile()
-      stats["compile_s"] += time.perf_counter() - t0
-    return self._executables[key](*args)
+  def _run(self, tokens, step, cache, head, head_args, stats):
+    """One forward step through the stepper's compiled executables (compile time -> stats)."""
+    compile0 = self.stepper.compile_s
+    out = self.stepper(tokens, step, cache, head, head_args)
+    stats["compile_s"] += self.stepper.compile_s - compile0
+    return out
 
   # ------------------------------------------------------------------------------------ generate
 
@@ -336,8 +256,7 @@ class Generator:
     targets = np.zeros((s, max_new), np.int32)
     if forced is not None:
       targets[:n] = forced
-    alloc = PageAllocator(self.num_pages, s, self.pages_per_seq, self.quant.page_size,
-                          kv_cache.sink_tokens(self.quant))
+    alloc = self.stepper.new_allocator()
     for i in range(n):
       alloc.admit(i, int(lengths[i]))
     keys = jax.random.split(key, max_new)
@@ -349,8 +268,7 @@ class Generator:
       key = keys[0] if i == 0 else jax.random.fold_in(keys[0], i)
       step = (Step.prefill(alloc.page_indices, write, key) if i == 0
               else Step.chunk(alloc.page_indices, start, write, key))
-      cache, got, got_logp = self._run(_prefill_step, (self.state, tok, step, cache, targets[:, 0]),
-                                       stats, sampling=sampling)
+      cache, got, got_logp = self._run(tok, step, cache, SampleHead(sampling), targets[:, 0], stats)
       ends = (lengths > c0) & (lengths <= c0 + tok.shape[1])  # slots whose prompt ends here
       nxt = got if nxt is None else jnp.where(ends, got, nxt)
       logp = got_logp if logp is None else jnp.where(ends, got_logp, logp)
@@ -375,14 +293,9 @@ class Generator:
       bar.update(int(active.sum()))
       if i == max_new - 1 or not active.any():
         break
-      for j in np.nonzero(active)[0]:
-        alloc.reserve(int(j), int(kv_lens[j]) + 1)
       kv_lens += active
-      # no slot fills its open block this step (known here): the step without the sealing path
-      seal = "always" if kv_cache.seals_block(self.quant, kv_lens, active) else "never"
-      step = Step.decode(alloc.page_indices, kv_lens, active, keys[i + 1], seal)
-      cache, nxt, logp = self._run(_decode_step, (self.state, feed, step, cache, targets[:, i + 1]),
-                                   stats, sampling=sampling)
+      step = decode_record(alloc, self.quant, kv_lens, active, keys[i + 1])
+      cache, nxt, logp = self._run(feed, step, cache, SampleHead(sampling), targets[:, i + 1], stats)
       stats["decode_tokens"] += int(active.sum())
       sampled = np.asarray(nxt)
     stats["decode_s"] += time.perf_counter() - t0 - (stats["compile_s"] - compile0)
@@ -394,8 +307,8 @@ class Generator:
     """Prefill steps for prompts tokens i32[S, L] of lengths i32[S]: yields (c0, tokens i32[S, T],
     write i32[S], start i32[S]): positions [c0, c0 + T) of every slot, T = the length bucket
     (prefill_chunk None or a longer chunk) or prefill_chunk."""
-    longest, chunk = int(lengths.max()), self.prefill_chunk
-    t = length_bucket(longest) if chunk is None else min(length_bucket(longest), chunk)
+    longest = int(lengths.max())
+    t = chunk_length(longest, self.prefill_chunk)
     for c0 in range(0, longest, t):
       tok = np.zeros((tokens.shape[0], t), np.int32)
       part = tokens[:, c0:c0 + t]
@@ -445,8 +358,7 @@ class Generator:
     tokens[0, :n] = token_ids
     lengths = np.zeros(s, np.int32)
     lengths[0] = n
-    alloc = PageAllocator(self.num_pages, s, self.pages_per_seq, self.quant.page_size,
-                          kv_cache.sink_tokens(self.quant))
+    alloc = self.stepper.new_allocator()
     alloc.admit(0, n)
     stats = dict(compile_s=0.0)
     cache, key, nll = self.new_cache(), jax.random.key(seed), []
@@ -457,7 +369,7 @@ class Generator:
       key_i = jax.random.fold_in(key, i)
       step = (Step.prefill(alloc.page_indices, write, key_i) if i == 0
               else Step.chunk(alloc.page_indices, start, write, key_i))
-      cache, got = self._run(_score_step, (self.state, tok, step, cache, targets), stats)
+      cache, got = self._run(tok, step, cache, ScoreHead(), targets, stats)
       nll.append(np.asarray(got[0, :int(write[0])], np.float64))
     nll = np.concatenate(nll)[:n - 1]
     return float(np.exp(nll.mean())), n - 1

@@ -310,6 +310,8 @@ def run(args, load) -> int:
   for flag, value, ok in (("--max-seqs", args.max_seqs, args.max_seqs >= 1),
                           ("--prefill-rows", args.prefill_rows, args.prefill_rows >= 1),
                           ("--max-len", args.max_len, args.max_len >= 2),
+                          ("--prefill-chunk", args.prefill_chunk,
+                           args.prefill_chunk is None or args.prefill_chunk >= 1),
                           ("--port", args.port, 0 <= args.port < 65536)):
     if not ok:
       raise ValueError(f"{flag} out of range: {value}")
@@ -320,7 +322,7 @@ def run(args, load) -> int:
   ckpt, model = load(args)
   max_len = min(args.max_len, ckpt.config.max_seq_len)
   engine = Engine(model, ckpt.tokenizer, quant, max_seqs=args.max_seqs, max_len=max_len,
-                  prefill_rows=min(args.prefill_rows, args.max_seqs),
+                  prefill_rows=min(args.prefill_rows, args.max_seqs), prefill_chunk=args.prefill_chunk,
                   on_stage=lambda stage, info: stage == "compiled" and print(
                       f"compiled {info['what']} in {info['seconds']:.1f} s", file=sys.stderr))
   if args.warmup:

@@ -126,24 +126,24 @@ def test_hack_cache_scanned_matches_one_device_compiles_once_and_stays_sharded()
   assert compiles >= 3  # the three steps (and eager helpers): the listener does count compiles
   np.testing.assert_allclose(np.asarray(first.forced_logprobs), want, atol=1e-5)
 
-  kinds = collections.Counter((key[0].__name__, key[1]) for key in gen._executables)
+  kinds = collections.Counter(key[0] for key in gen.stepper._executables)  # Step kind / seal
   assert sorted(kinds.values()) == [1, 1, 1], kinds  # prefill, decode seal="never", seal="always"
   again, compiles = _compiles(lambda: gen.generate_ids(PROMPTS, 40, forced=FORCED))
-  assert compiles == 0 and again.stats["compile_s"] == 0 and len(gen._executables) == 3
+  assert compiles == 0 and again.stats["compile_s"] == 0 and gen.stepper.num_executables == 3
   np.testing.assert_array_equal(np.asarray(again.forced_logprobs), np.asarray(first.forced_logprobs))
 
   cache = gen.new_cache()
   for a in jax.tree.leaves(cache.layers):  # stacked: [num_layers, pages or slots, kv heads, ...]
     assert _sharded_on_heads(a, 2), (a.shape, a.sharding)
   assert cache.kv_lens.sharding.is_fully_replicated and cache.page_indices.sharding.is_fully_replicated
-  for exe in gen._executables.values():
+  for exe in gen.stepper._executables.values():
     out_cache = exe.output_shardings[0]
     for a, s in zip(jax.tree.leaves(cache.layers), jax.tree.leaves(out_cache.layers)):
       assert s.is_equivalent_to(a.sharding, a.ndim), (s, a.sharding)
-  for key, exe in gen._executables.items():  # Megatron: o_proj's and down_proj's all-reduce, [S, T, D]
+  for key, exe in gen.stepper._executables.items():  # Megatron: o_proj's and down_proj's all-reduce, [S, T, D]
     ops = _collectives(exe)
     activations = [o for o in ops if o[1][-1:] == (cfg.embed_dim,)]
-    assert [o[0] for o in activations] == ["all-reduce"] * 2 * cfg.num_layers, (key[0].__name__, ops)
+    assert [o[0] for o in activations] == ["all-reduce"] * 2 * cfg.num_layers, (key[0], ops)
     # the rest: the vocabulary-sharded head's per-slot max / sum / argmax, never K/V or the cache
     assert all(np.prod(o[1]) <= 2 * 2 * TP for o in ops if o not in activations), ops
   q = gen.state["layers"]["attn"]["q"][...]
@@ -164,9 +164,9 @@ def test_engine_sharded_matches_one_device():
     out[tp] = eng.generate(reqs)
     if tp > 1:
       assert all(_sharded_on_heads(a, 1) for a in jax.tree.leaves(eng.cache.layers))
-      n = len(eng._executables)
+      n = eng.stepper.num_executables
       again = eng.generate(reqs)
-      assert len(eng._executables) == n and [c.tokens for c in again] == [c.tokens for c in out[tp]]
+      assert eng.stepper.num_executables == n and [c.tokens for c in again] == [c.tokens for c in out[tp]]
   for a, b in zip(out[1], out[TP]):
     assert a.tokens == b.tokens
     np.testing.assert_allclose(b.logprobs, a.logprobs, atol=5e-5)

@@ -91,10 +91,10 @@ def test_greedy_tokens_equal_each_request_alone(engine, requests, alone, tok):
   assert engine.allocator.num_free_pages == free0 and engine.num_running == 0
   assert engine.stats["prefill_calls"] >= 3  # requests joined while others were decoding
   # A second wave in another order reuses the executables: nothing recompiles per admission.
-  compiled = len(engine._executables)
+  compiled = engine.stepper.num_executables
   again = engine.generate(requests[::-1])
   assert [c.tokens for c in again[::-1]] == [t for t, _ in alone]
-  assert len(engine._executables) == compiled and engine.allocator.num_free_pages == free0
+  assert engine.stepper.num_executables == compiled and engine.allocator.num_free_pages == free0
 
 
 def test_sampled_tokens_do_not_depend_on_batch_mates(engine, requests):
@@ -158,3 +158,46 @@ def test_request_and_capacity_errors(engine, tok):
   with pytest.raises(ValueError, match=r"token id 49152 outside \[0, vocab_size=49152\)"):
     engine.submit(Request([1, tok.vocab_size]))
   assert not engine.has_work
+
+
+CHUNK = 40  # chunk boundaries at 40, 80, 120: inside a 16-token partition and a 64-token page
+
+
+def test_chunked_prefill_tokens_equal_each_request_alone(model, tok, requests):
+  """prefill_chunk: prompts up to 120 tokens prefilled 40 per step, interleaved with the others'
+  decode steps; each request's greedy tokens equal the Generator's chunked prefill of it alone."""
+  requests = [requests[i] for i in (0, 1, 2, 5, 6)]  # 5, 70, 120, 3, 100 prompt tokens
+  gen = Generator(model, tok, QUANT, max_seqs=MAX_SEQS, max_len=MAX_LEN, prefill_chunk=CHUNK)
+  alone = [gen.generate_ids([list(r.prompt_ids)], r.max_tokens, stop_on_eos=False).tokens[0]
+           for r in requests]
+  eng = Engine(model, tok, QUANT, max_seqs=MAX_SEQS, max_len=MAX_LEN, prefill_rows=2,
+               prefill_chunk=CHUNK)
+  free0 = eng.allocator.num_free_pages
+  eng.warmup([len(r.prompt_ids) for r in requests])
+  compiled = eng.stepper.num_executables  # one prefill (40 tokens), one chunk, two decode
+  assert compiled == 4
+  out = eng.generate(requests)
+  assert [c.tokens for c in out] == alone
+  assert all(c.finish_reason == "length" for c in out)
+  assert eng.stepper.num_executables == compiled and eng.allocator.num_free_pages == free0
+  assert eng.stats["prompt_tokens"] == sum(len(r.prompt_ids) for r in requests)
+
+  # Interleaving: a 120-token prompt admitted beside a decoding request takes 3 steps to its first
+  # token, and the running request gets a token in each of them.
+  short, long = requests[3], requests[2]
+  a = eng.submit(short)
+  assert [e.request_id for e in eng.step()] == [a]  # a's prefill and first token
+  b = eng.submit(long)
+  for i in range(3):
+    got = eng.step()
+    assert [e.request_id for e in got if e.token_id is not None] == ([a] if i < 2 else [b, a])
+  rest = list(eng.stream())
+  tokens = lambda rid: [e.token_id for e in rest if e.request_id == rid and e.token_id is not None]
+  assert tokens(b) == alone[2][1:]
+  assert eng.allocator.num_free_pages == free0 and eng.stepper.num_executables == compiled
+
+
+def test_prefill_chunk_errors(model, tok):
+  for bad in (0, -64, 1.5, True):
+    with pytest.raises(ValueError, match="prefill_chunk must be None or an int >= 1"):
+      Engine(model, tok, QUANT, max_seqs=2, max_len=MAX_LEN, prefill_chunk=bad)
