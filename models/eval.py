@@ -693,6 +693,12 @@ def parse_format(spec: str) -> EvalFormat:
   if spec in FORMATS:
     return FORMATS[spec]
   kv_format, _, rest = spec.partition(":")
+  if not rest:
+    try:
+      QuantConfig(kv_format=kv_format)
+    except ValueError as e:
+      raise ValueError(f"unknown formats [{spec!r}]; known: {list(FORMATS)} (or all, variants, or "
+                       f"KV_FORMAT[:FIELD=VALUE,...]: {e})") from None
   fields = [f.name for f in dataclasses.fields(QuantConfig)]
   quant, extra = dict(kv_format=kv_format.strip()), {}
   for item in filter(None, (x.strip() for x in rest.split(","))):

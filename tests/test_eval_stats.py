@@ -85,5 +85,5 @@ def test_format_specs():
     ev.parse_format("hack:no_such_field=3")
   with pytest.raises(ValueError, match="partition_size"):
     ev.parse_format("hack:partition_size=48")
-  with pytest.raises(ValueError, match="kv_format"):
+  with pytest.raises(ValueError, match="unknown formats.*'nope'"):
     ev.parse_format("nope")
