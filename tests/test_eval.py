@@ -86,10 +86,16 @@ def test_bytes_arithmetic():
 
 
 def test_windows_of():
+  """Windows spread evenly over the text; scored slices disjoint; the text must hold them."""
   prompts, forced = ev.windows_of(list(range(100)), 10, 5, 3)
-  assert prompts[1] == list(range(15, 25)) and forced[2].tolist() == [40, 41, 42, 43, 44]
-  with pytest.raises(ValueError):
-    ev.windows_of(list(range(20)), 10, 5, 2)
+  assert [p[0] for p in prompts] == [0, 42, 85] and prompts[1] == list(range(42, 52))
+  assert forced[2].tolist() == [95, 96, 97, 98, 99]
+  ends = [p[-1] + 1 for p in prompts]
+  assert all(f.tolist() == list(range(e, e + 5)) for f, e in zip(forced, ends))
+  assert ev.windows_of(list(range(30)), 10, 5, 1)[0] == [list(range(10))]
+  ev.windows_of(list(range(25)), 10, 5, 3)  # contexts overlap, scored slices just touch
+  with pytest.raises(ValueError, match="too short"):
+    ev.windows_of(list(range(24)), 10, 5, 3)
 
 
 class _Tok:
@@ -113,6 +119,7 @@ def test_eval_paths_on_tiny_model(tiny):
   model, (prompts, forced) = tiny
   run = lambda fmt: ev.evaluate_format(fmt, model, _Tok(), prompts, forced)
   ref = run(ev.FORMATS["float32"])
+  assert ref["prefill_s"] >= 0 and ref["decode_steps"] == forced.shape[1] - 1
   assert ref["n_scored"] == forced.size and np.isfinite(ref["ppl"])
   # Short sequences keep KIVI-2 entirely in its fp16 residual: only fp16 rounding differs.
   kivi = run(ev.FORMATS["kivi2"])
@@ -141,17 +148,48 @@ def test_load_text_specs(tmp_path):
 
 def test_report_is_named_after_its_jsonl(tmp_path):
   """write_report: NAME.md and NAME_gap.png beside NAME.jsonl (a run with --out elsewhere must not
-  touch bench/results/accuracy_gap.png); the table holds the rows' formats and perplexities."""
+  touch bench/results/accuracy_gap.png); the table holds each row's ratio, interval and KL; the
+  README section between the markers is replaced, the rest kept."""
   import json
-  import os
-  src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results",
-                     "accuracy.jsonl")
-  rows = [json.loads(line) for line in open(src)][:12]
+  from models import eval_report
+  base = dict(model="m.gguf", text="t", context=512, tokens=64, n_scored=1024, windows=16,
+              bits_per_element=16.0, eff_bits_per_element=16.0, command="cmd", wall_s=1.0)
+  rows = [dict(base, format="float32", ppl=20.5, ratio=1.0, ratio_lo=1.0, ratio_hi=1.0),
+          dict(base, format="hack-p64", ppl=22.0, ratio=1.0732, ratio_lo=1.0501, ratio_hi=1.0987,
+               kl=0.0412, kl_lo=0.0388, kl_hi=0.0441, bits_per_element=2.62,
+               eff_bits_per_element=2.9)]
   out = tmp_path / "mine.jsonl"
   out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  ev.write_report(str(out))
+  readme = tmp_path / "README.md"
+  readme.write_text(f"top\n{eval_report.README_BEGIN}\nold\n{eval_report.README_END}\nbottom\n")
+  eval_report.write_report(str(out), readme=str(readme))
   md = (tmp_path / "mine.md").read_text()
   assert "(mine_gap.png)" in md and (tmp_path / "mine_gap.png").stat().st_size > 0
   assert not (tmp_path / "accuracy_gap.png").exists()
-  r = next(r for r in rows if r["format"] == "float32")
-  assert f"| {r['format']} |" in md and f"{r['ppl']:.2f}" in md
+  assert "| hack-p64 | 2.62 | 2.90 | 1.0732 [1.0501, 1.0987]<br>KL 0.0412 [0.0388, 0.0441] |" in md
+  assert "ppl 20.500" in md
+  text = readme.read_text()
+  assert text.startswith("top\n") and text.endswith("bottom\n") and "old" not in text
+  assert "1.0732 [1.0501, 1.0987]" in text
+
+
+def test_decode_scoring_matches_generator(tiny):
+  """models/eval_score: the NLL equals Generator.generate_ids' teacher-forced log-probs; prefilling
+  in groups (hand-off into the decode batch) changes nothing; KL against a stored reference run
+  equals the float64 definition on the two runs' distributions, and is 0 against itself."""
+  from models.eval_score import score
+  model, (prompts, forced) = tiny
+  n = forced.shape[1]
+  gen = ev.eval_generator(ev.FORMATS["hack-p32"], model, _Tok(), max_seqs=2, max_len=64)
+  want = -np.asarray(gen.generate_ids(prompts, n, stop_on_eos=False, forced=forced)
+                     .forced_logprobs, np.float64)
+  nll, kl, store, _ = score(gen, prompts, forced, keep=True)
+  assert kl is None and np.allclose(nll, want, atol=2e-5)
+  pre = ev.eval_generator(ev.FORMATS["hack-p32"], model, _Tok(), max_seqs=1, max_len=64)
+  nll2, kl2, _, _ = score(gen, prompts, forced, ref=store, prefill_gen=pre)
+  assert np.allclose(nll2, nll, atol=2e-5) and np.all(np.abs(kl2) < 1e-5)
+  ref_gen = ev.eval_generator(ev.FORMATS["float32"], model, _Tok(), max_seqs=2, max_len=64)
+  _, kl, ref, _ = score(ref_gen, prompts, forced, keep=True, ref=store)
+  p, q = np.exp(store.logp.astype(np.float64)), np.exp(ref.logp.astype(np.float64))
+  want = np.sum(p * np.log(p / q), axis=-1)  # KL(p_hack || p_float32): ref=store is the hack run
+  assert np.allclose(kl, want, rtol=1e-4, atol=1e-7) and kl.mean() > 1e-6
