@@ -10,7 +10,7 @@ are 10 GB), each group's sequences then moved into the decode batch's cache by
 hack_jax.handoff (export_sequence / import_sequence: the cache's bytes, nothing re-quantized);
 forced[:, 0] is scored by the prefill's last logits, and forced[:, i] (i >= 1) by the decode step that appended
 forced[:, i - 1] and attended over the cache, exactly the steps generation runs (same Step, same
-seal rule, same compiled-step cache: Generator._run). Each step brings the log-softmax of all
+seal rule, same compiled steps: Generator._run through models.stepper, with stepper.LogpHead). Each step brings the log-softmax of all
 V logits back to the host (f32[S, V]); it is scored there:
   nll[w, i] = -log p(forced[w, i]);
   kl[w, i]  = KL(p_ref || p) (eval_stats.kl_divergence) when `ref` holds the reference's
@@ -21,42 +21,18 @@ and, with keep=True, stored in a LogpStore (float32, W x n x V: 1024 positions o
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from hack_jax import handoff, kv_cache
 from hack_jax.paging import PageAllocator
 from hack_jax.step import Step
 from models.eval_stats import kl_divergence
-
-_STATIC = ("graphdef", "sampling", "attention")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _prefill_logp(state, tokens, step, cache, targets, *, graphdef, sampling, attention):
-  """As models.generate._prefill_step, returning log-softmax f32[S, V] of each slot's last row."""
-  del targets, sampling
-  model = nnx.merge(graphdef, state)
-  pos = step.start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-  cache, hidden = model.run(tokens, pos, cache, step, attention)
-  last = jnp.take_along_axis(hidden, jnp.maximum(step.write_lens - 1, 0)[:, None, None], axis=1)
-  return cache, jax.nn.log_softmax(model.logits(last[:, 0]).astype(jnp.float32), axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _decode_logp(state, tokens, step, cache, targets, *, graphdef, sampling, attention):
-  """As models.generate._decode_step, returning log-softmax f32[S, V] of the next token."""
-  del targets, sampling
-  model = nnx.merge(graphdef, state)
-  cache, hidden = model.run(tokens[:, None], step.kv_lens[:, None] - 1, cache, step, attention)
-  return cache, jax.nn.log_softmax(model.logits(hidden[:, 0]).astype(jnp.float32), axis=-1)
-
+from models.stepper import LogpHead
 
 class LogpStore:
   """Host log-probs f32[W, n, V] of a reference run (positions as `forced`)."""
@@ -115,7 +91,7 @@ def score(gen, prompts: Sequence[Sequence[int]], forced: np.ndarray, *, ref: Log
   return nll, kl, store, stats
 
 
-def _prefill(gen, prompts, first_targets, key, stats):
+def _prefill(gen, prompts, key, stats):
   """Prefills <= gen.max_seqs prompts into a new cache of gen. Returns (cache, allocator, log p
   f32[len(prompts), V] after each prompt)."""
   s = gen.max_seqs
@@ -124,8 +100,6 @@ def _prefill(gen, prompts, first_targets, key, stats):
   tokens = np.zeros((s, int(lengths.max())), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
-  targets = np.zeros(s, np.int32)
-  targets[:len(prompts)] = first_targets
   alloc = PageAllocator(gen.num_pages, s, gen.pages_per_seq, gen.quant.page_size,
                         kv_cache.sink_tokens(gen.quant))
   for i, p in enumerate(prompts):
@@ -135,8 +109,7 @@ def _prefill(gen, prompts, first_targets, key, stats):
     k = key if i == 0 else jax.random.fold_in(key, i)
     step = Step.prefill(alloc.page_indices, write, k) if i == 0 else Step.chunk(
         alloc.page_indices, start, write, k)
-    cache, got = gen._run(_prefill_logp, (gen.state, tok, step, cache, targets), stats,  # pylint: disable=protected-access
-                          sampling=None)
+    cache, got = gen._run(tok, step, cache, LogpHead(), None, stats)  # pylint: disable=protected-access
     ends = (lengths > start0) & (lengths <= start0 + tok.shape[1])
     logp = got if logp is None else jnp.where(ends[:, None], got, logp)
   return cache, alloc, np.asarray(logp)[:len(prompts)]
@@ -150,15 +123,14 @@ def _batch(gen, pre, prompts, forced, key, take, stats):
   keys = jax.random.split(key, n)
   t0, c0 = time.perf_counter(), stats["compile_s"]
   if pre is gen:
-    cache, alloc, logp0 = _prefill(gen, prompts, forced[:, 0], keys[0], stats)
+    cache, alloc, logp0 = _prefill(gen, prompts, keys[0], stats)
   else:
     alloc = PageAllocator(gen.num_pages, s, gen.pages_per_seq, gen.quant.page_size,
                           kv_cache.sink_tokens(gen.quant))
     cache, parts = gen.new_cache(), []
     for g in range(0, n_live, pre.max_seqs):
       group = prompts[g:g + pre.max_seqs]
-      gcache, galloc, glogp = _prefill(pre, group, forced[g:g + len(group), 0],
-                                       jax.random.fold_in(keys[0], g), stats)
+      gcache, galloc, glogp = _prefill(pre, group, jax.random.fold_in(keys[0], g), stats)
       parts.append(glogp)
       for j, p in enumerate(group):
         payload = handoff.export_sequence(gcache, slot=j, page_indices=galloc.page_indices,
@@ -181,8 +153,7 @@ def _batch(gen, pre, prompts, forced, key, take, stats):
     kv_lens += active
     seal = "always" if kv_cache.seals_block(gen.quant, kv_lens, active) else "never"
     step = Step.decode(alloc.page_indices, kv_lens, active, keys[i], seal)
-    cache, logp = gen._run(_decode_logp, (gen.state, targets[:, i - 1], step, cache, targets[:, i]),  # pylint: disable=protected-access
-                           stats, sampling=None)
+    cache, logp = gen._run(targets[:, i - 1], step, cache, LogpHead(), None, stats)  # pylint: disable=protected-access
     take(i, logp)
     stats["decode_steps"] += 1
   stats["decode_s"] += time.perf_counter() - t0 - (stats["compile_s"] - c0)

@@ -133,6 +133,17 @@ class ScoreHead:
     return (-jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0],)
 
 
+@dataclasses.dataclass(frozen=True)
+class LogpHead:
+  """log-softmax f32[S, V] of each slot's last written row (decode: its one row), the whole
+  next-token distribution (models/eval_score.py); takes no head arrays."""
+
+  def __call__(self, model, hidden, step, head_args):
+    del head_args
+    logits = model.logits(_last_written(hidden, step))
+    return (jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),)
+
+
 def _last_written(hidden, step):
   """hidden [S, T, D] -> [S, D], each slot's last written row (row 0 for a decode step)."""
   last = jnp.maximum(step.write_lens - 1, 0)[:, None, None]
