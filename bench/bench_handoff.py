@@ -91,7 +91,8 @@ def main(argv=None):
 
     rows = []
     device = jax.devices()[0].device_kind
-    cfg = bg.model_config(args.model, "hack", "reference", False, scan_layers=False)  # a tuple of layers
+    cfg = bg.model_config(args.model, "hack", "reference", False, scan_layers=False,
+                          stack_cache=False)  # a tuple of layers, as receiving_cache builds
     for context in args.contexts:
         for fmt in args.formats:
             quant = QuantConfig(kv_format=FORMATS[fmt])
