@@ -95,6 +95,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hack_jax.rotation import hadamard  # noqa: F401 (re-exported: eval variants rotate q, k)
 from hack_jax.backend import write
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
@@ -359,21 +360,11 @@ def fake_hack_bytes(spec: FakeHack, num_kv_heads: int, head_dim: int, num_layers
   return total if seq_len is None else total / seq_len
 
 
-def hadamard(n: int) -> np.ndarray:
-  """Orthonormal Sylvester Hadamard matrix f64[n, n] (n a power of two)."""
-  if n < 1 or n & (n - 1):
-    raise ValueError(f"Hadamard size must be a power of two, got {n}")
-  h = np.ones((1, 1))
-  while h.shape[0] < n:
-    h = np.block([[h, h], [h, -h]])
-  return h / math.sqrt(n)
-
-
 def block_hadamard(dim: int, block: int) -> np.ndarray:
   """Block-diagonal orthonormal rotation f64[dim, dim] with Hadamard(block) blocks."""
   if dim % block:
     raise ValueError(f"head_dim {dim} not a multiple of the Hadamard block {block}")
-  return np.kron(np.eye(dim // block), hadamard(block))
+  return np.kron(np.eye(dim // block), hadamard(block).astype(np.float64))
 
 
 def rotate(x: jax.Array, rotation: np.ndarray) -> jax.Array:
