@@ -95,10 +95,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hack_jax.rotation import hadamard  # noqa: F401 (re-exported: eval variants rotate q, k)
 from hack_jax.backend import write
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
+from hack_jax.rotation import hadamard
 
 f32 = jnp.float32
 
