@@ -212,8 +212,9 @@ def _perplexity(args, parser) -> int:
   c = ckpt.config
   rep = kv_cache.cache_bytes_report(quant, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                     head_dim=c.head_dim, seq_len=len(ids))
-  print(f"KV cache: {rep['bits_per_element']:.3f} bits/element at {len(ids)} tokens "
-        f"({rep['page_bits_per_element']:.3f} in full pages; {quant})")
+  print(f"KV cache: {rep['page_bits_per_element']:.3f} bits per K/V element in full pages; this "
+        f"{len(ids)}-token run allocates {rep['bits_per_element']:.3f} bits per held element (whole "
+        f"pages, open block and sinks; {quant})")
   print(f"perplexity: {ppl:.4f}")
   return 0
 

@@ -251,7 +251,8 @@ def run(args, load) -> int:
     print(f"KV cache ({args.kv_format}): {rep['bytes_per_token']:,.0f} B/token "
           f"({rep['bits_per_element']:.3f} bits/element in pages) = "
           f"{rep['vs_bf16']:.3f} x bf16 in full pages; this run allocates {rep['total']:,} B vs "
-          f"{rep['total_bf16']:,} B for bf16 ({rep['allocated_bits_per_element']:.3f} bits/element)")
+          f"{rep['total_bf16']:,} B for bf16 ({rep['allocated_bits_per_element']:.3f} bits per held K/V "
+          f"element: whole pages, open blocks and sinks over the tokens held)")
   return 0
 
 
