@@ -72,9 +72,12 @@ from pallas_kernels.common import NUM_PLANES
 DotDtype = Literal["int8", "folded_f16", "folded_bf16"]
 DOT_DTYPES = ("int8", "folded_f16", "folded_bf16")
 H200_NUM_SMS = 132
-# Programs resident per SM at once, by operand mode: 4 warps x 168 registers ("int8") / 220 registers
-# (folded; ptxas, sm_90, Triton 3.6, offline: bench/NOTES_decode.md) in the 64K registers of an SM.
-RESIDENT_PROGRAMS_PER_SM = {"int8": 3, "folded_f16": 2, "folded_bf16": 2}
+# Programs per SM the split model counts as one wave, by operand mode. "int8": 4 warps x 168 registers,
+# 3 resident. The folded modes take 220 registers (2 resident; ptxas, sm_90, Triton 3.6, offline), but
+# their splits chosen for 3 measured faster on the H200 (8 x 32K 126 us with 6 splits vs 153-158 us with
+# the 4 that 2 gives; 1 x 128K 74 vs 88 us): a partly filled second wave overlaps the first's tail in
+# this latency-bound kernel (bench/NOTES_decode.md, 2026-12-02).
+RESIDENT_PROGRAMS_PER_SM = {"int8": 3, "folded_f16": 3, "folded_bf16": 3}
 
 
 # ----------------------------------------------------------------------------------------------
