@@ -1,5 +1,6 @@
-"""Smoke test of bench/bench_serving.py on the toy model: both modes run, rows and the Markdown
-table are written, and continuous and fixed batching produce the same greedy tokens."""
+"""Smoke test of bench/bench_serving.py on the toy model: every mode runs, rows and the Markdown
+table are written, and continuous batching, fixed batches on the same Engine and the Generator
+produce the same greedy tokens."""
 
 import importlib.util
 import json
@@ -14,11 +15,12 @@ def test_bench_serving_toy(tmp_path):
   spec.loader.exec_module(bench)
   out = tmp_path / "serving.jsonl"
   bench.main(["--model", "toy", "--requests", "5", "--max-seqs", "2", "--prompt-len", "8", "30",
-              "--output-len", "2", "12", "--formats", "bf16", "--out", str(out)])
+              "--output-len", "2", "12", "--formats", "bf16", "--modes", "continuous", "fixed", "generator",
+              "--out", str(out)])
   rows = [json.loads(x) for x in out.read_text().splitlines()]
-  assert [r["mode"] for r in rows] == ["continuous", "fixed"]
-  assert rows[1]["same_tokens"] is True
+  assert [r["mode"] for r in rows] == ["continuous", "fixed", "generator"]
+  assert rows[1]["same_tokens"] is True and rows[2]["same_tokens"] is True
   assert rows[0]["output_tokens"] == rows[1]["output_tokens"] and rows[0]["requests"] == 5
   assert rows[0]["decode_steps"] + rows[0]["prefill_calls"] >= 12  # the longest request's steps
   md = (tmp_path / "serving.md").read_text()
-  assert md.count("| toy (random bf16 weights) | bf16 | 2 | 5 |") == 2
+  assert md.count("| toy (random bf16 weights) | bf16 | 2 | - | 5 |") == 3
