@@ -18,8 +18,9 @@ Two ways to run:
 Layers: config.scan_layers=True stacks the layer weights (one Block whose parameters carry a leading
 num_layers axis) and runs the layers as one jax.lax.scan (the cache's layers stacked the same way,
 kv_cache.init_cache(stacked=True), its pages read and written in place: hack_jax.kv_cache.stacked);
-False keeps one Block per layer and a Python loop over a tuple of layer caches. The layer index
-goes to the backend explicitly (an int, or a traced i32 in the scan).
+False keeps one Block per layer and a Python loop over a tuple of layer caches, or over a stacked
+cache in the same flat form (config.stack_cache, the GPU default: fewer step arguments). The layer
+index goes to the backend explicitly (an int, or a traced i32 in the scan).
 Einsum axes: B batch, T query tokens, S key tokens, D embed_dim, F hidden_dim, N q heads,
 K kv heads, G q heads per kv head, H head_dim, V vocab, L layers.
 """
@@ -247,7 +248,8 @@ class Llama(nnx.Module):
   def run(self, tokens: jax.Array, positions: jax.Array, cache: Any = None,
           step: Step | None = None, attention: Any = None) -> tuple[Any, jax.Array]:
     """tokens i32[B, T], positions i32[B, T]; cache: hack_jax KVCache (B = max_seqs; layers
-    stacked or a tuple, as init_cache made it for config) or None; step: the hack_jax.step.Step record (with a cache);
+    stacked or a tuple, as init_cache made it for config) or None; step: the hack_jax.step.Step
+    record (with a cache);
     attention: the backend, None = config.attention.
 
     Returns (new KVCache or None, final-normed hidden [B, T, D] in config.dtype).
