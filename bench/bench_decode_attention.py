@@ -253,12 +253,15 @@ KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v
                "open_v", "sink_k", "sink_v")
 
 
-def hack_variants(dots=("int8", "folded_f16"), p128=False):
+def hack_variants(dots=("int8", "folded_f16"), p128=False, splits=()):
     """The operand modes of hack_decode_attention to time, as (row name, kwargs): hack_int8dot (INT8
     transients, the paper's numerics), hack_folded_f16 / hack_folded_bf16 (scale-folded 16-bit operands);
     p128 adds the int8 mode on a partition_size=128 cache (page 512): half the per-token INT8
-    requantization work, lower accuracy (bench/results/accuracy.md), as a speed/accuracy data point."""
+    requantization work, lower accuracy (bench/results/accuracy.md), as a speed/accuracy data point.
+    splits: each mode again with num_splits forced (rows hack_<mode>_s<N>), to check default_config's
+    choice against its neighbours in one run."""
     out = [("hack_int8dot" if d == "int8" else f"hack_{d}", {"dot_dtype": d}) for d in dots]
+    out += [(f"hack_{d}_s{n}", {"dot_dtype": d, "num_splits": n}) for d in dots for n in splits]
     if p128:
         out.append(("hack_p128_int8dot", {"dot_dtype": "int8", "partition_size": 128}))
     return out
@@ -621,6 +624,8 @@ def main(argv=None):
                          "hack_folded_bf16)")
     ap.add_argument("--hack-p128", action="store_true",
                     help="also time the hack kernel on a partition_size=128 cache (hack_p128_int8dot)")
+    ap.add_argument("--hack-splits", nargs="*", type=int, default=[],
+                    help="also time each --hack-dots mode with num_splits forced to these values")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--target-ms", type=float, default=60.0, help="wall time of one timed loop")
     ap.add_argument("--unroll", type=int, default=UNROLL, help="calls per loop iteration")
@@ -663,7 +668,7 @@ def main(argv=None):
         if name == "hack":
             try:
                 impls += [(v, lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret, variant_kwargs=kw))
-                          for v, kw in hack_variants(args.hack_dots, args.hack_p128)]
+                          for v, kw in hack_variants(args.hack_dots, args.hack_p128, args.hack_splits)]
             except Exception as e:  # the module itself is missing or broken: one row per shape says so
                 err = f"{type(e).__name__}: {e}"
                 impls.append(("hack", lambda s, k, err=err: (_ for _ in ()).throw(RuntimeError(err))))
