@@ -12,8 +12,8 @@ step compiled as bench_generate.py compiles it (models.stepper.forward_step, sea
   timing  `--steps` steps back to back (each feeding its sampled tokens to the next, no host sync):
           enqueue = host time until the call returns, wall = time per step with block_until_ready at
           the end. enqueue ~ wall says the host sets the pace.
-Writes DIR/probe_step.json and DIR/<format>_entry.txt (the entry computation and every command buffer's
-instruction list). XLA_FLAGS apply as given (run once per setting, in its own process).
+Writes DIR/probe_step.json and DIR/<format>_hlo.txt (the optimized HLO); with --profile N, the GPU time per kernel of N
+traced steps (bench_generate.profile_kernels). XLA_FLAGS apply as given (run once per setting, in its own process).
 """
 from __future__ import annotations
 
@@ -99,7 +99,9 @@ def analyze(text):
                 outside_total=sum(outside.values()))
 
 
-def probe(fmt, args, state, graphdef_cache):
+def probe(fmt, seals, args, state):
+    """Rows for one format: per compiled step (seal mode) its HLO counts, timing and profile; with
+    --alternate K (hack) one more row timing K-1 non-sealing steps then 1 sealing step, repeated."""
     cfg = bg.model_config(args.model, fmt, args.impl, False, scan_layers=False)
     cfg = dataclasses.replace(cfg, num_layers=args.layers) if args.layers else cfg
     quant = bg.quant_config(fmt)
@@ -109,45 +111,77 @@ def probe(fmt, args, state, graphdef_cache):
     b = args.batch
     tokens, targets = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32)
     active, key = jnp.ones((b,), bool), jax.random.key(2)
-    seal = "never" if fmt == "hack" else "always"
     ctx = args.context - args.context % 64 + 1  # the step after ctx holds no sealing position
 
-    def record(i):
+    def record(i, seal):
         return Step("decode", table, jnp.full((b,), ctx + i, jnp.int32), active, key, seal)
 
-    t0 = time.perf_counter()
-    exe = mstep.forward_step.lower(state, tokens, record(0), cache, None, targets, graphdef=graphdef,
-                                   attention=cfg.attention, head=mstep.SampleHead(mgen.Sampling())).compile()
-    compile_s = time.perf_counter() - t0
-    text = exe.as_text()
-    with open(os.path.join(args.out, f"{fmt}_hlo.txt"), "w") as fh:
-        fh.write(text)
-    row = dict(format=fmt, layers=cfg.num_layers, batch=b, context=args.context, compile_s=round(compile_s, 2),
-               xla_flags=os.environ.get("XLA_FLAGS", ""), **analyze(text))
-    records = [record(i % 60) for i in range(args.steps)]
-    jax.block_until_ready(records)
-    for i in range(3):
-        cache, tokens, _ = exe(state, tokens, records[i], cache, None, targets)
-    jax.block_until_ready((cache, tokens))
-    runs = []
-    for _ in range(args.reps):
-        enqueue = 0.0
-        t = time.perf_counter()
-        for r in records:
-            t1 = time.perf_counter()
+    def timed(plan):  # plan: [(executable, record)] run back to back -> (enqueue, wall) ms per step
+        nonlocal cache, tokens
+        for exe, r in plan[:3]:
             cache, tokens, _ = exe(state, tokens, r, cache, None, targets)
-            enqueue += time.perf_counter() - t1
         jax.block_until_ready((cache, tokens))
-        runs.append((enqueue / len(records) * 1e3, (time.perf_counter() - t) / len(records) * 1e3))
-    enq, wall = np.median(np.array(runs), axis=0)
-    row.update(enqueue_ms=round(float(enq), 3), wall_ms=round(float(wall), 3), runs=runs)
-    print(f"{fmt}: {row['layers']} layers, compile {compile_s:.1f} s; command buffers {row['command_buffers']} "
-          f"holding {row['inside_total']} ops, {row['outside_total']} ops outside; enqueue {enq:.3f} ms/step, "
-          f"wall {wall:.3f} ms/step", flush=True)
-    print(f"  outside: {row['outside']}", flush=True)
-    print(f"  inside:  {dict(list(row['inside'].items())[:12])}", flush=True)
+        runs = []
+        for _ in range(args.reps):
+            enqueue = 0.0
+            t = time.perf_counter()
+            for exe, r in plan:
+                t1 = time.perf_counter()
+                cache, tokens, _ = exe(state, tokens, r, cache, None, targets)
+                enqueue += time.perf_counter() - t1
+            jax.block_until_ready((cache, tokens))
+            runs.append((enqueue / len(plan) * 1e3, (time.perf_counter() - t) / len(plan) * 1e3))
+        enq, wall = np.median(np.array(runs), axis=0)
+        return round(float(enq), 3), round(float(wall), 3), runs
+
+    rows, exes = [], {}
+    for seal in seals:
+        t0 = time.perf_counter()
+        exe = mstep.forward_step.lower(state, tokens, record(0, seal), cache, None, targets, graphdef=graphdef,
+                                       attention=cfg.attention, head=mstep.SampleHead(mgen.Sampling())).compile()
+        compile_s = time.perf_counter() - t0
+        exes[seal] = exe
+        text = exe.as_text()
+        if args.save_hlo:
+            with open(os.path.join(args.out, f"{fmt}_{seal}_hlo.txt"), "w") as fh:
+                fh.write(text)
+        row = dict(format=fmt, seal=seal, layers=cfg.num_layers, batch=b, context=args.context,
+                   compile_s=round(compile_s, 2), xla_flags=os.environ.get("XLA_FLAGS", ""), **analyze(text))
+        plan = [(exe, record(i % 60, seal)) for i in range(args.steps)]
+        jax.block_until_ready(plan[-1][1])
+        row["enqueue_ms"], row["wall_ms"], row["runs"] = timed(plan)
+        if args.profile:
+            def run_steps():
+                nonlocal cache, tokens
+                for exe_, r in plan[:args.profile]:
+                    cache, tokens, _ = exe_(state, tokens, r, cache, None, targets)
+                jax.block_until_ready((cache, tokens))
+            row.update(bg.profile_kernels(run_steps, args.profile, os.path.join(args.out, "trace_tmp"), top=25))
+        report(row, f"{fmt} seal={seal}: {row['layers']} layers, compile {compile_s:.1f} s; ")
+        rows.append(row)
+    if args.alternate and {"never", "always"} <= set(exes):
+        k = args.alternate
+        plan = [(exes["always"], record(i % 60, "always")) if i % k == k - 1 else
+                (exes["never"], record(i % 60, "never")) for i in range(args.steps)]
+        row = dict(format=fmt, seal=f"alternate {k - 1} never + 1 always", layers=cfg.num_layers, batch=b,
+                   context=args.context, xla_flags=os.environ.get("XLA_FLAGS", ""))
+        row["enqueue_ms"], row["wall_ms"], row["runs"] = timed(plan)
+        report(row, f"{fmt} {row['seal']}: ")
+        rows.append(row)
     del cache
-    return row
+    return rows
+
+
+def report(row, head):
+    print(head + (f"command buffers {row['command_buffers']} holding {row['inside_total']} ops, "
+                  f"{row['outside_total']} ops outside; " if "outside_total" in row else "")
+          + f"enqueue {row['enqueue_ms']:.3f} ms/step, wall {row['wall_ms']:.3f} ms/step", flush=True)
+    if "outside" in row:
+        print(f"  outside: {row['outside']}", flush=True)
+    if "gpu_kernels" in row:
+        print(f"  GPU busy {row['gpu_us_per_step']:.0f} us/step; dearest kernels (us/step, calls/step):", flush=True)
+        for name, us, calls in row["gpu_kernels"][:14]:
+            print(f"    {us:9.1f} {calls:7.2f}  {name[:110]}", flush=True)
 
 
 def main(argv=None):
@@ -159,6 +193,12 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--impl", default="pallas", choices=("pallas", "reference"))
+    ap.add_argument("--seal", nargs="+", default=["never"], choices=("never", "always"),
+                    help="hack's compiled step(s): never = the 63 of 64 steps that seal no block")
+    ap.add_argument("--profile", type=int, default=0, help="trace this many steps: GPU time per kernel")
+    ap.add_argument("--alternate", type=int, default=0,
+                    help="K: also time K-1 non-sealing steps then 1 sealing step, repeated (hack, both seals)")
+    ap.add_argument("--save-hlo", action="store_true", help="write DIR/<format>_<seal>_hlo.txt")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
@@ -167,7 +207,7 @@ def main(argv=None):
     if args.layers:
         cfg0 = dataclasses.replace(cfg0, num_layers=args.layers)
     _, state, _ = bg.random_state(cfg0, init="hash")
-    rows = [probe(fmt, args, state, {}) for fmt in args.formats]
+    rows = [row for fmt in args.formats for row in probe(fmt, args.seal if fmt == "hack" else ["always"], args, state)]
     with open(os.path.join(args.out, "probe_step.json"), "a") as fh:
         for row in rows:
             fh.write(json.dumps(dict(row, jax=jax.__version__, device=str(jax.devices()[0]))) + "\n")
