@@ -70,10 +70,7 @@ PREFILL_PATHS = {  # impl -> (kv_format, hack_jax.prefill attention): the whole 
 QUICK_SWEEP_SEQ = 16384
 HACK_SWEEP = [  # NOTES_prefill.md v2: the offline SASS ranking's candidates (the default is in the matrix)
     ("bf16", dict(block_q=32, num_warps=8)),  # 128 rows: 3539 vs 3461 loop instructions per 16 rows
-    ("bf16", dict(q_reload=True)),  # q re-read per block: fewer spills (106 vs 123), 3607 instructions
-    ("int8", dict()),  # int8 dots with the same fast paths (IGMMA; V codes token-major since v_codes went
-    #                    [N, H, D, page // 4]: offline 3379 loop instructions, 3504 with the V tile transposed)
-    ("bf16", dict(fast_quant=False, unpack_asm=False, meta_tiles=False)),  # v1's kernel: v2's gain, same run
+    ("int8", dict()),  # int8 dots (IGMMA; V codes token-major: offline 3504 loop instructions)
 ]
 BF16_SWEEP = [dict(block_q=16, block_k=64, num_warps=4), dict(block_q=32, block_k=128, num_warps=8),
               dict(block_q=32, block_k=64, num_warps=8, num_stages=3), dict(block_q=64, block_k=64, num_warps=8)]
@@ -136,17 +133,20 @@ def _hack_cache(shape, key):
 
 
 def prep_hack(shape, key, *, interpret, dot_dtype, fields=None):
+    from hack_jax import attention
     from pallas_kernels import prefill_attention as mod
     layer, table, lens, _, _ = _hack_cache(shape, key)
+    arrays, static = attention.kernel_args(layer)  # the kernel takes a layer's arrays, as the dispatch passes them
     num_q_heads, num_kv_heads, _ = shape.dims
     config = mod.default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, q_len=shape.seq,
                                 dot_dtype=dot_dtype)
     config = dataclasses.replace(config, **(fields or {}))
 
     def call(q, a):
-        return mod.hack_prefill_attention(q, a["layer"], a["table"], a["lens"], config=config, interpret=interpret)
+        return mod.hack_prefill_attention(q, *a["cache"], a["table"], a["lens"], **static, config=config,
+                                          interpret=interpret)
 
-    return Prepared(call, dict(layer=layer, table=table, lens=lens),
+    return Prepared(call, dict(cache=arrays, table=table, lens=lens),
                     f"kivi P=64 page_size={PAGE_SIZE} ns=4 {config}")
 
 
@@ -402,7 +402,7 @@ def main(argv=None):
                     help="CPU-only: compile every hack config of the run offline for sm_90 (pip triton 3.6.0 in "
                          "PYTHONPATH, e.g. /tmp/tri) and report registers and the main loops' SASS; writes DIR/sass.jsonl")
     ap.add_argument("--sass-configs", nargs="*", metavar="NAME:FIELDS",
-                    help="extra configs for --sass, e.g. q32w8:block_q=32,num_warps=8,fast_quant=1")
+                    help="extra configs for --sass, e.g. q32w8:block_q=32,num_warps=8,dot_dtype=int8")
     args = ap.parse_args(argv)
     if args.sass:
         return sass_report(args)
@@ -477,15 +477,14 @@ def main(argv=None):
 
 
 def parse_fields(text):
-    """"block_q=32,num_warps=8,fast_quant=1" -> KernelConfig fields (ints; bools as 0/1; dot_dtype str)."""
+    """"block_q=32,num_warps=8,dot_dtype=int8" -> KernelConfig fields (ints; dot_dtype a str)."""
     out = {}
     for item in filter(None, text.split(",")):
         k, v = item.split("=")
-        out[k] = v if k == "dot_dtype" else bool(int(v)) if k in BOOL_FIELDS else int(v)
+        out[k] = v if k == "dot_dtype" else int(v)
     return out
 
 
-BOOL_FIELDS = ("fast_quant", "unpack_asm", "q_reload", "meta_tiles")
 # Measured on the H200 (NOTES_prefill.md): block_q=16, 4 warps, 2 programs/SM: ~8.8k SM-cycles per
 # (64-row program, K block) at 3874... 4214 loop instructions per warp: ~0.24 instructions/cycle per warp.
 IPC_PER_WARP = 0.24
@@ -525,7 +524,7 @@ def sass_report(args):
         base = mod.default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, q_len=seq)
         configs.append((name, dataclasses.replace(base, **parse_fields(fields))))
     os.makedirs(args.sass, exist_ok=True)
-    pad = mod.group_pad(num_q_heads // num_kv_heads)
+    pad = mod.q_per_kv_pad(num_q_heads // num_kv_heads)
     for name, cfg in configs:
         t0 = time.perf_counter()
         try:

@@ -51,8 +51,8 @@ Impl = Literal["reference", "pallas", "pallas_dequant", "triton"]
 IMPLS = get_args(Impl)
 _HIGHEST = jax.lax.Precision.HIGHEST
 
-# (module, function) of the Pallas kernel per (impl, kind, kv_format); called as fn(q, <cache>,
-# page_indices, kv_lens, **kernel_options) where <cache> is the layer, or (k, v) pages for bf16;
+# (module, function) of the Pallas kernel per (impl, kind, kv_format); called as fn(q, *arrays,
+# page_indices, kv_lens, **static, **kernel_options) with (arrays, static) = kernel_args(layer);
 # prefill kernels also get q_start=i32[max_seqs] (keyword).
 _PALLAS = {
     ("pallas", "decode", "hack"): ("pallas_kernels.decode_attention", "hack_decode_attention"),
@@ -94,7 +94,7 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
     page_indices, kv_lens = _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
     if impl != "reference":
         kernel = _pallas(impl, "decode", layer)  # NotImplementedError first for a layout without kernels
-        arrays, static = _decode_kernel_args(layer)
+        arrays, static = kernel_args(layer)
         out = _run_kernel(impl, kernel, q, *arrays, page_indices, kv_lens, **static, **kernel_options)
     else:
         out = _reference(q[:, None], layer, page_indices, kv_lens, None, decode=True)[:, 0]
@@ -136,8 +136,10 @@ def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q
     if not isinstance(q_start, jax.core.Tracer) and q_start.size and int(q_start.min()) < 0:
         raise ValueError(f"q_start must be >= 0: q_start={np.asarray(q_start).tolist()}")
     if impl != "reference":
-        out = _run_kernel(impl, _pallas(impl, "prefill", layer), q, *_kernel_cache(layer), page_indices,
-                          kv_lens, q_start=q_start, **kernel_options)
+        kernel = _pallas(impl, "prefill", layer)  # NotImplementedError first for a layout without kernels
+        arrays, static = kernel_args(layer)
+        out = _run_kernel(impl, kernel, q, *arrays, page_indices, kv_lens, q_start=q_start, **static,
+                          **kernel_options)
     else:
         out = _reference(q, layer, page_indices, kv_lens, q_start, decode=False)
     return _unrotate(out, layer)
@@ -180,28 +182,27 @@ def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
     return page_indices, kv_lens
 
 
-def _kernel_cache(layer):
-    return (layer.k, layer.v) if isinstance(layer, kv_cache.DensePages) else (layer,)
-
-
 _KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k",
                 "open_v", "sink_k", "sink_v")
-
-
 _FP8_FIELDS = ("k_codes", "k_scale", "v_codes", "v_scale")
 _KIVI2_FIELDS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min", "open_k", "open_v")
 
 
-def _decode_kernel_args(layer):
-    """(arrays, static ints) of a decode kernel call: bf16 pages (k, v); an fp8 / kivi2 layer's arrays
-    (kivi2 with its group); a kivi layer's arrays in the kernels' order with its partition_size /
-    num_sink_tokens, and v_group when the config sets one (the kernels take arrays only)."""
+def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
+    """(arrays, static ints) a kernel takes for a cache layer, decode and prefill alike: the ONE place
+    that unpacks a layer (the kernels take arrays and static ints only). bf16 pages: (k, v); fp8 /
+    kivi2: their arrays (kivi2 with its group); kivi: the 12 arrays in the kernels' order (k_codes,
+    k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v) with
+    partition_size and num_sink_tokens, and v_group when the config sets one. Kernels are called as
+    fn(q, *arrays, page_indices, kv_lens, **static, **kernel_options) (prefill: also q_start=)."""
     if isinstance(layer, kv_cache.DensePages):
         return (layer.k, layer.v), {}
     if isinstance(layer, kv_cache.Fp8Pages):
         return tuple(getattr(layer, f) for f in _FP8_FIELDS), {}
     if isinstance(layer, kv_cache.Kivi2Pages):
         return tuple(getattr(layer, f) for f in _KIVI2_FIELDS), dict(group=kv_cache.kivi2.GROUP)
+    if not isinstance(layer, kv_cache.KiviPages):
+        raise NotImplementedError(f"no kernel takes a {type(layer).__name__} layer")
     static = dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens)
     if layer.config.v_group:
         static["v_group"] = layer.config.v_group
@@ -424,7 +425,7 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache, *, page_indices, kv_lens, a
     page_indices, kv_lens, active = _check_append(layer, k, v, page_indices, kv_lens, active)
     _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
     fn = functools.partial(_run_kernel, impl, _fused_decode_module().hack_fused_decode_attention)
-    arrays, static = _decode_kernel_args(layer)
+    arrays, static = kernel_args(layer)
     before = kv_lens - active.astype(jnp.int32)  # the fused kernel's position of the new token
     v = rotate_v(v, layer.config.v_rotation)  # what kv_cache.append stores
     out, open_k, open_v, sink_k, sink_v = fn(q, k, v, *arrays, page_indices, before, active, **static,

@@ -1,36 +1,43 @@
 """Paged bf16 causal prefill attention (the unquantized baseline of the HACK prefill kernel).
 
-Computes, for every sequence b, query row t (position q_start[b] + t) and query head h (GQA: kv
-head h // (num_q_heads // num_kv_heads)),
+Computes, for every sequence b, query row t (position pos = q_start[b] + t) and query head h (kv
+head h // q_per_kv, q_per_kv = num_q_heads // num_kv_heads),
 
     out[b, t, h] = softmax(q[b, t, h] . K_b[:pos + 1]^T / sqrt(head_dim)) V_b[:pos + 1]
 
-over the keys at positions <= pos = q_start[b] + t (and < kv_lens[b]) of sequence b, whose K/V live
-in the pages page_indices[b, 0], page_indices[b, 1], ... of a paged bf16 cache (DESIGN.md
-kv_format="bf16"). Rows at or past kv_lens[b] return 0.
-
-Structure (the same as pallas_kernels/prefill_attention.py, so the two time the same machinery):
-grid (batch, num_kv_heads, query tiles), the heaviest (last) tiles first; a program holds block_q
-positions x G_pad query heads of one kv head = R rows (GQA folded into the dot's M: each K/V tile is
-loaded once for the G heads); it walks the key tiles of block_k tokens (a slice of one page, page id
-read from the int32 page table inside the kernel) that the tile can see: unmasked tiles first, then
-the diagonal ones with the causal mask. Online softmax in float32 with exp2 (log2(e) folded into
-the softmax scale), q and the softmax weights rounded to bf16 for the dots (FlashAttention's
-numerics).
+over the keys at positions <= pos (and < kv_lens[b]) of sequence b, whose K/V live in the pages
+page_indices[b, 0], page_indices[b, 1], ... of a paged bf16 cache (DESIGN.md kv_format="bf16").
+Rows at or past kv_lens[b] return 0. Online softmax in float32 with exp2 (log2(e) folded into the
+softmax scale), q and the softmax weights rounded to bf16 for the dots (FlashAttention's numerics).
 
 Reference twin: `hack_jax.attention.prefill_attention(..., impl="reference")` for kv_format="bf16"
 (dense float32 attention over the gathered pages); tests/test_prefill_kernels.py also checks it
 against an independent float64 NumPy attention with the flash-attention rule (error <= 2x that of
 the same math done naively in bf16).
 
-Supported: q any float dtype (rounded to bf16), K/V bf16, head_dim and page_size powers of two
->= 16, block_k <= page_size, any GQA group (padded to a power of two). Output float32. kv_lens are
-clipped to [0, pages_per_seq * page_size]; page ids outside [0, num_pages) read page 0 (the null
-page); whatever is read past kv_len is masked (NaN cannot leak). Tested: interpret mode on the CPU
-(jax 0.10.2); one NVIDIA H200 (jax 0.11.2, Triton 3.6): the gpu tests of tests/test_prefill_kernels.py
-pass; its timings beside the HACK kernel and cuDNN are in bench/NOTES_prefill.md. In a model it is
-the `attention="pallas"` backend of hack_jax.prefill's exact prefill (the fresh K/V as one page per
-sequence); it returns no log-sum-exp, so that backend refuses chunks.
+Shapes and dtypes (S = batch, H = num_kv_heads):
+  q      float[S, T, num_q_heads, head_dim] (any float dtype, rounded to bf16)
+         -> out f32[S, T, num_q_heads, head_dim]
+  k, v   bf16[num_pages, H, page_size, head_dim]
+  page_indices i32[S, pages_per_seq];  kv_lens i32[S] (this chunk included);  q_start i32[S]
+Supported: head_dim and page_size powers of two >= 16, block_k <= page_size, any GQA ratio
+(q_per_kv padded to a power of two).
+
+Structure (the same as pallas_kernels/prefill_attention.py, so the two time the same machinery):
+grid (S, H, query tiles), the heaviest (last) tiles first; a program holds block_q positions x
+q_per_kv_pad query heads of one kv head = R rows (GQA folded into the dot's M: each K/V tile is
+loaded once for the q_per_kv heads); it walks the key tiles of block_k tokens (a slice of one page,
+page id read from the int32 page table inside the kernel) that the tile can see: unmasked tiles
+first, then the diagonal ones with the causal mask.
+
+Measured on one NVIDIA H200 (jax 0.11.2, Triton 3.6): the gpu tests of tests/test_prefill_kernels.py
+pass; timings beside the HACK kernel and cuDNN in bench/NOTES_prefill.md. In a model it is the
+`attention="pallas"` backend of hack_jax.prefill's exact prefill (the fresh K/V as one page per
+sequence).
+
+Caveats: it returns no log-sum-exp, so that backend refuses chunks; kv_lens are clipped to [0,
+pages_per_seq * page_size]; page ids outside [0, num_pages) read page 0 (the null page); whatever is
+read past kv_len is masked (NaN cannot leak).
 """
 
 from __future__ import annotations
@@ -51,22 +58,22 @@ LOG2_E = math.log2(math.e)
 
 
 def _bf16_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_ref, v_ref, o_ref, *,
-                         block_k, group_pad, block_q, num_q_tiles, sm_scale):
+                         block_k, q_per_kv_pad, block_q, num_q_tiles, sm_scale):
     # kv_lens_ref, q_start_ref  i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
-    # q_ref   float[block_q, G_pad, D]   this tile: positions x the kv head's query heads
+    # q_ref   float[block_q, q_per_kv_pad, D]   this tile: positions x the kv head's query heads
     # k_ref, v_ref  bf16[N, page_size, D]  the pool of this kv head
-    # o_ref   f32[block_q, G_pad, D]
+    # o_ref   f32[block_q, q_per_kv_pad, D]
     num_pages, page_size, head_dim = k_ref.shape
     b = pl.program_id(0)
     tile = num_q_tiles - 1 - pl.program_id(2)  # the longest rows first (causal load balance)
-    R = block_q * group_pad
+    R = block_q * q_per_kv_pad
     capacity = page_indices_ref.shape[1] * page_size
 
     kv_len = jnp.clip(kv_lens_ref[b], 0, capacity)
     lo = q_start_ref[b] + tile * block_q  # position of the tile's first row
     hi = jnp.minimum(lo + block_q, kv_len) - 1  # last position of a valid row (< lo: none)
-    pos = lo + _div(lax.broadcasted_iota(jnp.int32, (R,), 0), group_pad)  # [R]
+    pos = lo + _div(lax.broadcasted_iota(jnp.int32, (R,), 0), q_per_kv_pad)  # [R]
     num_tiles = jnp.where(hi >= lo, _div(hi, block_k) + 1, 0)  # key tiles the query tile sees
     num_full = jnp.minimum(_div(lo + 1, block_k), num_tiles)  # ... every row sees whole (< kv_len too)
 
@@ -101,7 +108,7 @@ def _bf16_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_re
     acc, _, l = lax.fori_loop(num_full, num_tiles, functools.partial(step, True), carry)
     ok = (pos < kv_len) & (l != 0)  # != 0: a NaN l stays NaN
     out = jnp.where(ok[:, None], acc / jnp.where(ok, l, 1.0)[:, None], 0.0)
-    o_ref[...] = out.reshape(block_q, group_pad, head_dim)
+    o_ref[...] = out.reshape(block_q, q_per_kv_pad, head_dim)
 
 
 def _div(x, n: int):
@@ -111,7 +118,7 @@ def _div(x, n: int):
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """block_q: query positions per program (rows = block_q * G_pad, a power of two >= 16);
+    """block_q: query positions per program (rows = block_q * q_per_kv_pad, a power of two >= 16);
     block_k: keys per loop iteration (a power of two >= 16, <= page_size); Triton launch params."""
 
     block_q: int = 32
@@ -142,17 +149,17 @@ def _full_spec(x):
 def _bf16_prefill(q, k, v, page_indices, kv_lens, q_start, *, config, interpret):
     batch, q_len, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = k.shape
-    group = num_q_heads // num_kv_heads
-    pad = _next_pow2(group)
+    q_per_kv = num_q_heads // num_kv_heads
+    pad = _next_pow2(q_per_kv)
     block_q = config.block_q
     tiles = -(-q_len // block_q)
-    qg = q.astype(jnp.bfloat16).reshape(batch, q_len, num_kv_heads, group, head_dim)
-    if tiles * block_q != q_len or pad != group:
-        qg = jnp.pad(qg, ((0, 0), (0, tiles * block_q - q_len), (0, 0), (0, pad - group), (0, 0)))
+    qg = q.astype(jnp.bfloat16).reshape(batch, q_len, num_kv_heads, q_per_kv, head_dim)
+    if tiles * block_q != q_len or pad != q_per_kv:
+        qg = jnp.pad(qg, ((0, 0), (0, tiles * block_q - q_len), (0, 0), (0, pad - q_per_kv), (0, 0)))
     tile_spec = pl.BlockSpec((None, block_q, None, pad, head_dim), lambda b, h, i: (b, tiles - 1 - i, h, 0, 0))
     # The whole pool of kv head h: on Triton a block is a base pointer, not a copy.
     pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, h, i: (0, h, 0, 0))
-    kernel = functools.partial(_bf16_prefill_kernel, block_k=config.block_k, group_pad=pad, block_q=block_q,
+    kernel = functools.partial(_bf16_prefill_kernel, block_k=config.block_k, q_per_kv_pad=pad, block_q=block_q,
                                num_q_tiles=tiles, sm_scale=1.0 / math.sqrt(head_dim))
     out = common.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(qg.shape, jnp.float32), grid=(batch, num_kv_heads, tiles),
@@ -160,7 +167,7 @@ def _bf16_prefill(q, k, v, page_indices, kv_lens, q_start, *, config, interpret)
                   pool_spec],
         out_specs=tile_spec, num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
         name="bf16_prefill_attention")(kv_lens, q_start, page_indices, qg, k, v)
-    return out[:, :q_len, :, :group].reshape(batch, q_len, num_q_heads, head_dim)
+    return out[:, :q_len, :, :q_per_kv].reshape(batch, q_len, num_q_heads, head_dim)
 
 
 @common.quiet
@@ -206,6 +213,7 @@ def bf16_prefill_attention(q, k, v, page_indices, kv_lens, *, q_start=None, conf
     pad = _next_pow2(num_q_heads // num_kv_heads)
     if (not common.is_pow2(config.block_q) or config.block_q * pad < 16 or not common.is_pow2(config.block_k)
             or not 16 <= config.block_k <= page_size):
-        raise ValueError(f"config must have power-of-two block_q with block_q * G_pad >= 16 (G_pad={pad}) "
-                         f"and power-of-two 16 <= block_k <= page_size={page_size}, got {config=}")
+        raise ValueError(f"config must have power-of-two block_q with block_q * q_per_kv_pad >= 16 "
+                         f"(q_per_kv_pad={pad}) and power-of-two 16 <= block_k <= page_size={page_size}, "
+                         f"got {config=}")
     return _bf16_prefill(q, k, v, page_indices, kv_lens, q_start, config=config, interpret=interpret)

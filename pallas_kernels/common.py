@@ -21,9 +21,11 @@
   `group_pad`, `split_range`, `load_q_rows`, `empty_state`, `sinks_and_open_block_state`,
   `combine_splits`, `full_spec`.
 
-prefill_attention.py also calls inline PTX of its own (`plane_asm`, `quantize_rows_int8_fast`), and
+- The prefill kernel's in-kernel pieces: `dynamic_plane` (a traced plane index, inline PTX on the GPU)
+  and `quantize_rows_int8_ffma` (one reciprocal per row, rounded by the FFMA).
+
 triton_decode_kernel.py is a Triton kernel outright; a port of the Pallas kernels to another backend
-touches this file, prefill_attention.py and the launch wrappers.
+touches this file and the launch wrappers.
 """
 from __future__ import annotations
 
@@ -377,6 +379,72 @@ def lse_combine(m, l, acc, axes):
     acc_tot = jnp.sum(acc * w[..., None], axis=axes)
     safe = jnp.where(l_tot == 0, 1.0, l_tot)  # == 0, not > 0: a NaN total stays NaN
     return jnp.where((l_tot == 0)[..., None], 0.0, acc_tot / safe[..., None])
+
+
+# ----------------------------------------------------------------------------- prefill: in-kernel pieces
+# Used by prefill_attention.py, which walks one quantization block per loop iteration, so the block's
+# plane is a traced shift and the INT8 transients are its own per-block quantizations.
+
+
+def dynamic_plane(tile: jax.Array, shift: jax.Array, dtype, *, asm: bool) -> jax.Array:
+    """Plane `shift // 2` of a packed u8 code tile as dot operands of `dtype` (bf16 or int8), same
+    shape, for a traced i32 `shift` in {0, 2, 4, 6}: `(byte >> shift) & 3`.
+
+    asm (GPU only) works on 4 bytes per 32-bit register by inline PTX: `t = (word >> shift) &
+    0x03030303` (the shift moves other bytes' bits only into bits 2..7, which the mask drops), then
+      int8: t itself (4 codes);
+      bf16: two PRMTs put 0x43 above each code byte (bf16 0x43cc = 128 + c, exact) and one bf16x2
+        FMA per pair subtracts 128 (exact): no integer-to-float converts (I2F.BF16 runs at a
+        quarter of the ALU rate).
+    2 + 1.5 instructions per 4 codes (bf16) instead of ~6 per code. Without asm: jnp shifts and
+    converts (interpret mode), the same values."""
+    if not asm:
+        return ((tile >> shift.astype(jnp.uint8)) & jnp.uint8(3)).astype(dtype)
+    shifts = jnp.broadcast_to(jnp.asarray(shift, jnp.int32), tile.shape)
+    if dtype == jnp.int8:
+        [out] = pltriton.elementwise_inline_asm(
+            "{ .reg .b32 t; shr.b32 t, $1, $2; and.b32 $0, t, 0x03030303; }", args=[tile, shifts],
+            constraints="=r,r,r,r,r,r", pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.int8)])
+        return out
+    [out] = pltriton.elementwise_inline_asm(
+        "{ .reg .b32 t, hi, one, off; shr.b32 t, $2, $3; and.b32 t, t, 0x03030303; mov.b32 hi, 0x43434343; "
+        "mov.b32 one, 0x3F803F80; mov.b32 off, 0xC300C300; "
+        "prmt.b32 $0, t, hi, 0x5140; prmt.b32 $1, t, hi, 0x7362; "
+        "fma.rn.bf16x2 $0, $0, one, off; fma.rn.bf16x2 $1, $1, one, off; }",
+        args=[tile, shifts], constraints="=r,=r,r,r,r,r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.bfloat16)])
+    return out
+
+
+def quantize_rows_int8_ffma(x: jax.Array, dtype, *, interpret: bool):
+    """INT8 per row of f32[R, n] as dot operands of `dtype` (bf16 or int8): (codes, s f32[R], mf f32[R]),
+    with `quantize_rows_int8`'s scale s = (hi/2 - lo/2) * (2/255) and folded minimum mf = lo + 128 s,
+    and codes round((x - mf) * (1/s)): one reciprocal per row instead of a division per element.
+
+    GPU: the rounding is done by the FFMA itself, u = (x - mf) * r + 1.5 * 2**23 (exact product, one
+    rounding to a float whose ulp is 1 = round half to even of the code, |code| <= 128.5 < 2**22), then
+    the clip to [M - 128, M + 127] and either u - M (bf16 operands: exact) or, for int8 operands, the
+    low byte of u's bits (M's low byte is 0, so it is the code's two's complement: no float-to-int
+    convert). Per element: sub, fma, min, max (+ sub for bf16). Both clips stay: they bind only where
+    x - mf loses bits to cancellation (a near-constant row far from 0), and there they must, as in the
+    reference. interpret: the same reciprocal product rounded by lax.round (XLA folds the magic-number
+    trick away). Codes differ from the reference's (which divides) only where x / s is within float32
+    rounding of a half-integer."""
+    lo = jnp.min(x, axis=1)
+    hi = jnp.max(x, axis=1)
+    raw = (0.5 * hi - 0.5 * lo) * np.float32(2.0 / 255)
+    s = jnp.where(hi > lo, jnp.maximum(raw, jnp.finfo(jnp.float32).tiny), 0.0)
+    mf = lo + 128.0 * s
+    r = 1.0 / jnp.where(s > 0, s, 1.0)  # [R]
+    d = x - mf[:, None]
+    if interpret:
+        c = jnp.clip(jax.lax.round(d * r[:, None], jax.lax.RoundingMethod.TO_NEAREST_EVEN), -128.0, 127.0)
+        return c.astype(dtype), s, mf
+    magic = np.float32(_ROUND_MAGIC)
+    u = jnp.clip(d * r[:, None] + magic, magic - np.float32(128), magic + np.float32(127))
+    if dtype == jnp.int8:
+        return jax.lax.bitcast_convert_type(u, jnp.int32).astype(jnp.int8), s, mf
+    return (u - magic).astype(dtype), s, mf
 
 
 # ----------------------------------------------------------------------------- validation
