@@ -747,7 +747,8 @@ def parse_args(argv):
     ap.add_argument("--impl", default="pallas", choices=("pallas", "reference"),
                     help="attention impl of the hack and bf16 formats (reference: CPU checks)")
     ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
-    ap.add_argument("--steps", type=int, default=8, help="decode steps per timed region")
+    ap.add_argument("--steps", type=int, default=64,
+                    help="decode steps per timed region (64: one sealing step per slot, as in generation at P=64)")
     ap.add_argument("--reps", type=int, default=3, help="timed regions per context (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps per context")
     ap.add_argument("--prefill-reps", type=int, default=2)

@@ -102,7 +102,7 @@ def analyze(text):
 def probe(fmt, seals, args, state):
     """Rows for one format: per compiled step (seal mode) its HLO counts, timing and profile; with
     --alternate K (hack) one more row timing K-1 non-sealing steps then 1 sealing step, repeated."""
-    cfg = bg.model_config(args.model, fmt, args.impl, False, scan_layers=False)
+    cfg = bg.model_config(args.model, fmt, args.impl, False, scan_layers=args.scan)
     cfg = dataclasses.replace(cfg, num_layers=args.layers) if args.layers else cfg
     quant = bg.quant_config(fmt)
     graphdef = nnx.split(nnx.eval_shape(lambda: mllama.Llama(cfg, rngs=nnx.Rngs(0))))[0]
@@ -145,7 +145,7 @@ def probe(fmt, seals, args, state):
         if args.save_hlo:
             with open(os.path.join(args.out, f"{fmt}_{seal}_hlo.txt"), "w") as fh:
                 fh.write(text)
-        row = dict(format=fmt, seal=seal, layers=cfg.num_layers, batch=b, context=args.context,
+        row = dict(format=fmt, seal=seal, scan_layers=args.scan, layers=cfg.num_layers, batch=b, context=args.context,
                    compile_s=round(compile_s, 2), xla_flags=os.environ.get("XLA_FLAGS", ""), **analyze(text))
         plan = [(exe, record(i % 60, seal)) for i in range(args.steps)]
         jax.block_until_ready(plan[-1][1])
@@ -198,12 +198,13 @@ def main(argv=None):
     ap.add_argument("--profile", type=int, default=0, help="trace this many steps: GPU time per kernel")
     ap.add_argument("--alternate", type=int, default=0,
                     help="K: also time K-1 non-sealing steps then 1 sealing step, repeated (hack, both seals)")
+    ap.add_argument("--scan", action="store_true", help="the layers as one lax.scan (ModelConfig.scan_layers)")
     ap.add_argument("--save-hlo", action="store_true", help="write DIR/<format>_<seal>_hlo.txt")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    cfg0 = bg.model_config(args.model, "bf16", args.impl, False, scan_layers=False)
+    cfg0 = bg.model_config(args.model, "bf16", args.impl, False, scan_layers=args.scan)
     if args.layers:
         cfg0 = dataclasses.replace(cfg0, num_layers=args.layers)
     _, state, _ = bg.random_state(cfg0, init="hash")
