@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hack_jax import paging
+from hack_jax import kv_cache, paging
 from hack_jax.backend import Backend
 from hack_jax.config import QuantConfig
 from hack_jax.step import Step
@@ -37,7 +37,9 @@ from models.llama import Llama, init_cache
 
 LAYOUT = {"reshape", "broadcast_in_dim", "convert", "constant", "slice", "bitcast_convert", "iota",
           "transpose", "concatenate", "return", "tuple", "get_tuple_element", "optimization_barrier"}
-FORMATS = {"hack": QuantConfig(), "bf16": QuantConfig(kv_format="bf16", num_sink_tokens=0)}
+# name -> (QuantConfig, Backend options); "hack-unfused": decode_step(fuse=False), the rows scattered in place
+FORMATS = {"hack": (QuantConfig(), {}), "hack-unfused": (QuantConfig(), {"fuse": False}),
+           "bf16": (QuantConfig(kv_format="bf16", num_sink_tokens=0), {})}
 COLUMNS = ("custom_call", "scatter", "dynamic_slice", "dynamic_update_slice")
 
 
@@ -66,13 +68,13 @@ def count_ops(text: str) -> collections.Counter:
 
 
 def lowered_ops(fmt: str, layers: int, batch: int, context: int, seal: str) -> collections.Counter:
-    quant = FORMATS[fmt]
+    quant, options = FORMATS[fmt]
     cfg = ModelConfig(architecture="llama", num_layers=layers, vocab_size=1024, embed_dim=4096, hidden_dim=14336,
                       num_q_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5,
                       max_seq_len=context + 64, tied_embeddings=False, qkv_bias=False, dtype=jnp.bfloat16,
-                      scan_layers=False, stack_cache=True, attention=Backend("pallas"))
+                      scan_layers=False, stack_cache=True, attention=Backend("pallas", options))
     pps = paging.pages_needed(context + 64, page_size=quant.page_size,
-                              num_sink_tokens=quant.num_sink_tokens if fmt == "hack" else 0)
+                              num_sink_tokens=kv_cache.sink_tokens(quant))
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: init_cache(cfg, quant, num_pages=batch * pps + 1, max_seqs=batch,

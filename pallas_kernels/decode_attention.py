@@ -43,6 +43,10 @@ tokens). "folded_f16" is faster than "int8" at batch 8 x 32K and at 128K tokens 
 offline SASS counts and what limits the speed: bench/NOTES_decode.md, bench/results/decode_attention.md,
 docs/DESIGN.md "Decode numerics".
 
+Stacked caches: `layer_index` i (an int or i32 scalar) reads layer i of arrays with a leading
+num_layers axis in place: they are viewed flat and one i32[2] operand gives the layer's first page and
+sequence row (common.stacked_view), so one compiled kernel serves every layer.
+
 Caveats: partition_size and head_dim powers of two >= 32, page_size a multiple of 4 * partition_size.
 "int8": a transient INT8 code at a near-.5 tie may round differently from the reference (the GPU's
 float32 order); the gpu tests allow it. "folded_f16": |q * sigma| / sqrt(head_dim) beyond f16's 65504

@@ -29,10 +29,15 @@ Reference twin: hack_jax.kv_cache.append(seal="never") then decode_attention.hac
 hack_jax.attention.decode_step(..., impl="reference"); tests/test_fused_decode.py also checks the
 output against the float64 twin (tests/twin.py).
 
-Tested: interpret mode on the CPU (jax 0.10.2) passes. On one NVIDIA H200 (jax 0.11.2, Triton 3.6) the
-gpu tests of tests/test_fused_decode.py FAIL: the open block the kernel writes differs from append's
-(bench/results/h200_2026-12-01d/README.md call 3), so hack_jax.attention.decode_step uses it only with
-fuse=True. Caveat: the in-kernel row writes cost registers (ptxas, sm_90: 2 resident programs per SM
+Stacked caches: with `layer_index` i every cache array carries a leading num_layers axis; the kernel
+reads layer i and writes the token into layer i's rows of the stacked open_k ... sink_v (aliased: in
+place when donated), decode_attention.py's offsets operand.
+
+Tested: interpret mode on the CPU (jax 0.10.2) passes, the stacked form too (tests/test_stacked_decode.py).
+On one NVIDIA H200 (jax 0.11.2, Triton 3.6) the gpu tests of tests/test_fused_decode.py pass since
+their NaN comparison was fixed (an earlier failure was the test's, bench/NOTES_generate.md), so
+hack_jax.attention.decode_step fuses by default where `fusion_pays`. The stacked form's gpu run is
+pending. Caveat: the in-kernel row writes cost registers (ptxas, sm_90: 2 resident programs per SM
 instead of the plain kernel's 3, RESIDENT_PROGRAMS_PER_SM); `fusion_pays` is the split model that says
 where that is predicted to cost nothing; numbers in bench/NOTES_generate.md.
 """
