@@ -7,7 +7,8 @@ token occupies, shuffled page table) at position i of a 3-layer stack whose othe
 everywhere (NaN in float arrays, all-ones bytes in codes and sums, pages and per-sequence rows alike), so
 a wrong page or row offset shows as NaN or a changed byte. Compared bit for bit with the same call on
 the layer's own arrays (already tested against the float64 twins in test_decode_kernels.py,
-test_bf16_decode_kernel.py, test_fused_decode.py), in Pallas interpret mode on the CPU.
+test_bf16_decode_kernel.py, test_fused_decode.py), in Pallas interpret mode on the CPU and compiled
+on the GPU (`gpu` marker).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ BF16 = QuantConfig(kv_format="bf16", partition_size=16, page_size=64, num_sink_t
 PREV = np.array([2, 4, 36, 132, 60, 100], np.int32)
 ACTIVE = np.array([1, 1, 1, 1, 1, 0], bool)
 H, G, D, L = 2, 2, 64, 3
+MODES = ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
 
 
 def _layer(config, seed=0, *, junk_id=True):
@@ -76,15 +78,16 @@ def _fields(layer):
     return [f.name for f in dataclasses.fields(layer) if f.name != "config"]
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dot_dtype", ["int8", "folded_f16"])
 @pytest.mark.parametrize("i", [0, 2])
-def test_hack_kernel_reads_layer_i_of_a_stack(dot_dtype, i):
+def test_hack_kernel_reads_layer_i_of_a_stack(dot_dtype, i, mode):
     q, _, _, layer, table = _layer(HACK)
     lens = jnp.asarray(PREV)
     arrays, static = attention._decode_kernel_args(layer)
     stacked_arrays, _ = attention._decode_kernel_args(_stack(layer, i))
     kw = dict(static, dot_dtype=dot_dtype, config=KernelConfig(num_splits=2, open_split=True, dot_dtype=dot_dtype),
-              interpret=True)
+              interpret=mode == "interpret")
     want = hack_decode_attention(q, *arrays, table, lens, **kw)
     assert np.isfinite(np.asarray(want)).all()
     _assert_same(hack_decode_attention(q, *stacked_arrays, table, lens, layer_index=i, **kw), want, "static i")
@@ -92,26 +95,29 @@ def test_hack_kernel_reads_layer_i_of_a_stack(dot_dtype, i):
     _assert_same(traced(jnp.int32(i)), want, "traced i")
 
 
-def test_bf16_kernel_reads_layer_i_of_a_stack():
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_kernel_reads_layer_i_of_a_stack(mode):
     q, _, _, layer, table = _layer(BF16)
     lens = jnp.asarray(PREV)
-    want = bf16_decode_attention(q, layer.k, layer.v, table, lens, interpret=True)
+    interp = mode == "interpret"
+    want = bf16_decode_attention(q, layer.k, layer.v, table, lens, interpret=interp)
     assert np.isfinite(np.asarray(want)).all()
     for i in (0, 1, 2):
         s = _stack(layer, i)
-        _assert_same(bf16_decode_attention(q, s.k, s.v, table, lens, layer_index=i, interpret=True), want, f"{i=}")
+        _assert_same(bf16_decode_attention(q, s.k, s.v, table, lens, layer_index=i, interpret=interp), want, f"{i=}")
     s = _stack(layer, 1)
-    traced = jax.jit(lambda li: bf16_decode_attention(q, s.k, s.v, table, lens, layer_index=li, interpret=True))
+    traced = jax.jit(lambda li: bf16_decode_attention(q, s.k, s.v, table, lens, layer_index=li, interpret=interp))
     _assert_same(traced(jnp.int32(1)), want, "traced")
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("i", [0, 2])
-def test_fused_kernel_reads_and_writes_layer_i_of_a_stack(i):
+def test_fused_kernel_reads_and_writes_layer_i_of_a_stack(i, mode):
     q, k_new, v_new, layer, table = _layer(HACK)
     arrays, static = attention._decode_kernel_args(layer)
     big = _stack(layer, i)
     stacked_arrays, _ = attention._decode_kernel_args(big)
-    kw = dict(static, interpret=True)
+    kw = dict(static, interpret=mode == "interpret")
     prev, active = jnp.asarray(PREV), jnp.asarray(ACTIVE)
     want = hack_fused_decode_attention(q, k_new, v_new, *arrays, table, prev, active, **kw)
     got = hack_fused_decode_attention(q, k_new, v_new, *stacked_arrays, table, prev, active, layer_index=i, **kw)
@@ -134,17 +140,18 @@ def test_stacked_view_rejects_bad_layer_indices():
         common.stacked_view((s.k, s.v), jnp.float32(1), batch=len(PREV))
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("config, fuse, seal", [
     (HACK, False, "never"), (HACK, True, "never"), (HACK, None, "always"), (BF16, None, "never"),
     (BF16, None, "always")], ids=["hack", "hack_fused", "hack_seal", "bf16", "bf16_seal"])
-def test_decode_step_on_a_stacked_layer_is_the_layers_own_step(config, fuse, seal):
+def test_decode_step_on_a_stacked_layer_is_the_layers_own_step(config, fuse, seal, mode):
     """decode_step(StackedLayer(stack, i)) writes layer i's bytes and returns the output of decode_step on
     the layer's own arrays (seal="never": rows written in place, the kernel reading layer i; "always": the
     layer taken out and put back); the other layers are untouched. Under jit too (static i)."""
     q, k_new, v_new, layer, table = _layer(config, junk_id=False)
     i = 1
     idx = dict(page_indices=table, kv_lens=jnp.asarray(PREV + ACTIVE), active=jnp.asarray(ACTIVE))
-    kw = dict(impl="pallas", seal=seal, fuse=fuse, interpret=True)
+    kw = dict(impl="pallas", seal=seal, fuse=fuse, interpret=mode == "interpret")
     want_layer, want = attention.decode_step(q, k_new, v_new, layer, **idx, **kw)
     big = _stack(layer, i)
     step = lambda s, idx, q, k, v: attention.decode_step(q, k, v, stacked.StackedLayer(s, i), **idx, **kw)
