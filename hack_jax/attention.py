@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hack_jax import kv_cache, paging, reference
+from hack_jax.kv_cache import stacked
 from hack_jax.rotation import rotate_v
 from hack_jax.step import Step
 
@@ -383,8 +384,8 @@ def _homomorphic(q, layer, page_indices, kv_lens, q_pos):
     return reference.SoftmaxState(*map(rows, state))
 
 
-def decode_step(q, k, v, layer: kv_cache.LayerCache, *, page_indices, kv_lens, active, impl="reference",
-                seal="always", key=None, fuse=None, **kernel_options):
+def decode_step(q, k, v, layer: kv_cache.LayerCache | stacked.StackedLayer, *, page_indices, kv_lens, active,
+                impl="reference", seal="always", key=None, fuse=None, **kernel_options):
     """One decode step of a layer: append each active slot's new token, then attend over the cache.
 
     The same as `layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active,
@@ -394,26 +395,35 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache, *, page_indices, kv_lens, a
     (pallas_kernels.fused_decode_attention) writes the token's sink / open-block rows in place and
     attends, plus one small kernel for the split combine, so no XLA scatter runs around the kernel (the
     same cache bytes, the same output up to float32 order). The fused kernel holds 2 programs per SM
-    instead of 3 (more registers). fuse=True forces it (ValueError where it cannot apply); None / False
-    do not fuse: on the H200 the fused call's written open block did not match append's bit for bit
-    (tests/test_fused_decode.py, gpu), so it stays opt-in (`fused_decode_attention.fusion_pays` is its
-    split model, for when it passes).
+    instead of 3 (more registers). fuse=True forces it (ValueError where it cannot apply), False never
+    fuses, None fuses where `fused_decode_attention.fusion_pays` predicts no loss at these shapes.
+
+    `layer` may be a kv_cache.stacked.StackedLayer (layer i of a stacked cache, what the unrolled model
+    passes): with impl="pallas", seal="never" and a kivi or bf16 cache, the token's rows are written into
+    the stacked arrays in place (one scatter per array, or inside the fused kernel) and the kernel reads
+    layer i through its layer_index, with the page table as given (layer-local ids): no per-layer slice,
+    write-back or table mapping. Otherwise the layer is taken out in the flat form and put back
+    (kv_cache.stacked.take / give). Either way the bytes and the output are those of the layer's own
+    arrays. Returns a StackedLayer then.
 
     Args:
       q: float[max_seqs, num_q_heads, head_dim]; k, v: float[max_seqs, num_kv_heads, head_dim].
-      layer: a LayerCache; page_indices: i32[max_seqs, pages_per_seq].
+      layer: a LayerCache or a StackedLayer; page_indices: i32[max_seqs, pages_per_seq].
       kv_lens: i32[max_seqs] tokens held after this step (the new token at kv_lens - 1 of each active
         slot: hack_jax.step's one meaning); active: bool[max_seqs].
       impl, kernel_options: as decode_attention. seal, key: as kv_cache.append.
     Returns (new layer, out f32[max_seqs, num_q_heads, head_dim]).
     Raises what kv_cache.append and decode_attention raise (the same checks, before anything runs).
     """
+    if isinstance(layer, stacked.StackedLayer):
+        return _stacked_decode_step(q, k, v, layer, page_indices=page_indices, kv_lens=kv_lens, active=active,
+                                    impl=impl, seal=seal, key=key, fuse=fuse, **kernel_options)
     can_fuse = impl == "pallas" and seal == "never" and isinstance(layer, kv_cache.KiviPages)
     if fuse and not can_fuse:
         raise ValueError(f"fuse=True needs impl='pallas', seal='never' and a kivi layer, got {impl=} {seal=} "
                          f"{type(layer).__name__}")
-    if can_fuse and fuse is None:  # opt-in until its GPU tier (a) test passes (bench/NOTES_generate.md)
-        fuse = False
+    if can_fuse and fuse is None:
+        fuse = _fusion_pays(q, layer, page_indices, kernel_options)
     if not (can_fuse and fuse):
         layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active, page_indices=page_indices,
                                 key=key, seal=seal)
@@ -424,14 +434,90 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache, *, page_indices, kv_lens, a
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens, active = _check_append(layer, k, v, page_indices, kv_lens, active)
     _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
+    out, written = _fused_step(q, k, v, layer, page_indices, kv_lens, active, impl, None, kernel_options)
+    layer = dataclasses.replace(layer, **written)
+    return layer, _unrotate(out, layer)
+
+
+def _fused_step(q, k, v, layer, page_indices, kv_lens, active, impl, layer_index, kernel_options):
+    """The fused kernel's call on a checked kivi layer (stacked with layer_index): (out, written arrays)."""
     fn = functools.partial(_run_kernel, impl, _fused_decode_module().hack_fused_decode_attention)
     arrays, static = kernel_args(layer)
     before = kv_lens - active.astype(jnp.int32)  # the fused kernel's position of the new token
     v = rotate_v(v, layer.config.v_rotation)  # what kv_cache.append stores
+    if layer_index is not None:
+        static["layer_index"] = layer_index
     out, open_k, open_v, sink_k, sink_v = fn(q, k, v, *arrays, page_indices, before, active, **static,
                                              **kernel_options)
-    layer = dataclasses.replace(layer, open_k=open_k, open_v=open_v, sink_k=sink_k, sink_v=sink_v)
-    return layer, _unrotate(out, layer)
+    return out, dict(open_k=open_k, open_v=open_v, sink_k=sink_k, sink_v=sink_v)
+
+
+def _fusion_pays(q, layer, page_indices, kernel_options) -> bool:
+    """fuse=None's choice (decode_step): the fused kernel's split model at these shapes and dot_dtype; False
+    where the fused module does not import."""
+    try:
+        module = _fused_decode_module()
+    except NotImplementedError:
+        return False
+    config = kernel_options.get("config")
+    dot_dtype = config.dot_dtype if config is not None else kernel_options.get("dot_dtype", "int8")
+    return module.fusion_pays(batch=jnp.shape(q)[0], num_kv_heads=layer.num_kv_heads,
+                              pages_per_seq=jnp.shape(page_indices)[1], page_size=layer.config.page_size,
+                              partition_size=layer.config.partition_size, dot_dtype=dot_dtype)
+
+
+def _stacked_decode_step(q, k, v, view, *, page_indices, kv_lens, active, impl, seal, key, fuse, **kernel_options):
+    """decode_step on layer view.index of a stacked cache (decode_step's docstring)."""
+    kivi = isinstance(view.stacked, kv_cache.KiviPages)
+    in_place = impl == "pallas" and seal == "never" and stacked.reads_in_place(view) and (
+        kivi or view.config.kv_format == "bf16")
+    if not in_place:
+        layer, table = stacked.take(view, page_indices)
+        layer, out = decode_step(q, k, v, layer, page_indices=table, kv_lens=kv_lens, active=active, impl=impl,
+                                 seal=seal, key=key, fuse=fuse, **kernel_options)
+        return stacked.give(view, layer), out
+    if fuse and not kivi:
+        raise ValueError(f"fuse=True needs impl='pallas', seal='never' and a kivi layer, got {impl=} {seal=} "
+                         f"{type(view.stacked).__name__}")
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if q.ndim != 3:
+        raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
+    page_indices, kv_lens, active = _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl,
+                                                   kernel_options)
+    one = view.shapes()
+    if kivi and (fuse or (fuse is None and _fusion_pays(q, one, page_indices, kernel_options))):
+        out, written = _fused_step(q, k, v, view.stacked, page_indices, kv_lens, active, impl, view.index,
+                                   kernel_options)
+        view = stacked.StackedLayer(dataclasses.replace(view.stacked, **written), view.index)
+        return view, _unrotate(out, view)
+    position = kv_lens - active.astype(jnp.int32)  # of the new token, as kv_cache.append
+    view = stacked.append_in_place(view, k, rotate_v(v, view.config.v_rotation), position,
+                                   active & (position >= 0), page_indices)
+    arrays, static = _decode_kernel_args(view.stacked)
+    out = _run_kernel(impl, _pallas(impl, "decode", view.stacked), q, *arrays, page_indices, kv_lens,
+                      layer_index=view.index, **static, **kernel_options)
+    return view, _unrotate(out, view)
+
+
+def _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl, kernel_options):
+    """decode_step's checks for layer view.index of a stacked cache: those of the layer taken out
+    (kv_cache.stacked.take), run abstractly (jax.eval_shape) when anything is traced. Returns
+    (page_indices, kv_lens, active) as arrays."""
+    paging.check_index_dtype("append", kv_lens=kv_lens, page_indices=page_indices)
+    page_indices, kv_lens = jnp.asarray(page_indices, jnp.int32), jnp.asarray(kv_lens, jnp.int32)
+    active = jnp.asarray(active, bool)
+
+    def checks(view, q, k, v, page_indices, kv_lens, active):
+        layer, table = stacked.take(view, page_indices)
+        _check_append(layer, k, v, table, kv_lens, active)
+        _check(q[:, None], layer, table, kv_lens, impl, kernel_options)
+
+    args = (view, q, k, v, page_indices, kv_lens, active)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+        jax.eval_shape(checks, *args)
+    else:
+        checks(*args)
+    return page_indices, kv_lens, active
 
 
 def _check_append(layer, k, v, page_indices, kv_lens, active):

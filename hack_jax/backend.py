@@ -16,11 +16,12 @@ Evaluation variants and benchmark adapters are other objects with the same two m
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
 from hack_jax import attention, kv_cache, prefill as hack_prefill
+from hack_jax.kv_cache import stacked
 from hack_jax.step import Step
 
 # The HACK decode kernel's operands in a model (docs/DESIGN.md "Decode numerics"): scale-folded f16
@@ -30,12 +31,17 @@ from hack_jax.step import Step
 DECODE_DOT_DTYPE = "folded_f16"
 
 
-def write(layer: kv_cache.LayerCache, k, v, step: Step, *, layer_index) -> kv_cache.LayerCache:
+def write(layer: kv_cache.LayerCache | stacked.StackedLayer, k, v, step: Step, *, layer_index):
     """Writes one step's fresh K/V into a layer without attending: kv_cache.write_prefill (step.mode
     "prefill" / "chunk": k, v float[max_seqs, T, num_kv_heads, head_dim], each active slot's new tokens
     after its step.start cached ones) or kv_cache.append ("decode": k, v float[max_seqs, num_kv_heads,
     head_dim], the token at kv_lens[s] - 1 of each active slot). Stochastic rounding uses
-    fold_in(step.key, layer_index) (an int, or a traced i32 inside a scan over layers)."""
+    fold_in(step.key, layer_index) (an int, or a traced i32 inside a scan over layers). A
+    kv_cache.stacked.StackedLayer is taken out, written and put back (returns a StackedLayer)."""
+    if isinstance(layer, stacked.StackedLayer):
+        one, table = stacked.take(layer, step.page_indices)
+        return stacked.give(layer, write(one, k, v, dataclasses.replace(step, page_indices=table),
+                                         layer_index=layer_index))
     key = jax.random.fold_in(step.key, layer_index)
     if step.mode in ("prefill", "chunk"):
         return kv_cache.write_prefill(layer, k, v, lengths=step.write_lens, page_indices=step.page_indices,
@@ -61,6 +67,9 @@ class Backend:
     impl: attention.Impl = "reference"
     options: Any = ()
     prefill_attention: hack_prefill.PrefillAttention = "auto"
+    # models.llama hands `prefill` / `decode` a kv_cache.stacked.StackedLayer (layer i of a stacked
+    # cache, not sliced) only where the backend says it takes one
+    takes_stacked_layers: ClassVar[bool] = True
 
     def __post_init__(self):
         options = self.options.items() if isinstance(self.options, dict) else self.options
@@ -77,7 +86,12 @@ class Backend:
     def prefill(self, q, k, v, layer, step: Step, *, layer_index):
         """q float[max_seqs, T, num_q_heads, head_dim], k, v float[max_seqs, T, num_kv_heads, head_dim]
         (the step's tokens, left-aligned) -> (new layer, f32[max_seqs, T, num_q_heads, head_dim]);
-        rows at or past a slot's new tokens are 0."""
+        rows at or past a slot's new tokens are 0. A StackedLayer is taken out and put back."""
+        if isinstance(layer, stacked.StackedLayer):
+            one, table = stacked.take(layer, step.page_indices)
+            one, out = self.prefill(q, k, v, one, dataclasses.replace(step, page_indices=table),
+                                    layer_index=layer_index)
+            return stacked.give(layer, one), out
         return hack_prefill.prefill(
             q, k, v, layer, page_indices=step.page_indices, lengths=step.write_lens,
             q_start=step.start if step.mode == "chunk" else None,
@@ -86,9 +100,11 @@ class Backend:
 
     def decode(self, q, k, v, layer, step: Step, *, layer_index):
         """q float[max_seqs, num_q_heads, head_dim], k, v float[max_seqs, num_kv_heads, head_dim]
-        -> (new layer, f32[max_seqs, num_q_heads, head_dim])."""
+        -> (new layer, f32[max_seqs, num_q_heads, head_dim]); layer a LayerCache or a StackedLayer
+        (attention.decode_step)."""
         options = dict(self.options)
-        if self.impl == "pallas" and isinstance(layer, kv_cache.KiviPages) and not {"dot_dtype", "config"} & set(options):
+        base = layer.stacked if isinstance(layer, stacked.StackedLayer) else layer
+        if self.impl == "pallas" and isinstance(base, kv_cache.KiviPages) and not {"dot_dtype", "config"} & set(options):
             options["dot_dtype"] = DECODE_DOT_DTYPE
         return attention.decode_step(q, k, v, layer, page_indices=step.page_indices, kv_lens=step.kv_lens,
                                      active=step.active, impl=self.impl, seal=step.seal,

@@ -271,9 +271,17 @@ class Llama(nnx.Module):
     return cache, self.final_norm(x)
 
   def _unrolled_in_place(self, x, positions, layers, step, attention):
-    """The unrolled layer loop over a stacked cache in hack_jax.kv_cache.stacked's flat form: layer
-    i reads and scatters into the whole flat pool through its mapped page table (no copy of its
-    pages); its open blocks and sinks are sliced out and written back."""
+    """The unrolled layer loop over a stacked cache, nothing copied per layer. A backend that takes
+    them (`takes_stacked_layers`, hack_jax.backend.Backend) gets layer i as a
+    hack_jax.kv_cache.stacked.StackedLayer: a non-sealing decode step appends and attends in place (the
+    kernels read layer i of the stacked arrays); other steps take the layer out in the flat form. Other
+    backends get the flat form: layer i reads and scatters into the whole flat pool through its mapped
+    page table (no copy of its pages); its open blocks and sinks are sliced out and written back."""
+    if getattr(attention, "takes_stacked_layers", False):
+      for i, block in enumerate(self.layers):
+        view, x = block(x, positions, stacked_cache.StackedLayer(layers, i), step, attention, i)
+        layers = view.stacked
+      return x, layers
     num_pages = stacked_cache.pages_per_layer(layers)
     flat = stacked_cache.flatten(layers)
     for i, block in enumerate(self.layers):

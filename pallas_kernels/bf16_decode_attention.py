@@ -51,21 +51,24 @@ NUM_SMS_H200 = 132
 def _bf16_decode_kernel(
     page_indices_ref,  # i32[pages_per_seq_padded]  (this sequence's row)
     kv_lens_ref,  # i32[1]
+    first_page_ref,  # i32[1]  the layer's first page in the pools (0, or i * num_pages: layer i of a stack)
     q_ref,  # bf16[block_h, head_dim]
-    k_ref,  # bf16[num_pages, page_size, head_dim]  (the pool of this kv head)
-    v_ref,  # bf16[num_pages, page_size, head_dim]
+    k_ref,  # bf16[num_layers * num_pages, page_size, head_dim]  (the pool of this kv head)
+    v_ref,  # bf16[num_layers * num_pages, page_size, head_dim]
     acc_ref,  # f32[block_h, head_dim]  unnormalized output of this split
     m_ref,  # f32[block_h]  running max of the logits (natural log units)
     l_ref,  # f32[block_h]  sum of exp(logit - m)
     *,
     block_k: int,
     num_splits: int,
+    num_pages: int,  # of one layer
     sm_scale: float,
 ):
-    num_pages, page_size, head_dim = k_ref.shape
+    _, page_size, head_dim = k_ref.shape
     block_h = q_ref.shape[0]
     split = pl.program_id(2)
     kv_len = kv_lens_ref[0]
+    first_page = first_page_ref[0]
 
     # This sequence's tiles are shared out evenly between the splits (by its own length, not capacity).
     num_blocks = pl.cdiv(kv_len, block_k)
@@ -81,11 +84,11 @@ def _bf16_decode_kernel(
         if block_k > page_size:
             pages_per_block = block_k // page_size
             ids = page_indices_ref[pl.ds(i * pages_per_block, pages_per_block)]  # i32[pages_per_block]
-            ids = jnp.where((ids >= 0) & (ids < num_pages), ids, 0)
+            ids = first_page + jnp.where((ids >= 0) & (ids < num_pages), ids, 0)  # outside: the null page
             return ref[ids].reshape(block_k, head_dim)
         tok0 = i * block_k
         page = page_indices_ref[tok0 // page_size]
-        page = jnp.where((page >= 0) & (page < num_pages), page, 0)
+        page = first_page + jnp.where((page >= 0) & (page < num_pages), page, 0)
         offset = pl.multiple_of(tok0 % page_size, block_k)
         return ref[page, pl.ds(offset, block_k), :]
 
@@ -147,16 +150,19 @@ def default_config(*, batch: int, num_q_heads: int, num_kv_heads: int, head_dim:
     return KernelConfig(block_k=block_k, num_splits=num_splits, num_warps=4, num_stages=2)
 
 
-def _launch(q, k, v, page_indices, kv_lens, *, config: KernelConfig, sm_scale: float, interpret: bool):
-    """q bf16[batch, num_kv_heads, block_h, head_dim] -> (acc, m, l) per split."""
+def _launch(q, k, v, page_indices, kv_lens, first_page, *, num_layers: int, config: KernelConfig, sm_scale: float,
+            interpret: bool):
+    """q bf16[batch, num_kv_heads, block_h, head_dim], k, v the pools of num_layers layers seen flat,
+    first_page i32[1] -> (acc, m, l) per split."""
     batch, num_kv_heads, block_h, head_dim = q.shape
-    num_pages, _, page_size, _ = k.shape
+    num_pages, _, page_size, _ = k.shape  # of all the layers
     pages_per_seq = page_indices.shape[1]
     splits = config.num_splits
     kernel = functools.partial(_bf16_decode_kernel, block_k=config.block_k, num_splits=splits,
-                               sm_scale=sm_scale)
+                               num_pages=num_pages // num_layers, sm_scale=sm_scale)
     page_table_spec = pl.BlockSpec((None, pages_per_seq), lambda b, h, s: (b, 0))
     kv_lens_spec = pl.BlockSpec((1,), lambda b, h, s: (b,))
+    first_page_spec = pl.BlockSpec((1,), lambda b, h, s: (0,))
     q_spec = pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0))
     # The whole pool of kv head h: on Triton a block is a base pointer, not a copy.
     pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, h, s: (0, h, 0, 0))
@@ -165,7 +171,7 @@ def _launch(q, k, v, page_indices, kv_lens, *, config: KernelConfig, sm_scale: f
     return common.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, splits),
-        in_specs=[page_table_spec, kv_lens_spec, q_spec, pool_spec, pool_spec],
+        in_specs=[page_table_spec, kv_lens_spec, first_page_spec, q_spec, pool_spec, pool_spec],
         out_specs=[acc_spec, row_spec, row_spec],
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_kv_heads, splits, block_h, head_dim), jnp.float32),
@@ -176,12 +182,11 @@ def _launch(q, k, v, page_indices, kv_lens, *, config: KernelConfig, sm_scale: f
         num_stages=config.num_stages,
         interpret=interpret,
         name="bf16_decode_attention",
-    )(page_indices, kv_lens, q, k, v)
+    )(page_indices, kv_lens, first_page, q, k, v)
 
 
 @common.quiet
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def bf16_decode_attention(q, k, v, page_indices, kv_lens, *, config: KernelConfig | None = None,
+def bf16_decode_attention(q, k, v, page_indices, kv_lens, *, config: KernelConfig | None = None, layer_index=None,
                           interpret: bool = False):
     """Decode attention over a paged bf16 cache.
 
@@ -192,6 +197,9 @@ def bf16_decode_attention(q, k, v, page_indices, kv_lens, *, config: KernelConfi
         page_indices[b, t // page_size], slot t % page_size.
       kv_lens: i32[batch], valid tokens per sequence (0 -> output 0).
       config: tiles and launch parameters; None -> `default_config(...)` for these shapes.
+      layer_index: None, or an int / i32 scalar i: then k, v carry a leading num_layers axis
+        (bf16[L, num_pages, ...], a stacked cache) and the kernel reads layer i's pages in place
+        (common.stacked_view); page ids stay layer-local.
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
@@ -203,7 +211,8 @@ def bf16_decode_attention(q, k, v, page_indices, kv_lens, *, config: KernelConfi
     if q.ndim != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be float[batch, num_q_heads, head_dim], got {q.shape=} {q.dtype=}")
     batch, num_q_heads, head_dim = q.shape
-    num_pages, num_kv_heads, page_size, _ = common.check_paged_bf16(head_dim, num_q_heads, batch, k, v,
+    view = common.stacked_view((k, v), layer_index, batch=batch)
+    num_pages, num_kv_heads, page_size, _ = common.check_paged_bf16(head_dim, num_q_heads, batch, *view.layer,
                                                                     page_indices)
     if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
         raise ValueError(f"kv_lens must be i32[batch], got {kv_lens.shape=} {kv_lens.dtype=} ({batch=})")
@@ -213,7 +222,15 @@ def bf16_decode_attention(q, k, v, page_indices, kv_lens, *, config: KernelConfi
                                 head_dim=head_dim, page_size=page_size, pages_per_seq=pages_per_seq)
     if not common.is_pow2(config.block_k) or config.block_k < 16 or config.num_splits < 1:
         raise ValueError(f"config.block_k must be a power of two >= 16 and num_splits >= 1, got {config=}")
+    return _bf16_decode(q, *view.flat, page_indices, kv_lens, view.offsets[:1], num_layers=view.num_layers,
+                        config=config, interpret=interpret)
 
+
+@functools.partial(jax.jit, static_argnames=("num_layers", "config", "interpret"))
+def _bf16_decode(q, k, v, page_indices, kv_lens, first_page, *, num_layers, config, interpret):
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k.shape
+    pages_per_seq = page_indices.shape[1]
     group = num_q_heads // num_kv_heads
     block_h = max(16, pl.next_power_of_2(group))
     q_g = q.astype(jnp.bfloat16).reshape(batch, num_kv_heads, group, head_dim)
@@ -224,7 +241,7 @@ def bf16_decode_attention(q, k, v, page_indices, kv_lens, *, config: KernelConfi
         pages_per_block = config.block_k // page_size
         page_indices = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % pages_per_block)))
 
-    acc, m, l = _launch(q_g, k, v, page_indices, kv_lens, config=config,
+    acc, m, l = _launch(q_g, k, v, page_indices, kv_lens, first_page, num_layers=num_layers, config=config,
                         sm_scale=1.0 / math.sqrt(head_dim), interpret=interpret)
     out = common.lse_combine(m[..., :group], l[..., :group], acc[..., :group, :], 2)  # [b, kvh, g, d]
     return out.reshape(batch, num_q_heads, head_dim)

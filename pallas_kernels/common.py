@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -530,6 +531,45 @@ def full_spec(x):
     # The whole array is one block: on Triton a pointer base, so whole page pools cost nothing (in
     # interpret mode every program copies them: keep CPU test pools tiny).
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+class StackedView(NamedTuple):
+    """A layer's cache arrays as a kernel launch takes them (`stacked_view`)."""
+    layer: tuple  # one layer's arrays (or ShapeDtypeStructs of their shapes): what the checks see
+    flat: tuple  # the arrays the kernel gets: [num_layers * X, ...] (a free reshape of a stacked array)
+    offsets: Any  # i32[2]: (first page, first sequence row) of the layer in `flat`
+    num_layers: int
+
+
+def stacked_view(arrays, layer_index, *, batch: int) -> StackedView:
+    """The kernel operands of layer `layer_index` of a stacked cache, read in place.
+
+    arrays: a layer's cache arrays, the first a page pool (None entries, e.g. absent sinks, kept).
+    layer_index None: they are one layer's own ([num_pages, ...], [batch, ...]); offsets (0, 0).
+    Else an int or i32 scalar i: every array carries a leading num_layers axis L; each is viewed flat
+    ([L * num_pages, ...], [L * batch, ...]: page p of layer i is flat page i * num_pages + p) and
+    offsets = (i * num_pages, i * batch). A Python int gives constant offsets (no kernel); an int
+    outside [0, L) or arrays of different L raise ValueError."""
+    if layer_index is None:
+        return StackedView(tuple(arrays), tuple(arrays), np.zeros(2, np.int32), 1)
+    present = [x for x in arrays if x is not None]
+    if any(x.ndim < 2 or x.shape[0] != present[0].shape[0] for x in present):
+        raise ValueError(f"with layer_index, every cache array needs the same leading num_layers axis, got "
+                         f"{[tuple(x.shape) for x in present]}")
+    num_layers, num_pages = present[0].shape[:2]
+    if isinstance(layer_index, (int, np.integer)):
+        if not 0 <= layer_index < num_layers:
+            raise ValueError(f"layer_index must be in [0, {num_layers}), got {layer_index=}")
+        offsets = np.array([layer_index * num_pages, layer_index * batch], np.int32)
+    else:
+        layer_index = jnp.asarray(layer_index)
+        if layer_index.shape or not jnp.issubdtype(layer_index.dtype, jnp.integer):
+            raise ValueError(f"layer_index must be an int or an integer scalar, got {layer_index.shape=} "
+                             f"{layer_index.dtype=}")
+        offsets = layer_index.astype(jnp.int32) * jnp.array([num_pages, batch], jnp.int32)
+    per_layer = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    flat = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])
+    return StackedView(tuple(map(per_layer, arrays)), tuple(map(flat, arrays)), offsets, num_layers)
 
 
 def split_range(split, num_packing_groups, num_splits):

@@ -43,6 +43,10 @@ tokens). "folded_f16" is faster than "int8" at batch 8 x 32K and at 128K tokens 
 offline SASS counts and what limits the speed: bench/NOTES_decode.md, bench/results/decode_attention.md,
 docs/DESIGN.md "Decode numerics".
 
+Stacked caches: `layer_index` i (an int or i32 scalar) reads layer i of arrays with a leading
+num_layers axis in place: they are viewed flat and one i32[2] operand gives the layer's first page and
+sequence row (common.stacked_view), so one compiled kernel serves every layer.
+
 Caveats: partition_size and head_dim powers of two >= 32, page_size a multiple of 4 * partition_size.
 "int8": a transient INT8 code at a near-.5 tie may round differently from the reference (the GPU's
 float32 order); the gpu tests allow it. "folded_f16": |q * sigma| / sqrt(head_dim) beyond f16's 65504
@@ -85,13 +89,15 @@ RESIDENT_PROGRAMS_PER_SM = {"int8": 3, "folded_f16": 3, "folded_bf16": 3}
 # ----------------------------------------------------------------------------------------------
 
 
-def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref,
+def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref,
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
                         interpret, open_state=common.sinks_and_open_block_state):
     # kv_lens_ref       i32[S]
-    # page_indices_ref  i32[S, pages_per_seq]
+    # page_indices_ref  i32[S, pages_per_seq]   layer-local page ids
+    # offsets_ref       i32[2]: (first page, first sequence row) of the layer read, in the arrays below
+    #                   (0, 0) for one layer's own arrays; (i N, i S) for layer i of a stacked cache seen flat
     # q_ref             float[S, Hq, D]
     # k_codes_ref       u8[N, H, page_size // 4, D]
     # k_scale_ref, k_min_ref  f16[N, H, bpp, D]
@@ -111,6 +117,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
     Pc = q_ref.shape[-1] // NP
 
     kv_len = kv_lens_ref[b]
+    first_page, row = offsets_ref[0], offsets_ref[1] + b  # row: this sequence's open block / sinks
     after_sinks = jnp.clip(kv_len - ns, 0, max_blocks * P)  # beyond the capacity: clipped (as kv_cache)
     num_blocks = after_sinks // P  # sealed blocks
     num_tile_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
@@ -150,7 +157,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
 
     init = jax.lax.cond(
         split == prologue_split,
-        lambda: open_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), b, h, kv_len, after_sinks % P,
+        lambda: open_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), row, h, kv_len, after_sinks % P,
                            row_plane),
         lambda: common.empty_state(R, Pc, NP))
 
@@ -159,7 +166,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_sca
         m, l, accs = carry
         page, group_in_page = (tg, 0) if groups_per_page == 1 else (tg // groups_per_page, tg % groups_per_page)
         pid = page_indices_ref[b, page]
-        pid = jnp.where((pid >= 0) & (pid < num_pages), pid, 0)
+        pid = first_page + jnp.where((pid >= 0) & (pid < num_pages), pid, 0)  # outside the layer: its null page
         code_row0 = group_in_page * P
         slot0 = group_in_page * NUM_PLANES  # block slot of plane 0 in the page
         valid = NUM_PLANES * tg + row_plane < num_blocks  # [R]
@@ -289,12 +296,15 @@ def split_cost(num_pairs: int, num_packing_groups: int, slots: int, splits: int,
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "num_layers", "config",
+                                             "interpret"))
 def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
-                 sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens, config,
-                 interpret):
+                 sink_k, sink_v, page_indices, kv_lens, offsets, *, partition_size, num_sink_tokens, num_layers,
+                 config, interpret):
+    # the cache arrays of num_layers layers seen flat ([num_layers * N, ...], [num_layers * S, ...]);
+    # offsets i32[2] picks the layer (the kernel's offsets_ref)
     batch, num_q_heads, head_dim = q.shape
-    num_pages, num_kv_heads, _, _ = k_codes.shape
+    num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
     page_size = k_sums.shape[2]
     num_groups = k_sums.shape[3]
     pages_per_seq = page_indices.shape[1]
@@ -305,7 +315,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     # tile in one strided load instead of a [4P] vector reshaped in registers
     k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size, partition_size,
                                         num_groups) for x in (k_sums, v_scale, v_min))
-    inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q, k_codes, k_scale, k_min,
+    inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), offsets, q, k_codes, k_scale, k_min,
               k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
     if num_sink_tokens:
         inputs += [sink_k, sink_v]
@@ -313,8 +323,8 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         _hack_decode_kernel, partition_size=partition_size, num_groups=num_groups,
         group=num_q_heads // num_kv_heads, group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
         groups_per_page=page_size // (NUM_PLANES * partition_size), num_sink_tokens=num_sink_tokens,
-        num_pages=num_pages, max_blocks=pages_per_seq * (page_size // partition_size), num_splits=splits,
-        open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret)
+        num_pages=num_pages // num_layers, max_blocks=pages_per_seq * (page_size // partition_size),
+        num_splits=splits, open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
@@ -338,7 +348,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
 def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                           sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
                           v_group: int | None = None, dot_dtype: DotDtype = "int8", num_splits: int | None = None,
-                          config: KernelConfig | None = None, interpret: bool = False):
+                          config: KernelConfig | None = None, layer_index=None, interpret: bool = False):
     """HACK decode attention over the paged INT2 kivi cache (module docstring; shapes there).
 
     Args:
@@ -352,6 +362,9 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
       dot_dtype: "int8" | "folded_f16" | "folded_bf16", the operand mode (ignored if config is given).
       num_splits: split-K programs per (sequence, kv head); overrides the config's.
       config: KernelConfig; None picks default_config(...).
+      layer_index: None, or an int / i32 scalar i: then every cache array (k_codes ... sink_v) carries a
+        leading num_layers axis (a stacked cache: [L, num_pages, ...], [L, batch, ...]) and the kernel
+        reads layer i in place (`common.stacked_view`); page ids stay layer-local.
       interpret: run the kernel in Pallas interpret mode (CPU tests).
 
     Returns:
@@ -361,16 +374,17 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
       ValueError: shapes/dtypes off the layout, unsupported sizes, bad dot_dtype or num_splits.
     """
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
-    common.check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
-                                    open_v, sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
-                                    num_sink_tokens=num_sink_tokens, v_group=v_group)
-    config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, dot_dtype=dot_dtype,
-                            num_splits=num_splits, config=config)
     if num_sink_tokens == 0:
         sink_k = sink_v = None
-    return _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
-                        sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
-                        num_sink_tokens=num_sink_tokens, config=config, interpret=interpret)
+    cache = (k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)
+    view = common.stacked_view(cache, layer_index, batch=q.shape[0])
+    common.check_kivi_decode_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
+                                    num_sink_tokens=num_sink_tokens, v_group=v_group)
+    config = resolve_config(q, view.layer[0], view.layer[3], page_indices, partition_size=partition_size,
+                            dot_dtype=dot_dtype, num_splits=num_splits, config=config)
+    return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, partition_size=partition_size,
+                        num_sink_tokens=num_sink_tokens, num_layers=view.num_layers, config=config,
+                        interpret=interpret)
 
 
 def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtype="int8", num_splits=None,

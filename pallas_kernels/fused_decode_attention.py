@@ -29,10 +29,15 @@ Reference twin: hack_jax.kv_cache.append(seal="never") then decode_attention.hac
 hack_jax.attention.decode_step(..., impl="reference"); tests/test_fused_decode.py also checks the
 output against the float64 twin (tests/twin.py).
 
-Tested: interpret mode on the CPU (jax 0.10.2) passes. On one NVIDIA H200 (jax 0.11.2, Triton 3.6) the
-gpu tests of tests/test_fused_decode.py FAIL: the open block the kernel writes differs from append's
-(bench/results/h200_2026-12-01d/README.md call 3), so hack_jax.attention.decode_step uses it only with
-fuse=True. Caveat: the in-kernel row writes cost registers (ptxas, sm_90: 2 resident programs per SM
+Stacked caches: with `layer_index` i every cache array carries a leading num_layers axis; the kernel
+reads layer i and writes the token into layer i's rows of the stacked open_k ... sink_v (aliased: in
+place when donated), decode_attention.py's offsets operand.
+
+Tested: interpret mode on the CPU (jax 0.10.2) passes, the stacked form too (tests/test_stacked_decode.py).
+On one NVIDIA H200 (jax 0.11.2, Triton 3.6) the gpu tests of tests/test_fused_decode.py pass since
+their NaN comparison was fixed (an earlier failure was the test's, bench/NOTES_generate.md), so
+hack_jax.attention.decode_step fuses by default where `fusion_pays`. The stacked form's gpu run is
+pending. Caveat: the in-kernel row writes cost registers (ptxas, sm_90: 2 resident programs per SM
 instead of the plain kernel's 3, RESIDENT_PROGRAMS_PER_SM); `fusion_pays` is the split model that says
 where that is predicted to cost nothing; numbers in bench/NOTES_generate.md.
 """
@@ -57,9 +62,10 @@ from pallas_kernels import decode_attention
 RESIDENT_PROGRAMS_PER_SM = {"int8": 2, "folded_f16": 2, "folded_bf16": 2}
 
 
-def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, q_ref, k_ref, v_ref, *refs, num_sink_tokens,
-                  partition_size, max_blocks, num_splits, open_split, **kernel_kwargs):
+def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_ref, k_ref, v_ref, *refs,
+                  num_sink_tokens, partition_size, max_blocks, num_splits, open_split, **kernel_kwargs):
     # kv_lens_ref   i32[S] after this token; prev_lens_ref i32[S] before it
+    # offsets_ref   i32[2] (first page, first sequence row) of the layer: _hack_decode_kernel's
     # k_ref, v_ref  float[S, H, D] the new token
     # refs = 8 page-pool refs, open_k, open_v bf16[S, H, P, D], (sink_k, sink_v bf16[S, H, ns, D] if ns)
     #        + outputs acc, m, l (as _hack_decode_kernel's) + open_k, open_v (, sink_k, sink_v): aliased
@@ -67,6 +73,7 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, q_ref, k_ref, v_
     n_cache = 10 + 2 * bool(ns)
     cache_in, (acc_ref, m_ref, l_ref), cache_out = refs[:n_cache], refs[n_cache:n_cache + 3], refs[n_cache + 3:]
     b, h = pl.program_id(0), pl.program_id(1)
+    row = offsets_ref[1] + b  # the slot's row in the per-sequence arrays
     prev, kv_len = prev_lens_ref[b], kv_lens_ref[b]
     written = (kv_len > prev) & (prev >= 0)  # active; a negative position is dropped, as append does
     to_sink = written & (prev < ns)
@@ -83,17 +90,17 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, q_ref, k_ref, v_
         rows = lambda ref: [ref[b, h, pl.ds(p * Pc, Pc)].astype(dtype) for p in range(num_groups)]
         new_k, new_v = rows(k_ref), rows(v_ref)
 
-        def write(row, k_out, v_out):  # nothing reads the row back: the attention takes it from registers
+        def write(at, k_out, v_out):  # nothing reads the row back: the attention takes it from registers
             for p in range(num_groups):
-                k_out[b, h, row, pl.ds(p * Pc, Pc)] = new_k[p]
-                v_out[b, h, row, pl.ds(p * Pc, Pc)] = new_v[p]
+                k_out[row, h, at, pl.ds(p * Pc, Pc)] = new_k[p]
+                v_out[row, h, at, pl.ds(p * Pc, Pc)] = new_v[p]
 
         pl.when(to_open)(lambda: write(open_row, cache_out[0], cache_out[1]))
         if ns:
             pl.when(to_sink)(lambda: write(sink_row, cache_out[2], cache_out[3]))
         return common.sinks_and_open_block_state(*args, new_token=(new_k, new_v, open_row, sink_row))
 
-    _hack_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, *cache_in, acc_ref, m_ref, l_ref,
+    _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, *cache_in, acc_ref, m_ref, l_ref,
                         num_sink_tokens=ns, partition_size=P, max_blocks=max_blocks, num_splits=num_splits,
                         open_split=open_split, open_state=open_state, **kernel_kwargs)
 
@@ -130,12 +137,14 @@ def combine_splits(acc, m, l, num_q_heads, *, interpret):
     return out[:, :, :num_q_heads // num_kv_heads].reshape(batch, num_q_heads, head_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "num_layers", "config",
+                                             "interpret"))
 def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
-                  sink_k, sink_v, page_indices, kv_lens, active, *, partition_size, num_sink_tokens, config,
-                  interpret):
+                  sink_k, sink_v, page_indices, kv_lens, active, offsets, *, partition_size, num_sink_tokens,
+                  num_layers, config, interpret):
+    # the arrays of num_layers layers seen flat, offsets picking the layer (decode_attention._hack_decode)
     batch, num_q_heads, head_dim = q.shape
-    num_pages, num_kv_heads, _, _ = k_codes.shape
+    num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
     page_size = k_sums.shape[2]
     num_groups = k_sums.shape[3]
     pad = common.group_pad(num_q_heads, num_kv_heads)
@@ -148,14 +157,14 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     written = [open_k, open_v] + ([sink_k, sink_v] if num_sink_tokens else [])
     if num_sink_tokens:
         cache += [sink_k, sink_v]
-    inputs = [after, prev, page_indices.astype(jnp.int32), q, k, v] + cache
-    first = 6 + 8  # index of open_k among the inputs
+    inputs = [after, prev, page_indices.astype(jnp.int32), offsets, q, k, v] + cache
+    first = 7 + 8  # index of open_k among the inputs
     aliases = {first + i: 3 + i for i in range(len(written))}
     kernel = functools.partial(
         _fused_kernel, partition_size=partition_size, num_groups=num_groups, group=num_q_heads // num_kv_heads,
         group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
         groups_per_page=page_size // (NUM_PLANES * partition_size), num_sink_tokens=num_sink_tokens,
-        num_pages=num_pages, max_blocks=page_indices.shape[1] * (page_size // partition_size),
+        num_pages=num_pages // num_layers, max_blocks=page_indices.shape[1] * (page_size // partition_size),
         num_splits=config.num_splits, open_split=config.open_split, dot_dtype=config.dot_dtype,
         interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
@@ -208,7 +217,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
                                 partition_size: int, num_sink_tokens: int, v_group: int | None = None,
                                 dot_dtype: DotDtype = "int8",
                                 num_splits: int | None = None, config: KernelConfig | None = None,
-                                interpret: bool = False):
+                                layer_index=None, interpret: bool = False):
     """Append one token per active slot and attend (module docstring; shapes there).
 
     Args:
@@ -217,21 +226,25 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
         when num_sink_tokens == 0.
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held before this token;
         active: bool[batch].
-      partition_size, num_sink_tokens, v_group, dot_dtype, num_splits, config, interpret: as
+      partition_size, num_sink_tokens, v_group, dot_dtype, num_splits, config, layer_index, interpret: as
         decode_attention.hack_decode_attention; config None: `default_config` (this kernel's occupancy).
+        With layer_index i (a stacked cache) the token is written into layer i's rows of the stacked
+        open_k ... sink_v, in place when the caller donates them.
 
     Returns:
       (out f32[batch, num_q_heads, head_dim], open_k, open_v, sink_k, sink_v), the last four in their
-      input dtypes with the token written (sink_k / sink_v as given when num_sink_tokens == 0).
+      input dtypes and shapes with the token written (sink_k / sink_v as given when num_sink_tokens == 0).
 
     Raises:
       ValueError: shapes/dtypes off the layout (as hack_decode_attention), k / v not
         float[batch, num_kv_heads, head_dim], active not bool[batch].
     """
     page_indices, kv_lens, active = common.as_index_arrays(page_indices, kv_lens, active)
-    common.check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
-                                    open_v, sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
+    cache = (k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)
+    view = common.stacked_view(cache, layer_index, batch=q.shape[0])
+    common.check_kivi_decode_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
                                     num_sink_tokens=num_sink_tokens, v_group=v_group)
+    k_codes, k_sums = view.layer[0], view.layer[3]
     want = (q.shape[0], k_codes.shape[1], q.shape[2])
     for name, x in (("k", k), ("v", v)):
         if not hasattr(x, "shape") or tuple(x.shape) != want or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -244,6 +257,8 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
                                 page_size=k_sums.shape[2], partition_size=partition_size, dot_dtype=dot_dtype)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, num_splits=num_splits,
                             config=config)
-    return _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
-                         open_v, sink_k, sink_v, page_indices, kv_lens, active, partition_size=partition_size,
-                         num_sink_tokens=num_sink_tokens, config=config, interpret=interpret)
+    out, *written = _fused_decode(q, k, v, *view.flat, page_indices, kv_lens, active, view.offsets,
+                                  partition_size=partition_size, num_sink_tokens=num_sink_tokens,
+                                  num_layers=view.num_layers, config=config, interpret=interpret)
+    return (out,) + tuple(x if x is None or x.shape == y.shape else x.reshape(y.shape)
+                          for x, y in zip(written, cache[8:]))

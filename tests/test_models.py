@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hack_jax import kv_cache
+from hack_jax import attention, kv_cache
 from hack_jax.config import QuantConfig
 from hack_jax.kv_cache import stacked
 from hack_jax.step import Step
@@ -386,6 +386,71 @@ def test_scanned_layers_write_the_unrolled_cache_bytes_pallas(kv_format):
   16-bit cache arrays to 1e-2 relative, and >= 99% of the code / sum bytes are equal (a K/V value
   an ulp apart can round to the neighbouring code)."""
   _scan_vs_unrolled(kv_format, "pallas")
+
+
+@pytest.mark.parametrize("kv_format", ["hack", "bf16"])
+def test_unrolled_stacked_decode_in_place_writes_the_tuple_bytes(kv_format):
+  """The unrolled model over a stacked cache hands Backend("pallas") each layer as a
+  kv_cache.stacked.StackedLayer: a non-sealing decode step writes the token's rows into the stacked
+  arrays in place and the kernel reads layer i through its layer_index (hack: the fused kernel where
+  fusion_pays, as here), a sealing step and the prefill take the layer out. Over a prefill and 3
+  decode steps (hack: the first seals slot 0's block, the others do not), in Pallas interpret mode,
+  the logits and every cache byte equal the tuple form's, which runs the same kernels on each layer's
+  own arrays."""
+  from hack_jax.backend import Backend
+  base = dict(architecture="llama", vocab_size=61, num_layers=2, embed_dim=32, hidden_dim=48,
+              num_q_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e4,
+              max_seq_len=1024, tied_embeddings=True, qkv_bias=False,
+              attention=Backend("pallas", {"interpret": True}))
+  weights = _tiny_weights(ModelConfig(**base), seed=4)
+  quant = QuantConfig(kv_format=kv_format, partition_size=32, page_size=128)
+  table = np.array([[3, 5], [6, 2]], np.int32)
+  lens = np.array([35, 50], np.int32)  # hack (4 sinks, P 32): slot 0's block seals at kv_len 36
+  ids = np.random.default_rng(6).integers(0, 61, size=(2, 64))
+  key = jax.random.key(1)
+  out, seals, in_place = {}, [], {}
+  for form in (True, False):
+    # which path wrote the rows (counted at trace time): the fused kernel with a layer_index, or the
+    # in-place scatters
+    fused = mock.patch.object(attention, "_fused_step", wraps=attention._fused_step)
+    rows = mock.patch.object(stacked, "append_in_place", wraps=stacked.append_in_place)
+    with fused as fused_spy, rows as rows_spy:
+      out[form], seals = _decode_run(base, weights, form, quant, table, lens, ids, key)
+    in_place[form] = (sum(c.args[8] is not None for c in fused_spy.call_args_list), rows_spy.call_count)
+  assert in_place[True] == ((2, 0) if kv_format == "hack" else (0, 2))  # one decode compile, 2 layers
+  assert in_place[False] == ((0, 0))
+  assert "never" in seals and (kv_format != "hack" or seals[0] == "always")
+  for a, b in zip(out[True][0], out[False][0]):
+    np.testing.assert_array_equal(a, b)
+  assert out[True][1].keys() == out[False][1].keys()
+  for name, a in out[True][1].items():
+    np.testing.assert_array_equal(_bits(a), _bits(out[False][1][name]), err_msg=str(name))
+
+
+def _decode_run(base, weights, form, quant, table, lens, ids, key):
+  """(logits per step, cache bytes), seal per decode step of one layer form (the test above)."""
+  model = Llama.from_weights(ModelConfig(**base, scan_layers=False, stack_cache=form), weights)
+  run = _run_fn(model)
+  cache = init_cache(model.config, quant, num_pages=8, max_seqs=2, pages_per_seq=2)
+  assert cache.stacked == form
+  tok = jnp.asarray(ids[:, :64], jnp.int32)
+  cache, lg = run(tok, jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (2, 64)), cache,
+                  Step.prefill(table, lens, key))
+  logits, kv, seals = [np.asarray(lg)], lens, []
+  for i in range(3):
+    kv = kv + 1
+    seal = "always" if kv_cache.seals_block(quant, kv, np.ones(2, bool)) else "never"
+    seals.append(seal)
+    step = Step.decode(table, kv, [True, True], jax.random.fold_in(key, i), seal)
+    cache, lg = run(jnp.asarray(ids[np.arange(2), kv - 1][:, None], jnp.int32), jnp.asarray(kv[:, None] - 1),
+                    cache, step)
+    logits.append(np.asarray(lg))
+  return (logits, _layer_arrays(cache)), seals
+
+
+def _bits(x):
+  """Float arrays as their bits (NaN-safe exact comparison), others as they are."""
+  return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32) if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else x
 
 
 def _scan_vs_unrolled(kv_format, impl):

@@ -182,16 +182,18 @@ class AppendStep:
         self.tok_rows = slot[:, None] * p + i[None, :]  # [S, P] token rows of the block
         self.block_positions = ns + (u - self.pos)[:, None] + i[None, :]  # [S, P] its tokens' positions
 
-    def put_row(self, a, x, ok, row):
-        """Row `row` i32[S] of per-sequence buffer a [S, H, R, D] set to x [S, H, D] where ok."""
-        return put(a, (jnp.arange(row.shape[0]), ALL, jnp.where(ok, row, a.shape[2])), x)
+    def put_row(self, a, x, ok, row, layer_index=None):
+        """Row `row` i32[S] of per-sequence buffer a [S, H, R, D] set to x [S, H, D] where ok; with
+        layer_index i, a is stacked [L, S, H, R, D] and layer i's rows are set (in place)."""
+        index = (jnp.arange(row.shape[0]), ALL, jnp.where(ok, row, a.shape[-2]))
+        return put(a, index if layer_index is None else (layer_index,) + index, x)
 
-    def sinks(self, layer, k, v):
-        return dict(sink_k=self.put_row(layer.sink_k, k, self.is_sink, self.kv_lens),
-                    sink_v=self.put_row(layer.sink_v, v, self.is_sink, self.kv_lens))
+    def sinks(self, layer, k, v, layer_index=None):
+        return dict(sink_k=self.put_row(layer.sink_k, k, self.is_sink, self.kv_lens, layer_index),
+                    sink_v=self.put_row(layer.sink_v, v, self.is_sink, self.kv_lens, layer_index))
 
-    def put_open(self, a, x):
-        return self.put_row(a, x, self.in_pages, self.pos)
+    def put_open(self, a, x, layer_index=None):
+        return self.put_row(a, x, self.in_pages, self.pos, layer_index)
 
     def put_block_codes(self, a, codes, token_major=False):
         """Clears the sealed block's plane in its packing group and ORs the new codes u8[S, H, P, D]

@@ -26,6 +26,13 @@ kernels) take `layer` and `table` like any layer and page table, so they read an
 into the flat arrays. Everything is exact: the same bytes are read and written as with the layer's
 own arrays and the original table.
 
+A non-sealing decode step does without the per-sequence slices and the mapped table: the unrolled
+model hands its backend `StackedLayer(stacked, i)` (layer i, nothing sliced), and
+hack_jax.attention.decode_step, where the format and impl allow it (`reads_in_place`), writes the new
+token's rows into the stacked arrays with one scatter each (`append_in_place`) or inside the fused
+kernel, and the kernel reads layer i through its `layer_index` operand (layer-local page ids). Every
+other use takes the layer out in the flat form (`take`) and puts it back (`give`).
+
 When the flat form does not pay (`use_flat` False: a caller keeps the per-layer slices, as
 models/llama.py does):
 - Pallas Triton lowering (jax 0.10 / 0.11): a kernel operand of at most 2**32 bytes is indexed with
@@ -41,11 +48,16 @@ models/llama.py does):
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from hack_jax import paging
+from hack_jax.kv_cache import hack
+from hack_jax.kv_cache.common import ALL, page_ids, put
+from hack_jax.kv_cache.dense import DensePages
+from hack_jax.kv_cache.kivi import KiviPages
 
 PER_SEQUENCE_PREFIXES = ("open", "sink")
 
@@ -110,3 +122,62 @@ def use_flat(stacked) -> bool:
     """Whether a layer scan should use the flat form for `stacked` (module docstring): off the CPU
     backend, where `pallas_addressable`."""
     return jax.default_backend() != "cpu" and pallas_addressable(stacked)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedLayer:
+    """Layer `index` (an int, or a traced i32) of the stacked LayerCache `stacked` (every array with a
+    leading num_layers axis), not sliced out (module docstring)."""
+    stacked: Any
+    index: Any
+
+    @property
+    def config(self):
+        return self.stacked.config
+
+    @property
+    def num_layers(self) -> int:
+        return getattr(self.stacked, _fields(self.stacked)[0]).shape[0]
+
+    def shapes(self):
+        """One layer's LayerCache of jax.ShapeDtypeStructs (for checks and geometry)."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.stacked)
+
+
+jax.tree_util.register_dataclass(StackedLayer, data_fields=["stacked", "index"], meta_fields=[])
+
+
+def take(view: StackedLayer, page_indices):
+    """(layer, table): view's layer in the flat form (`layer_of`) and page_indices mapped into its pages
+    (`layer_page_indices`), for anything that takes a LayerCache and a page table."""
+    flat = flatten(view.stacked)
+    return (layer_of(flat, view.index),
+            layer_page_indices(page_indices, view.index, pages_per_layer(view.stacked)))
+
+
+def give(view: StackedLayer, layer) -> StackedLayer:
+    """view with its layer replaced by `layer` (from `take`, written)."""
+    flat = put_layer(flatten(view.stacked), layer, view.index)
+    return StackedLayer(unflatten(flat, view.num_layers), view.index)
+
+
+def reads_in_place(view: StackedLayer) -> bool:
+    """Whether `append_in_place` and the kernels' layer_index serve view's format (kivi, bf16 / float32)."""
+    return isinstance(view.stacked, (KiviPages, DensePages))
+
+
+def append_in_place(view: StackedLayer, k, v, position, active, page_indices) -> StackedLayer:
+    """kv_cache.append(seal="never")'s writes (the same bytes) into layer view.index of the stacked
+    arrays, one scatter per written array: kivi the token's sink / open-block rows, bf16 / float32 its
+    page row (layer-local page ids, written only in [1, num_pages)). position i32[S] of the new token,
+    active bool[S] (False where position < 0), k, v float[S, H, D] (v already rotated, as append does)."""
+    stacked, i = view.stacked, view.index
+    if isinstance(stacked, DensePages):
+        ps = stacked.config.page_size
+        pages = page_ids(page_indices, position // ps, active, stacked.k.shape[1])  # [S]; drop: num_pages
+        index = (i, pages, ALL, position % ps)
+        return StackedLayer(dataclasses.replace(stacked, k=put(stacked.k, index, k), v=put(stacked.v, index, v)), i)
+    step = hack.AppendStep(view.shapes(), position, active, page_indices)
+    return StackedLayer(dataclasses.replace(
+        stacked, **step.sinks(stacked, k, v, layer_index=i), open_k=step.put_open(stacked.open_k, k, i),
+        open_v=step.put_open(stacked.open_v, v, i)), i)
