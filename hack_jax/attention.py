@@ -493,7 +493,7 @@ def _stacked_decode_step(q, k, v, view, *, page_indices, kv_lens, active, impl, 
     position = kv_lens - active.astype(jnp.int32)  # of the new token, as kv_cache.append
     view = stacked.append_in_place(view, k, rotate_v(v, view.config.v_rotation), position,
                                    active & (position >= 0), page_indices)
-    arrays, static = _decode_kernel_args(view.stacked)
+    arrays, static = kernel_args(view.stacked)
     out = _run_kernel(impl, _pallas(impl, "decode", view.stacked), q, *arrays, page_indices, kv_lens,
                       layer_index=view.index, **static, **kernel_options)
     return view, _unrotate(out, view)

@@ -84,8 +84,8 @@ def _fields(layer):
 def test_hack_kernel_reads_layer_i_of_a_stack(dot_dtype, i, mode):
     q, _, _, layer, table = _layer(HACK)
     lens = jnp.asarray(PREV)
-    arrays, static = attention._decode_kernel_args(layer)
-    stacked_arrays, _ = attention._decode_kernel_args(_stack(layer, i))
+    arrays, static = attention.kernel_args(layer)
+    stacked_arrays, _ = attention.kernel_args(_stack(layer, i))
     kw = dict(static, dot_dtype=dot_dtype, config=KernelConfig(num_splits=2, open_split=True, dot_dtype=dot_dtype),
               interpret=mode == "interpret")
     want = hack_decode_attention(q, *arrays, table, lens, **kw)
@@ -114,9 +114,9 @@ def test_bf16_kernel_reads_layer_i_of_a_stack(mode):
 @pytest.mark.parametrize("i", [0, 2])
 def test_fused_kernel_reads_and_writes_layer_i_of_a_stack(i, mode):
     q, k_new, v_new, layer, table = _layer(HACK)
-    arrays, static = attention._decode_kernel_args(layer)
+    arrays, static = attention.kernel_args(layer)
     big = _stack(layer, i)
-    stacked_arrays, _ = attention._decode_kernel_args(big)
+    stacked_arrays, _ = attention.kernel_args(big)
     kw = dict(static, interpret=mode == "interpret")
     prev, active = jnp.asarray(PREV), jnp.asarray(ACTIVE)
     want = hack_fused_decode_attention(q, k_new, v_new, *arrays, table, prev, active, **kw)
