@@ -57,8 +57,8 @@ def _kernel(page_indices_ref, kv_lens_ref, q_ref, kc_ref, ks_ref, km_ref, vc_ref
             ok_ref, ov_ref, acc_ref, m_ref, l_ref, *, quant_group_size: int, num_splits: int,
             sm_scale: float):
     """kc/vc u8[num_pages, page_size // 4, D]; ks/km f16[num_pages, page_size // G, D];
-    vs/vm f16[num_pages, D // G, page_size]; ok bf16[R, D], ov bf16[2 R, D] (this sequence, kv head).
-    G = quant_group_size"""
+    vs/vm f16[num_pages, D // G, page_size]; ok bf16[R, D], ov bf16[2 R, D] (this sequence, kv head)."""
+    G = quant_group_size
     num_pages, rows, head_dim = kc_ref.shape
     page_size = 4 * rows
     r = 4 * G
