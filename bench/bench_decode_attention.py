@@ -361,8 +361,8 @@ def prep_kivi2(shape, key, *, interpret):
     def call(q, i, a):
         x = _slots(a["layer"], shape, i, n)
         return kivi2_decode_attention(q, x.k_codes, x.k_scale, x.k_min, x.v_codes, x.v_scale, x.v_min, x.open_k,
-                                      x.open_v, a["table"] + (i % n) * per_copy, a["lens"], group=kivi2.GROUP,
-                                      interpret=interpret)
+                                      x.open_v, a["table"] + (i % n) * per_copy, a["lens"],
+                                      quant_group_size=kivi2.GROUP, interpret=interpret)
 
     return Prepared(call, arrays, nbytes, f"KIVI-2 G={kivi2.GROUP} R={kivi2.RESIDUAL} page_size={config.page_size} "
                     "default_config", n, append=("open_k", "open_v"))

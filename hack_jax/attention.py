@@ -192,7 +192,7 @@ _KIVI2_FIELDS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min", "
 def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
     """(arrays, static ints) a kernel takes for a cache layer, decode and prefill alike: the ONE place
     that unpacks a layer (the kernels take arrays and static ints only). bf16 pages: (k, v); fp8 /
-    kivi2: their arrays (kivi2 with its group); kivi: the 12 arrays in the kernels' order (k_codes,
+    kivi2: their arrays (kivi2 with quant_group_size); kivi: the 12 arrays in the kernels' order (k_codes,
     k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v) with
     partition_size and num_sink_tokens, and v_group when the config sets one. Kernels are called as
     fn(q, *arrays, page_indices, kv_lens, **static, **kernel_options) (prefill: also q_start=)."""
@@ -201,7 +201,7 @@ def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
     if isinstance(layer, kv_cache.Fp8Pages):
         return tuple(getattr(layer, f) for f in _FP8_FIELDS), {}
     if isinstance(layer, kv_cache.Kivi2Pages):
-        return tuple(getattr(layer, f) for f in _KIVI2_FIELDS), dict(group=kv_cache.kivi2.GROUP)
+        return tuple(getattr(layer, f) for f in _KIVI2_FIELDS), dict(quant_group_size=kv_cache.kivi2.GROUP)
     if not isinstance(layer, kv_cache.KiviPages):
         raise NotImplementedError(f"no kernel takes a {type(layer).__name__} layer")
     static = dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens)

@@ -17,8 +17,9 @@
 - `exp`: jnp.exp or the flash-attention form exp2(x log2 e).
 - Online softmax: `merge_state` or its two halves `merge_weights` + `merge_acc`, `merge_streams` (row
   blocks of one program), `lse_combine` (split-K partials, plain jnp).
-- The paged-kivi decode kernels' shared launch pieces (HACK and fused-dequant): `check_kivi_decode_inputs`,
-  `group_pad`, `split_range`, `load_q_rows`, `empty_state`, `sinks_and_open_block_state`,
+- The paged-kivi decode kernels' shared launch pieces (HACK and fused-dequant): `check_kivi_inputs`
+  and `q_per_kv_pad` (prefill's too), `split_range`, `load_q_rows`, `empty_state`,
+  `sinks_and_open_block_state`,
   `combine_splits`, `full_spec`.
 
 - The prefill kernel's in-kernel pieces: `dynamic_plane` (a traced plane index, inline PTX on the GPU)
@@ -512,18 +513,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def group_pad(num_q_heads: int, num_kv_heads: int) -> int:
-    """Rows per plane stream: G rounded up to a power of two, at least 4 (so R = 4 G_pad >= 16)."""
-    return max(4, _next_pow2(num_q_heads // num_kv_heads))
+def q_per_kv_pad(q_per_kv: int, *, at_least: int = 1) -> int:
+    """Query heads per kv head rounded up to a power of two, at least `at_least` (decode: 4, so one
+    program's R = 4 q_per_kv_pad rows >= 16; prefill: 1, rows are positions x padded heads)."""
+    return max(at_least, _next_pow2(q_per_kv))
 
 
 def combine_splits(acc, m, l, num_q_heads: int):
-    """Merge the split-K partials: acc f32[S, H, splits, G_pad, D], m, l f32[S, H, splits, G_pad]
+    """Merge the split-K partials: acc f32[S, H, splits, q_per_kv_pad, D], m, l f32[S, H, splits, q_per_kv_pad]
     -> f32[S, Hq, D] (0 for rows that attended to nothing)."""
     batch, num_kv_heads, _, _, head_dim = acc.shape
-    out = lse_combine(m, l, acc, axes=2)  # [S, H, G_pad, D]
-    group = num_q_heads // num_kv_heads
-    return out[:, :, :group].reshape(batch, num_q_heads, head_dim)
+    out = lse_combine(m, l, acc, axes=2)  # [S, H, q_per_kv_pad, D]
+    q_per_kv = num_q_heads // num_kv_heads
+    return out[:, :, :q_per_kv].reshape(batch, num_q_heads, head_dim)
 
 
 def full_spec(x):
@@ -580,21 +582,21 @@ def split_range(split, num_packing_groups, num_splits):
     return split * num_packing_groups // num_splits, (split + 1) * num_packing_groups // num_splits
 
 
-def load_q_rows(q_ref, b, h, *, group, group_pad, num_groups, sm_scale):
+def load_q_rows(q_ref, b, h, *, q_per_kv, q_per_kv_pad, num_channel_groups, sm_scale):
     """NP x f32[R, Pc]: q * sm_scale in the (plane j, head g) row layout, gathered from q_ref
-    float[S, Hq, D] (row (j, g) = query head h * G + g; rows g >= G are 0)."""
-    R = NUM_PLANES * group_pad
-    Pc = q_ref.shape[-1] // num_groups
-    g = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) % group_pad
-    head = h * group + jnp.minimum(g, group - 1)  # [R]
-    return [jnp.where((g < group)[:, None], q_ref[b, head, pl.ds(p * Pc, Pc)].astype(jnp.float32) * sm_scale, 0.0)
-            for p in range(num_groups)]
+    float[S, Hq, D] (row (j, g) = query head h * q_per_kv + g; rows g >= q_per_kv are 0)."""
+    R = NUM_PLANES * q_per_kv_pad
+    Pc = q_ref.shape[-1] // num_channel_groups
+    g = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) % q_per_kv_pad
+    head = h * q_per_kv + jnp.minimum(g, q_per_kv - 1)  # [R]
+    return [jnp.where((g < q_per_kv)[:, None], q_ref[b, head, pl.ds(p * Pc, Pc)].astype(jnp.float32) * sm_scale, 0.0)
+            for p in range(num_channel_groups)]
 
 
-def empty_state(rows, width, num_groups):
-    """(m, l, accs) of no keys: -inf, 0, num_groups x zeros[rows, width]."""
+def empty_state(rows, width, num_channel_groups):
+    """(m, l, accs) of no keys: -inf, 0, num_channel_groups x zeros[rows, width]."""
     return (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(num_groups)))
+            tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(num_channel_groups)))
 
 
 def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_len, num_open, row_plane,
@@ -657,8 +659,8 @@ def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_le
     return m, l, tuple(accs)
 
 
-def check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
-                    sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens, v_group=None):
+def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+                      sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens, v_group=None):
     """Trace-time checks of shapes and dtypes against DESIGN.md's kivi layout; raises ValueError.
     v_group: channels per V / query group (None: partition_size), clamped to head_dim."""
     P, ns = partition_size, num_sink_tokens

@@ -24,13 +24,13 @@ S = batch, ns = num_sink_tokens; DESIGN.md "Paged cache layout"):
   open_k, open_v  bf16[S, num_kv_heads, P, head_dim];  sink_k, sink_v  bf16[S, num_kv_heads, ns, head_dim]
   page_indices i32[S, pages_per_seq];  kv_lens i32[S] (sinks + sealed + open tokens, the new one included)
 
-Structure. Grid (batch, num_kv_heads, programs): one program serves the G query heads of a kv head over
-a contiguous range of packing groups (4 blocks: one u8[P, Pc] K tile and one u8[Pc, P] V tile per
-channel group; `common.split_range` balances the groups over the splits). Its R = 4 * G_pad rows
-(G_pad = max(4, next_pow2(G)), so R >= 16, the dot's M) are (plane j, head g): row (j, g) handles block j
-of every group and carries its own online softmax; the 4 dots per tile (one per 2-bit plane) keep each
-row's own plane. Block metadata are read once per group as [4, X] tiles and broadcast to the rows. The
-4 row streams merge at the end of the program, the splits by log-sum-exp outside the kernel. Sinks and
+Structure. Grid (batch, num_kv_heads, programs): one program serves the q_per_kv query heads of a kv
+head over a contiguous range of packing groups (4 blocks: one u8[P, Pc] K tile and one u8[Pc, P] V tile
+per channel group; `common.split_range` balances the groups over the splits). Its R = 4 * q_per_kv_pad
+rows (q_per_kv_pad = max(4, next_pow2(q_per_kv)), so R >= 16, the dot's M) are (plane j, head g): row
+(j, g) handles block j of every group and carries its own online softmax; the 4 dots per tile (one per
+2-bit plane) keep each row's own plane. Block metadata are read once per group as [4, X] tiles and
+broadcast to the rows. The 4 row streams merge at the end of the program, the splits by log-sum-exp outside the kernel. Sinks and
 the open block run in split 0, or in a program of their own (KernelConfig.open_split). On the GPU the
 code planes are unpacked by inline PTX (4 codes per 32-bit register) and the INT8 rounding / division /
 exp use single PTX instructions (common.py); interpret mode computes the same values with jnp.
@@ -91,9 +91,9 @@ RESIDENT_PROGRAMS_PER_SM = {"int8": 3, "folded_f16": 3, "folded_bf16": 3}
 
 def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref,
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
-                        open_v_ref, *refs, partition_size, num_groups, group, group_pad, groups_per_page,
-                        num_sink_tokens, num_pages, max_blocks, num_splits, open_split, sm_scale, dot_dtype,
-                        interpret, open_state=common.sinks_and_open_block_state):
+                        open_v_ref, *refs, partition_size, num_channel_groups, q_per_kv, q_per_kv_pad,
+                        packing_groups_per_page, num_sink_tokens, num_pages, max_blocks, num_splits, open_split,
+                        sm_scale, dot_dtype, interpret, open_state=common.sinks_and_open_block_state):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]   layer-local page ids
     # offsets_ref       i32[2]: (first page, first sequence row) of the layer read, in the arrays below
@@ -107,29 +107,31 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     # v_sums_ref        u8|u16[N, H, bpp, D]
     # open_k_ref, open_v_ref  bf16[S, H, P, D]
     # refs = (sink_k_ref, sink_v_ref  bf16[S, H, ns, D],)  if ns else ()
-    #        + (acc_ref f32[G_pad, D], m_ref f32[G_pad], l_ref f32[G_pad])   outputs of this program
+    #        + (acc_ref f32[q_per_kv_pad, D], m_ref f32[q_per_kv_pad], l_ref f32[q_per_kv_pad])   this program's
+    #        outputs
     # open_state: the sinks + open block part (common.sinks_and_open_block_state's signature); the fused
     # append kernel (fused_decode_attention.py) passes one that also sees the token it writes
-    ns, P, NP = num_sink_tokens, partition_size, num_groups
+    ns, P, NP = num_sink_tokens, partition_size, num_channel_groups
     acc_ref, m_ref, l_ref = refs[-3:]
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    R = NUM_PLANES * group_pad
+    R = NUM_PLANES * q_per_kv_pad
     Pc = q_ref.shape[-1] // NP
 
     kv_len = kv_lens_ref[b]
     first_page, row = offsets_ref[0], offsets_ref[1] + b  # row: this sequence's open block / sinks
     after_sinks = jnp.clip(kv_len - ns, 0, max_blocks * P)  # beyond the capacity: clipped (as kv_cache)
     num_blocks = after_sinks // P  # sealed blocks
-    num_tile_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
+    num_packing_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
     # open_split: programs 0..num_splits-1 take the sealed blocks, program num_splits the sinks and the
     # open block alone; otherwise split 0 takes them besides its (fewest) groups
     prologue_split = num_splits if open_split else 0
-    g_lo, g_hi = common.split_range(jnp.minimum(split, num_splits - 1), num_tile_groups, num_splits)
+    g_lo, g_hi = common.split_range(jnp.minimum(split, num_splits - 1), num_packing_groups, num_splits)
     if open_split:
         g_hi = jnp.where(split < num_splits, g_hi, g_lo)
 
-    row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R] block j of the row
-    q = common.load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
+    row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // q_per_kv_pad  # [R] block j of the row
+    q = common.load_q_rows(q_ref, b, h, q_per_kv=q_per_kv, q_per_kv_pad=q_per_kv_pad, num_channel_groups=NP,
+                           sm_scale=sm_scale)
     asm = not interpret  # inline PTX has no interpret-mode rule; the jnp forms give the same values
     exp = functools.partial(common.exp, fast=True)
     int8 = dot_dtype == "int8"
@@ -161,19 +163,21 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                            row_plane),
         lambda: common.empty_state(R, Pc, NP))
 
-    def body(tg, carry):
-        # One packing group tg: blocks 4 tg + j (j = 0..3), row (j, g) handles block 4 tg + j.
+    def body(packing_group, carry):
+        # One packing group g4 = packing_group: blocks 4 g4 + j (j = 0..3), row (j, g) handles block 4 g4 + j.
         m, l, accs = carry
-        page, group_in_page = (tg, 0) if groups_per_page == 1 else (tg // groups_per_page, tg % groups_per_page)
+        page, packing_group_in_page = ((packing_group, 0) if packing_groups_per_page == 1 else
+                                       (packing_group // packing_groups_per_page,
+                                        packing_group % packing_groups_per_page))
         pid = page_indices_ref[b, page]
         pid = first_page + jnp.where((pid >= 0) & (pid < num_pages), pid, 0)  # outside the layer: its null page
-        code_row0 = group_in_page * P
-        slot0 = group_in_page * NUM_PLANES  # block slot of plane 0 in the page
-        valid = NUM_PLANES * tg + row_plane < num_blocks  # [R]
+        code_row0 = packing_group_in_page * P
+        slot0 = packing_group_in_page * NUM_PLANES  # block slot of plane 0 in the page
+        valid = NUM_PLANES * packing_group + row_plane < num_blocks  # [R]
 
         def rows(x4):  # [4, X] per block of the group -> f32[R, X], row (j, g) = x4[j]
             x4 = x4.astype(jnp.float32)
-            return jnp.broadcast_to(x4[:, None, :], (NUM_PLANES, group_pad, x4.shape[1])).reshape(R, x4.shape[1])
+            return jnp.broadcast_to(x4[:, None, :], (NUM_PLANES, q_per_kv_pad, x4.shape[1])).reshape(R, x4.shape[1])
 
         def per_channel(ref, channels):  # [4, Pc] block metadata (sigma, mu, omega) -> [R, Pc]
             return rows(ref[pid, h, pl.ds(slot0, NUM_PLANES), channels])
@@ -224,7 +228,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         return m_new, l_new, tuple(new_accs)
 
     m, l, accs = jax.lax.fori_loop(g_lo, g_hi, body, init)
-    m, l, accs = common.merge_streams(m, l, accs, NUM_PLANES)  # [G_pad], [G_pad], NP x [G_pad, Pc]
+    m, l, accs = common.merge_streams(m, l, accs, NUM_PLANES)  # [q_per_kv_pad], [q_per_kv_pad], NP x [q_per_kv_pad, Pc]
     for p in range(NP):
         acc_ref[:, pl.ds(p * Pc, Pc)] = accs[p]
     m_ref[...] = m
@@ -306,23 +310,23 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
     page_size = k_sums.shape[2]
-    num_groups = k_sums.shape[3]
+    num_channel_groups = k_sums.shape[3]
     pages_per_seq = page_indices.shape[1]
-    pad = common.group_pad(num_q_heads, num_kv_heads)
+    pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=4)
     splits = config.num_splits
     programs = splits + config.open_split
     # per-token metadata as [N, H, bpp, P, NP] (a free reshape): the kernel reads a block group's [4, P]
     # tile in one strided load instead of a [4P] vector reshaped in registers
     k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size, partition_size,
-                                        num_groups) for x in (k_sums, v_scale, v_min))
+                                        num_channel_groups) for x in (k_sums, v_scale, v_min))
     inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), offsets, q, k_codes, k_scale, k_min,
               k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
     if num_sink_tokens:
         inputs += [sink_k, sink_v]
     kernel = functools.partial(
-        _hack_decode_kernel, partition_size=partition_size, num_groups=num_groups,
-        group=num_q_heads // num_kv_heads, group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
-        groups_per_page=page_size // (NUM_PLANES * partition_size), num_sink_tokens=num_sink_tokens,
+        _hack_decode_kernel, partition_size=partition_size, num_channel_groups=num_channel_groups,
+        q_per_kv=num_q_heads // num_kv_heads, q_per_kv_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
+        packing_groups_per_page=page_size // (NUM_PLANES * partition_size), num_sink_tokens=num_sink_tokens,
         num_pages=num_pages // num_layers, max_blocks=pages_per_seq * (page_size // partition_size),
         num_splits=splits, open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
@@ -378,8 +382,8 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
         sink_k = sink_v = None
     cache = (k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)
     view = common.stacked_view(cache, layer_index, batch=q.shape[0])
-    common.check_kivi_decode_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
-                                    num_sink_tokens=num_sink_tokens, v_group=v_group)
+    common.check_kivi_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
+                             num_sink_tokens=num_sink_tokens, v_group=v_group)
     config = resolve_config(q, view.layer[0], view.layer[3], page_indices, partition_size=partition_size,
                             dot_dtype=dot_dtype, num_splits=num_splits, config=config)
     return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, partition_size=partition_size,

@@ -40,8 +40,8 @@ __all__ = ["dequant_decode_attention", "KernelConfig", "default_config"]
 
 def _dequant_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref,
                            v_codes_ref, v_scale_ref, v_min_ref, open_k_ref, open_v_ref, *refs,
-                           partition_size, num_groups, group, group_pad, groups_per_page, num_sink_tokens,
-                           num_pages, max_blocks, num_splits, sm_scale):
+                           partition_size, num_channel_groups, q_per_kv, q_per_kv_pad, packing_groups_per_page,
+                           num_sink_tokens, num_pages, max_blocks, num_splits, sm_scale):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[S, Hq, D]
@@ -51,21 +51,22 @@ def _dequant_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_
     # v_scale_ref, v_min_ref  f16[N, H, page_size, NP]
     # open_k_ref, open_v_ref  bf16[S, H, P, D]
     # refs = (sink_k_ref, sink_v_ref  bf16[S, H, ns, D],)  if ns else ()
-    #        + (acc_ref f32[G_pad, D], m_ref f32[G_pad], l_ref f32[G_pad])
-    ns, P, NP = num_sink_tokens, partition_size, num_groups
+    #        + (acc_ref f32[q_per_kv_pad, D], m_ref f32[q_per_kv_pad], l_ref f32[q_per_kv_pad])
+    ns, P, NP = num_sink_tokens, partition_size, num_channel_groups
     acc_ref, m_ref, l_ref = refs[-3:]
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    R = NUM_PLANES * group_pad
+    R = NUM_PLANES * q_per_kv_pad
     Pc = q_ref.shape[-1] // NP
 
     kv_len = kv_lens_ref[b]
     after_sinks = jnp.clip(kv_len - ns, 0, max_blocks * P)  # beyond the capacity: clipped (as kv_cache)
     num_blocks = after_sinks // P  # sealed blocks
-    num_tile_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
-    g_lo, g_hi = common.split_range(split, num_tile_groups, num_splits)
+    num_packing_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
+    g_lo, g_hi = common.split_range(split, num_packing_groups, num_splits)
 
-    row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // group_pad  # [R]
-    q = common.load_q_rows(q_ref, b, h, group=group, group_pad=group_pad, num_groups=NP, sm_scale=sm_scale)
+    row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // q_per_kv_pad  # [R]
+    q = common.load_q_rows(q_ref, b, h, q_per_kv=q_per_kv, q_per_kv_pad=q_per_kv_pad, num_channel_groups=NP,
+                           sm_scale=sm_scale)
     q_bf16 = [x.astype(jnp.bfloat16) for x in q]
 
     init = jax.lax.cond(
@@ -74,14 +75,16 @@ def _dequant_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_
                                                   kv_len, after_sinks % P, row_plane),
         lambda: common.empty_state(R, Pc, NP))
 
-    def body(tg, carry):
+    def body(packing_group, carry):
         m, l, accs = carry
-        page, group_in_page = (tg, 0) if groups_per_page == 1 else (tg // groups_per_page, tg % groups_per_page)
+        page, packing_group_in_page = ((packing_group, 0) if packing_groups_per_page == 1 else
+                                       (packing_group // packing_groups_per_page,
+                                        packing_group % packing_groups_per_page))
         pid = page_indices_ref[b, page]
         pid = jnp.where((pid >= 0) & (pid < num_pages), pid, 0)
-        code_row0 = group_in_page * P
-        slot0 = group_in_page * NUM_PLANES
-        valid = NUM_PLANES * tg + row_plane < num_blocks  # [R]
+        code_row0 = packing_group_in_page * P
+        slot0 = packing_group_in_page * NUM_PLANES
+        valid = NUM_PLANES * packing_group + row_plane < num_blocks  # [R]
 
         logits = jnp.zeros((R, P), jnp.float32)
         for p in range(NP):
@@ -118,7 +121,7 @@ def _dequant_decode_kernel(kv_lens_ref, page_indices_ref, q_ref, k_codes_ref, k_
         return common.merge_state(m, l, accs, mb, lb, tuple(outs), valid)
 
     m, l, accs = jax.lax.fori_loop(g_lo, g_hi, body, init)
-    m, l, accs = common.merge_streams(m, l, accs, NUM_PLANES)  # [G_pad], [G_pad], NP x [G_pad, Pc]
+    m, l, accs = common.merge_streams(m, l, accs, NUM_PLANES)  # [q_per_kv_pad], [q_per_kv_pad], NP x [q_per_kv_pad, Pc]
     for p in range(NP):
         acc_ref[:, pl.ds(p * Pc, Pc)] = accs[p]
     m_ref[...] = m
@@ -137,17 +140,17 @@ def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k,
     num_pages, num_kv_heads, _, _ = k_codes.shape
     page_size = v_scale.shape[2]
     pages_per_seq = page_indices.shape[1]
-    pad = common.group_pad(num_q_heads, num_kv_heads)
-    groups_per_page = page_size // (NUM_PLANES * partition_size)
+    pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=4)
+    packing_groups_per_page = page_size // (NUM_PLANES * partition_size)
     splits = config.num_splits
     inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q,
               k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v]
     if num_sink_tokens:
         inputs += [sink_k, sink_v]
     kernel = functools.partial(
-        _dequant_decode_kernel, partition_size=partition_size, num_groups=v_scale.shape[3],
-        group=num_q_heads // num_kv_heads, group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
-        groups_per_page=groups_per_page, num_sink_tokens=num_sink_tokens, num_pages=num_pages,
+        _dequant_decode_kernel, partition_size=partition_size, num_channel_groups=v_scale.shape[3],
+        q_per_kv=num_q_heads // num_kv_heads, q_per_kv_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
+        packing_groups_per_page=packing_groups_per_page, num_sink_tokens=num_sink_tokens, num_pages=num_pages,
         max_blocks=pages_per_seq * (page_size // partition_size),
         num_splits=splits)
     acc, m, l = common.pallas_call(
@@ -183,9 +186,9 @@ def dequant_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scal
     Returns f32[batch, num_q_heads, head_dim]; ValueError as there.
     """
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
-    common.check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
-                                    open_v, sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
-                                    num_sink_tokens=num_sink_tokens, v_group=v_group)
+    common.check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
+                             open_v, sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
+                             num_sink_tokens=num_sink_tokens, v_group=v_group)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size,
                             num_splits=num_splits, config=config)
     if num_sink_tokens == 0:

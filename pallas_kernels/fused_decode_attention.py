@@ -83,15 +83,15 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_r
     dtype = cache_in[8].dtype
     D = k_ref.shape[-1]
 
-    num_groups = kernel_kwargs["num_groups"]
-    Pc = D // num_groups
+    num_channel_groups = kernel_kwargs["num_channel_groups"]
+    Pc = D // num_channel_groups
 
     def open_state(*args):  # runs in the one program of (b, h) that reads the open block and sinks
-        rows = lambda ref: [ref[b, h, pl.ds(p * Pc, Pc)].astype(dtype) for p in range(num_groups)]
+        rows = lambda ref: [ref[b, h, pl.ds(p * Pc, Pc)].astype(dtype) for p in range(num_channel_groups)]
         new_k, new_v = rows(k_ref), rows(v_ref)
 
         def write(at, k_out, v_out):  # nothing reads the row back: the attention takes it from registers
-            for p in range(num_groups):
+            for p in range(num_channel_groups):
                 k_out[row, h, at, pl.ds(p * Pc, Pc)] = new_k[p]
                 v_out[row, h, at, pl.ds(p * Pc, Pc)] = new_v[p]
 
@@ -106,8 +106,8 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_r
 
 
 def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, *, programs):
-    # m_ref, l_ref  f32[S, H, programs, G_pad];  acc_ref f32[S, H, programs, G_pad, D]
-    # out_ref       f32[G_pad, D] of (b, h): common.lse_combine over the programs
+    # m_ref, l_ref  f32[S, H, programs, q_per_kv_pad];  acc_ref f32[S, H, programs, q_per_kv_pad, D]
+    # out_ref       f32[q_per_kv_pad, D] of (b, h): common.lse_combine over the programs
     b, h = pl.program_id(0), pl.program_id(1)
     rows = out_ref.shape[0]
     m_max = jax.lax.fori_loop(0, programs, lambda s, mx: jnp.maximum(mx, m_ref[b, h, s, :]),
@@ -116,7 +116,7 @@ def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, *, programs):
 
     def body(s, carry):
         l, acc = carry
-        w = jnp.exp(m_ref[b, h, s, :] - base)  # [G_pad]; 0 for a program that saw nothing
+        w = jnp.exp(m_ref[b, h, s, :] - base)  # [q_per_kv_pad]; 0 for a program that saw nothing
         return l + l_ref[b, h, s, :] * w, acc + acc_ref[b, h, s, :, :] * w[:, None]
 
     l, acc = jax.lax.fori_loop(0, programs, body, (jnp.zeros((rows,), jnp.float32), jnp.zeros_like(out_ref)))
@@ -125,8 +125,9 @@ def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, *, programs):
 
 def combine_splits(acc, m, l, num_q_heads, *, interpret):
     """common.combine_splits as one small Pallas kernel (one launch, where XLA makes a reduction fusion per
-    reduced quantity): acc f32[S, H, programs, G_pad, D], m, l f32[S, H, programs, G_pad] ->
-    f32[S, num_q_heads, head_dim]; the G_pad - G padding rows are sliced off after (free when G == G_pad)."""
+    reduced quantity): acc f32[S, H, programs, q_per_kv_pad, D], m, l f32[S, H, programs, q_per_kv_pad] ->
+    f32[S, num_q_heads, head_dim]; the q_per_kv_pad - q_per_kv padding rows are sliced off after (free when they
+    are equal)."""
     batch, num_kv_heads, programs, pad, head_dim = acc.shape
     out = common.pallas_call(
         functools.partial(_combine_kernel, programs=programs),
@@ -146,13 +147,13 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
     page_size = k_sums.shape[2]
-    num_groups = k_sums.shape[3]
-    pad = common.group_pad(num_q_heads, num_kv_heads)
+    num_channel_groups = k_sums.shape[3]
+    pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=4)
     programs = config.num_splits + config.open_split
     prev = kv_lens.astype(jnp.int32)
     after = prev + active.astype(jnp.int32)  # what the attention sees: append's kv_lens + active
     k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size, partition_size,
-                                        num_groups) for x in (k_sums, v_scale, v_min))
+                                        num_channel_groups) for x in (k_sums, v_scale, v_min))
     cache = [k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
     written = [open_k, open_v] + ([sink_k, sink_v] if num_sink_tokens else [])
     if num_sink_tokens:
@@ -161,9 +162,10 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     first = 7 + 8  # index of open_k among the inputs
     aliases = {first + i: 3 + i for i in range(len(written))}
     kernel = functools.partial(
-        _fused_kernel, partition_size=partition_size, num_groups=num_groups, group=num_q_heads // num_kv_heads,
-        group_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
-        groups_per_page=page_size // (NUM_PLANES * partition_size), num_sink_tokens=num_sink_tokens,
+        _fused_kernel, partition_size=partition_size, num_channel_groups=num_channel_groups,
+        q_per_kv=num_q_heads // num_kv_heads,
+        q_per_kv_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
+        packing_groups_per_page=page_size // (NUM_PLANES * partition_size), num_sink_tokens=num_sink_tokens,
         num_pages=num_pages // num_layers, max_blocks=page_indices.shape[1] * (page_size // partition_size),
         num_splits=config.num_splits, open_split=config.open_split, dot_dtype=config.dot_dtype,
         interpret=interpret)
@@ -242,8 +244,8 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
     page_indices, kv_lens, active = common.as_index_arrays(page_indices, kv_lens, active)
     cache = (k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)
     view = common.stacked_view(cache, layer_index, batch=q.shape[0])
-    common.check_kivi_decode_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
-                                    num_sink_tokens=num_sink_tokens, v_group=v_group)
+    common.check_kivi_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
+                             num_sink_tokens=num_sink_tokens, v_group=v_group)
     k_codes, k_sums = view.layer[0], view.layer[3]
     want = (q.shape[0], k_codes.shape[1], q.shape[2])
     for name, x in (("k", k), ("v", v)):

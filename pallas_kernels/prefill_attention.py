@@ -300,9 +300,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def q_per_kv_pad(q_per_kv: int) -> int:
-    """Query heads per kv head rounded up to a power of two (rows are positions x padded heads)."""
-    return _next_pow2(q_per_kv)
+q_per_kv_pad = common.q_per_kv_pad  # at_least=1: rows are positions x padded heads
 
 
 def default_config(*, num_q_heads: int, num_kv_heads: int, q_len: int, dot_dtype: DotDtype = "bf16",
@@ -397,10 +395,10 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
         raise ValueError(f"q must be float[batch, T, num_q_heads, head_dim], got {q.shape=}, {q.dtype=}")
     batch, q_len, num_q_heads, head_dim = q.shape
     q_row = jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), q.dtype)  # the per-token checks of decode
-    common.check_kivi_decode_inputs(q_row, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums,
-                                    open_k, open_v, sink_k, sink_v, page_indices, kv_lens,
-                                    partition_size=partition_size, num_sink_tokens=num_sink_tokens,
-                                    v_group=v_group)
+    common.check_kivi_inputs(q_row, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums,
+                             open_k, open_v, sink_k, sink_v, page_indices, kv_lens,
+                             partition_size=partition_size, num_sink_tokens=num_sink_tokens,
+                             v_group=v_group)
     if q_start is None:
         q_start = jnp.zeros_like(kv_lens)
     if q_start.shape != (batch,) or q_start.dtype != jnp.int32:

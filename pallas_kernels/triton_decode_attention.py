@@ -124,9 +124,9 @@ def kernel_constants(*, num_q_heads: int, num_kv_heads: int, head_dim: int, part
                      page_size: int, pages_per_seq: int, num_pages: int, num_sink_tokens: int,
                      num_splits: int, unpack_asm: bool) -> dict:
     """The kernel's constexpr arguments (also used by the offline compile, bench/triton_offline.py)."""
-    group = num_q_heads // num_kv_heads
+    q_per_kv = num_q_heads // num_kv_heads
     pc = min(partition_size, head_dim)
-    return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=head_dim,
+    return dict(NUM_KV_HEADS=num_kv_heads, Q_PER_KV=q_per_kv, Q_PER_KV_PAD=_next_pow2(q_per_kv), HEAD_DIM=head_dim,
                 P=partition_size, PC=pc, NP=head_dim // pc, PAGE_SIZE=page_size, PAGES_PER_SEQ=pages_per_seq,
                 NUM_PAGES=num_pages, NS=num_sink_tokens, NS_PAD=max(16, _next_pow2(num_sink_tokens)),
                 NUM_SPLITS=num_splits, QK_SCALE=math.log2(math.e) / math.sqrt(head_dim),
@@ -138,13 +138,13 @@ def combine(acc, m2, l, num_q_heads: int):
     f32[S, H, programs, GP] -> f32[S, Hq, D] (0 where nothing was attended)."""
     batch, num_kv_heads, _, _, head_dim = acc.shape
     out = common.lse_combine(m2 * math.log(2.0), l, acc, axes=2)  # [S, H, GP, D]
-    group = num_q_heads // num_kv_heads
-    return out[:, :, :group].reshape(batch, num_q_heads, head_dim)
+    q_per_kv = num_q_heads // num_kv_heads
+    return out[:, :, :q_per_kv].reshape(batch, num_q_heads, head_dim)
 
 
-def out_shapes(batch: int, num_kv_heads: int, num_splits: int, group_pad: int, head_dim: int):
+def out_shapes(batch: int, num_kv_heads: int, num_splits: int, q_per_kv_pad: int, head_dim: int):
     """ShapeDtypeStructs of the kernel's outputs (acc, m, l)."""
-    rows = (batch, num_kv_heads, num_splits + 1, group_pad)
+    rows = (batch, num_kv_heads, num_splits + 1, q_per_kv_pad)
     return (jax.ShapeDtypeStruct(rows + (head_dim,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.float32),
             jax.ShapeDtypeStruct(rows, jnp.float32))
 
@@ -167,14 +167,14 @@ def _triton_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, 
     acc, m2, l = jax_triton.triton_call(
         kv_lens, page_indices, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v, sink_k,
         sink_v, kernel=hack_triton_decode_kernel,
-        out_shape=out_shapes(batch, num_kv_heads, config.num_splits, consts["GROUP_PAD"], head_dim),
+        out_shape=out_shapes(batch, num_kv_heads, config.num_splits, consts["Q_PER_KV_PAD"], head_dim),
         grid=(batch, num_kv_heads, config.num_splits + 1), num_warps=config.num_warps,
         num_stages=config.num_stages, name="hack_triton_decode", **consts)
     return combine(acc, m2, l, num_q_heads)
 
 
 def check_supported(q, *, partition_size: int, config: KernelConfig) -> None:
-    """What this kernel adds to common.check_kivi_decode_inputs: ValueError for head_dim > 2 *
+    """What this kernel adds to common.check_kivi_inputs: ValueError for head_dim > 2 *
     partition_size or a bad config."""
     head_dim = q.shape[-1]
     if head_dim > 2 * partition_size:
@@ -222,9 +222,9 @@ def hack_triton_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=No
         raise ValueError(f"partition_size and num_sink_tokens are required, got {partition_size=}, "
                          f"{num_sink_tokens=}")
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
-    common.check_kivi_decode_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
-                    sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
-                    num_sink_tokens=num_sink_tokens)
+    common.check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+                             sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
+                             num_sink_tokens=num_sink_tokens)
     if config is None:
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1],
                                 pages_per_seq=page_indices.shape[1], page_size=4 * k_codes.shape[2],

@@ -1,7 +1,7 @@
 """The @triton.jit body of pallas_kernels.triton_decode_attention (that module's docstring says what
 it computes, the shapes and the caveats). Kept apart so the host-side module imports without Triton.
 
-Notation in the shape comments: GP = group_pad (query heads of one kv head, padded to a power of
+Notation in the shape comments: GP = q_per_kv_pad (query heads of one kv head, padded to a power of
 two), D = head_dim, P = partition_size, PC = min(P, D) channels per channel group, 4 = the planes of a
 packing group (its 4 blocks), T = NS_PAD padded sink rows.
 """
@@ -108,7 +108,7 @@ def _residual_qk(q0, q1, k_ptr, row0, rows, n, PC: tl.constexpr, NP: tl.constexp
 def hack_triton_decode_kernel(
         kv_lens_ptr, page_indices_ptr, q_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
         v_min_ptr, open_k_ptr, open_v_ptr, sink_k_ptr, sink_v_ptr, acc_ptr, m_ptr, l_ptr,
-        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr, Q_PER_KV: tl.constexpr, Q_PER_KV_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         P: tl.constexpr, PC: tl.constexpr, NP: tl.constexpr, PAGE_SIZE: tl.constexpr,
         PAGES_PER_SEQ: tl.constexpr, NUM_PAGES: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr,
         NUM_SPLITS: tl.constexpr, QK_SCALE: tl.constexpr, USE_ASM: tl.constexpr):
@@ -122,37 +122,37 @@ def hack_triton_decode_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    g = tl.arange(0, GROUP_PAD)
+    g = tl.arange(0, Q_PER_KV_PAD)
     r = tl.arange(0, P)
     j = tl.arange(0, 4)
     kv_len = tl.load(kv_lens_ptr + b)
     after_sinks = tl.minimum(tl.maximum(kv_len - NS, 0), PAGES_PER_SEQ * PAGE_SIZE)  # clipped to capacity
     num_blocks = after_sinks // P
     num_open = after_sinks % P
-    # q^T * sm_scale * log2(e) per channel group: logits in base 2 (exp2); columns g >= GROUP are 0
+    # q^T * sm_scale * log2(e) per channel group: logits in base 2 (exp2); columns g >= Q_PER_KV are 0
     c = tl.arange(0, PC)
-    q_rows = q_ptr + ((b * NUM_KV_HEADS + h) * GROUP + g)[None, :] * HEAD_DIM
-    q0 = tl.load(q_rows + c[:, None], mask=(g < GROUP)[None, :], other=0.0).to(tl.float32) * QK_SCALE  # [PC, GP]
+    q_rows = q_ptr + ((b * NUM_KV_HEADS + h) * Q_PER_KV + g)[None, :] * HEAD_DIM
+    q0 = tl.load(q_rows + c[:, None], mask=(g < Q_PER_KV)[None, :], other=0.0).to(tl.float32) * QK_SCALE  # [PC, GP]
     q1 = q0  # channel group 1 (NP == 2), else unused
     if NP == 2:
-        q1 = tl.load(q_rows + PC + c[:, None], mask=(g < GROUP)[None, :], other=0.0).to(tl.float32) * QK_SCALE
+        q1 = tl.load(q_rows + PC + c[:, None], mask=(g < Q_PER_KV)[None, :], other=0.0).to(tl.float32) * QK_SCALE
 
     if split < NUM_SPLITS:
-        n_groups = (num_blocks + 3) // 4
-        g_lo = split * n_groups // NUM_SPLITS
-        g_hi = (split + 1) * n_groups // NUM_SPLITS
+        num_packing_groups = (num_blocks + 3) // 4
+        g_lo = split * num_packing_groups // NUM_SPLITS
+        g_hi = (split + 1) * num_packing_groups // NUM_SPLITS
         plane_w = tl.exp2(-2.0 * j.to(tl.float32))  # [4] 4**-j, undoes the unpack's 4**j
-        m_i = tl.full([4, GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([4, GROUP_PAD], tl.float32)
-        acc0 = tl.zeros([4, PC, GROUP_PAD], tl.float32)
-        acc1 = tl.zeros([4, PC, GROUP_PAD], tl.float32)  # channel group 1 (NP == 2), else unused
-        for tg in range(g_lo, g_hi):
-            gi = tg % (PAGE_SIZE // (4 * P))  # packing group in its page
-            pid = tl.load(page_indices_ptr + b * PAGES_PER_SEQ + tg // (PAGE_SIZE // (4 * P)))
+        m_i = tl.full([4, Q_PER_KV_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([4, Q_PER_KV_PAD], tl.float32)
+        acc0 = tl.zeros([4, PC, Q_PER_KV_PAD], tl.float32)
+        acc1 = tl.zeros([4, PC, Q_PER_KV_PAD], tl.float32)  # channel group 1 (NP == 2), else unused
+        for packing_group in range(g_lo, g_hi):
+            gi = packing_group % (PAGE_SIZE // (4 * P))  # packing group in its page
+            pid = tl.load(page_indices_ptr + b * PAGES_PER_SEQ + packing_group // (PAGE_SIZE // (4 * P)))
             pid = tl.where((pid >= 0) & (pid < NUM_PAGES), pid, 0)  # bad ids read the null page
             ph = pid.to(tl.int64) * NUM_KV_HEADS + h  # (page, kv head) index
             slot = gi * 4 + j  # [4] block slots in the page
-            valid = tg * 4 + j < num_blocks  # [4]
+            valid = packing_group * 4 + j < num_blocks  # [4]
             s, qmu = _qk(q0, k_codes_ptr, k_scale_ptr, k_min_ptr, ph, gi, slot, valid, 0, PC, P, PAGE_SIZE,
                          HEAD_DIM, USE_ASM)  # [4, P, GP], [4, GP]
             if NP == 2:
@@ -200,7 +200,7 @@ def hack_triton_decode_kernel(
             if NP == 2:
                 acc1_o += _residual_pv(ps, sink_v_ptr, seq_head * NS, t, n_sinks, 1, PC, HEAD_DIM)
 
-    out_row = ((b * NUM_KV_HEADS + h) * (NUM_SPLITS + 1) + split) * GROUP_PAD + g  # [GP]
+    out_row = ((b * NUM_KV_HEADS + h) * (NUM_SPLITS + 1) + split) * Q_PER_KV_PAD + g  # [GP]
     tl.store(m_ptr + out_row, m_o)
     tl.store(l_ptr + out_row, l_o)
     tl.store(acc_ptr + out_row[None, :] * HEAD_DIM + c[:, None], acc0_o)

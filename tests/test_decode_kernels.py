@@ -52,7 +52,7 @@ import jax.numpy as jnp
 
 from oracles import q8_rows
 from pallas_kernels import common
-from pallas_kernels.common import group_pad
+from pallas_kernels.common import q_per_kv_pad
 from pallas_kernels.decode_attention import RESIDENT_PROGRAMS_PER_SM, KernelConfig, default_config, hack_decode_attention
 from pallas_kernels.dequant_decode_attention import dequant_decode_attention
 
@@ -681,7 +681,7 @@ def test_default_config_and_rows():
         batch=b, num_kv_heads=8, pages_per_seq=pps, page_size=256, partition_size=64))
         for b, pps in ((1, 128), (8, 128), (32, 128), (1, 4), (8, 4))]
     assert got == [(43, False), (6, False), (3, False), (4, True), (4, True)]
-    assert [group_pad(h * g, h) for h, g in ((8, 1), (8, 3), (8, 4), (8, 8))] == [4, 4, 4, 8]
+    assert [q_per_kv_pad(g, at_least=4) for h, g in ((8, 1), (8, 3), (8, 4), (8, 8))] == [4, 4, 4, 8]
 
 
 def test_validation_errors():

@@ -241,7 +241,7 @@ def test_default_config_fills_a_wave_and_never_exceeds_the_groups():
 def test_kernel_constants():
     k = td.kernel_constants(num_q_heads=28, num_kv_heads=4, head_dim=128, partition_size=64, page_size=256,
                             pages_per_seq=3, num_pages=9, num_sink_tokens=4, num_splits=2, unpack_asm=True)
-    assert (k["GROUP"], k["GROUP_PAD"], k["PC"], k["NP"], k["NS_PAD"]) == (7, 8, 64, 2, 16)
+    assert (k["Q_PER_KV"], k["Q_PER_KV_PAD"], k["PC"], k["NP"], k["NS_PAD"]) == (7, 8, 64, 2, 16)
     assert math.isclose(k["QK_SCALE"], 1.4426950408889634 / math.sqrt(128))
 
 

@@ -102,7 +102,7 @@ def run_interpreted(q, c, *, P, ns, splits):
     consts = td.kernel_constants(num_q_heads=Hq, num_kv_heads=H, head_dim=d, partition_size=P, page_size=4 * quarter,
                                  pages_per_seq=c["page_indices"].shape[1], num_pages=N, num_sink_tokens=ns,
                                  num_splits=splits, unpack_asm=False)
-    outs = [NpTensor(np.zeros(s.shape, np.float32)) for s in td.out_shapes(S, H, splits, consts["GROUP_PAD"], d)]
+    outs = [NpTensor(np.zeros(s.shape, np.float32)) for s in td.out_shapes(S, H, splits, consts["Q_PER_KV_PAD"], d)]
     sink_k, sink_v = (c["sink_k"], c["sink_v"]) if ns else (c["open_k"], c["open_v"])
     args = [c["kv_lens"], c["page_indices"], q, c["k_codes"], c["k_scale"], c["k_min"], c["v_codes"], c["v_scale"],
             c["v_min"], c["open_k"], c["open_v"], sink_k, sink_v]
