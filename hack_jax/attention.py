@@ -2,7 +2,7 @@
 
 Models hold a hack_jax.backend.Backend and call its `prefill` / `decode` once per layer; it writes the
 fresh K/V and attends through this module's `prefill_attention` / `decode_step` (append + decode
-attention, fused into one kernel call where that pays) (STYLE.md rule 11). `impl` picks:
+attention, fused into one kernel call on request) (STYLE.md rule 11). `impl` picks:
   "reference": pure jnp, jit-able, vectorized over sequences and blocks.
     kv_format="hack": the paged homomorphic reference. Codes, metadata and sums are read from the
       pages through page_indices (`kv_cache.read_blocks`, which zeroes everything beyond a
@@ -395,8 +395,10 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache | stacked.StackedLayer, *, p
     (pallas_kernels.fused_decode_attention) writes the token's sink / open-block rows in place and
     attends, plus one small kernel for the split combine, so no XLA scatter runs around the kernel (the
     same cache bytes, the same output up to float32 order). The fused kernel holds 2 programs per SM
-    instead of 3 (more registers). fuse=True forces it (ValueError where it cannot apply), False never
-    fuses, None fuses where `fused_decode_attention.fusion_pays` predicts no loss at these shapes.
+    instead of 3 (more registers). fuse=True forces it (ValueError where it cannot apply); None / False do
+    not fuse: where the model used it on the H200 (Qwen2.5-7B heads, batch 1, 4K and 32K) its split-combine
+    kernel took 27 us per layer, more than the attention itself, and the step ran 13% slower than bf16's
+    (bench/NOTES_generate.md, session 6); `fused_decode_attention.fusion_pays` is its split model.
 
     `layer` may be a kv_cache.stacked.StackedLayer (layer i of a stacked cache, what the unrolled model
     passes): with impl="pallas", seal="never" and a kivi or bf16 cache, the token's rows are written into
@@ -422,8 +424,6 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache | stacked.StackedLayer, *, p
     if fuse and not can_fuse:
         raise ValueError(f"fuse=True needs impl='pallas', seal='never' and a kivi layer, got {impl=} {seal=} "
                          f"{type(layer).__name__}")
-    if can_fuse and fuse is None:
-        fuse = _fusion_pays(q, layer, page_indices, kernel_options)
     if not (can_fuse and fuse):
         layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active, page_indices=page_indices,
                                 key=key, seal=seal)
@@ -452,20 +452,6 @@ def _fused_step(q, k, v, layer, page_indices, kv_lens, active, impl, layer_index
     return out, dict(open_k=open_k, open_v=open_v, sink_k=sink_k, sink_v=sink_v)
 
 
-def _fusion_pays(q, layer, page_indices, kernel_options) -> bool:
-    """fuse=None's choice (decode_step): the fused kernel's split model at these shapes and dot_dtype; False
-    where the fused module does not import."""
-    try:
-        module = _fused_decode_module()
-    except NotImplementedError:
-        return False
-    config = kernel_options.get("config")
-    dot_dtype = config.dot_dtype if config is not None else kernel_options.get("dot_dtype", "int8")
-    return module.fusion_pays(batch=jnp.shape(q)[0], num_kv_heads=layer.num_kv_heads,
-                              pages_per_seq=jnp.shape(page_indices)[1], page_size=layer.config.page_size,
-                              partition_size=layer.config.partition_size, dot_dtype=dot_dtype)
-
-
 def _stacked_decode_step(q, k, v, view, *, page_indices, kv_lens, active, impl, seal, key, fuse, **kernel_options):
     """decode_step on layer view.index of a stacked cache (decode_step's docstring)."""
     kivi = isinstance(view.stacked, kv_cache.KiviPages)
@@ -484,8 +470,7 @@ def _stacked_decode_step(q, k, v, view, *, page_indices, kv_lens, active, impl, 
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens, active = _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl,
                                                    kernel_options)
-    one = view.shapes()
-    if kivi and (fuse or (fuse is None and _fusion_pays(q, one, page_indices, kernel_options))):
+    if kivi and fuse:
         out, written = _fused_step(q, k, v, view.stacked, page_indices, kv_lens, active, impl, view.index,
                                    kernel_options)
         view = stacked.StackedLayer(dataclasses.replace(view.stacked, **written), view.index)

@@ -7,7 +7,7 @@ unchanged). The backend writes the K/V into the cache and attends:
            K/V (cuDNN / XLA / bf16 Pallas / jnp, `prefill_attention`), a chunk also to its cached
            prefix on the codes, and the cache is written once; or "homomorphic", the paper's numerics.
   decode   hack_jax.attention.decode_step: kv_cache.append then decode_attention, fused into one
-           Pallas call on the non-sealing steps where that pays; the HACK kernel with scale-folded
+           Pallas call on request (fuse=True); the HACK kernel with scale-folded
            f16 operands unless the options name dot_dtype / config.
 Evaluation variants and benchmark adapters are other objects with the same two methods
 (models/eval.py, bench/bench_generate.py); nothing patches a module global.
@@ -58,7 +58,8 @@ class Backend:
       impl: hack_jax.attention's ("reference" | "pallas" | "pallas_dequant" | "triton").
       options: keyword options for the kernels as sorted (name, value) pairs (a dict is accepted and
         converted, so the backend stays hashable), e.g. {"interpret": True} to run them in Pallas
-        interpret mode on the CPU. Must be empty with impl="reference".
+        interpret mode on the CPU; {"fuse": True}: the non-sealing decode steps through the fused append +
+        attention kernel (attention.decode_step). Must be empty with impl="reference".
       prefill_attention: hack_jax.prefill's `attention` ("auto" | "cudnn" | "xla" | "pallas" |
         "reference": exact causal attention of the prompt on its 16-bit K/V; "homomorphic": the paper's
         numerics over the 2-bit cache, not causal within a block).
@@ -96,7 +97,7 @@ class Backend:
             q, k, v, layer, page_indices=step.page_indices, lengths=step.write_lens,
             q_start=step.start if step.mode == "chunk" else None,
             key=jax.random.fold_in(step.key, layer_index), attention=self.prefill_attention,
-            impl=self.impl, **dict(self.options))
+            impl=self.impl, **{k: v for k, v in self.options if k != "fuse"})
 
     def decode(self, q, k, v, layer, step: Step, *, layer_index):
         """q float[max_seqs, num_q_heads, head_dim], k, v float[max_seqs, num_kv_heads, head_dim]
@@ -106,6 +107,8 @@ class Backend:
         base = layer.stacked if isinstance(layer, stacked.StackedLayer) else layer
         if self.impl == "pallas" and isinstance(base, kv_cache.KiviPages) and not {"dot_dtype", "config"} & set(options):
             options["dot_dtype"] = DECODE_DOT_DTYPE
+        if step.seal != "never":  # option fuse=True: the fused kernel serves the non-sealing steps only
+            options.pop("fuse", None)
         return attention.decode_step(q, k, v, layer, page_indices=step.page_indices, kv_lens=step.kv_lens,
                                      active=step.active, impl=self.impl, seal=step.seal,
                                      key=jax.random.fold_in(step.key, layer_index), **options)

