@@ -97,7 +97,7 @@ class Backend:
             q, k, v, layer, page_indices=step.page_indices, lengths=step.write_lens,
             q_start=step.start if step.mode == "chunk" else None,
             key=jax.random.fold_in(step.key, layer_index), attention=self.prefill_attention,
-            impl=self.impl, **{k: v for k, v in self.options if k != "fuse"})
+            impl=self.impl, **{name: value for name, value in self.options if name != "fuse"})
 
     def decode(self, q, k, v, layer, step: Step, *, layer_index):
         """q float[max_seqs, num_q_heads, head_dim], k, v float[max_seqs, num_kv_heads, head_dim]
