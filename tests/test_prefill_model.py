@@ -14,7 +14,7 @@ from hack_jax.config import QuantConfig
 from models.generate import Generator
 from models.gguf_loader import load_checkpoint
 from models.llama import Llama
-from test_models import BIDEN_2024
+import sotu_files
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def model(ckpt):
 
 @pytest.fixture(scope="module")
 def ids(ckpt):
-    with open(BIDEN_2024, encoding="utf-8") as f:
+    with open(sotu_files.speech("2024-Biden-1.txt"), encoding="utf-8") as f:
         return ckpt.tokenizer.encode(f.read())[:200]
 
 
