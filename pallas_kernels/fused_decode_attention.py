@@ -1,15 +1,15 @@
 """HACK decode step in one Pallas kernel: append the new token to the kivi cache and attend, Triton lowering.
 
 Computes what hack_jax.kv_cache.append(..., seal="never") followed by decode_attention.hack_decode_attention
-computes, in two launches (this kernel and a small split combine) instead of the append's four row
-scatters (sink_k, sink_v, open_k, open_v), the attention kernel and XLA's combine fusions: the new
+computes, in one kernel launch (plus XLA's split combine, as the plain kernel) instead of the append's four
+row scatters (sink_k, sink_v, open_k, open_v) and the attention kernel: the new
 token's k / v rows are written into their open-block (or sink) row of the slot through
 `input_output_aliases` (the cache arrays are updated in place when the caller donates them), and the
 attention over sinks + sealed blocks + open block uses the new rows from registers (the kernel never
 reads back what it writes). Everything else is decode_attention.py's kernel, unchanged
 (`_hack_decode_kernel`, every dot_dtype and KernelConfig): q is read in its natural
 [S, num_q_heads, head_dim] layout with sm_scale applied in-kernel; the split-K partials are merged
-by a second, small kernel (`combine_splits`: one launch).
+by common.combine_splits (XLA), as for the plain kernel.
 
 Non-sealing steps only: the caller promises that no active slot fills its open block with this token
 (hack_jax.kv_cache.seals_block is False); a slot that does anyway keeps the block unsealed, exactly as
@@ -25,7 +25,7 @@ slot s takes token kv_lens[s] when active[s] and kv_lens[s] >= 0: into sink row 
 (dropped, as append does); the attention sees kv_lens + active tokens.
 
 Reference twin: hack_jax.kv_cache.append(seal="never") then decode_attention.hack_decode_attention
-(bit-identical cache; the output equal up to the float32 order of the split combine), reached via
+(bit-identical cache; the output equal up to the float32 order), reached via
 hack_jax.attention.decode_step(..., impl="reference"); tests/test_fused_decode.py also checks the
 output against the float64 twin (tests/twin.py).
 
@@ -36,9 +36,10 @@ place when donated), decode_attention.py's offsets operand.
 Tested: interpret mode on the CPU (jax 0.10.2) passes, the stacked form too (tests/test_stacked_decode.py).
 On one NVIDIA H200 (jax 0.11.2, Triton 3.6) the gpu tests of tests/test_fused_decode.py pass since
 their NaN comparison was fixed (an earlier failure was the test's, bench/NOTES_generate.md), and so do
-the stacked form's (tests/test_stacked_decode.py). In a model (Qwen2.5-7B heads, batch 1) this call's
-split-combine kernel took 27 us per layer, more than the attention: hack_jax.attention.decode_step
-fuses only with fuse=True. Caveat: the in-kernel row writes cost registers (ptxas, sm_90: 2 resident programs per SM
+the stacked form's (tests/test_stacked_decode.py). In a model (Qwen2.5-7B heads, batch 1) its former
+split-combine Pallas kernel (one program per (sequence, kv head) looping over every split) took 27 us per
+layer, more than the attention; the combine is XLA's now (not re-measured), and
+hack_jax.attention.decode_step fuses only with fuse=True. Caveat: the in-kernel row writes cost registers (ptxas, sm_90: 2 resident programs per SM
 instead of the plain kernel's 3, RESIDENT_PROGRAMS_PER_SM); `fusion_pays` is the split model that says
 where that is predicted to cost nothing; numbers in bench/NOTES_generate.md.
 """
@@ -106,39 +107,6 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_r
                         open_split=open_split, open_state=open_state, **kernel_kwargs)
 
 
-def _combine_kernel(m_ref, l_ref, acc_ref, out_ref, *, programs):
-    # m_ref, l_ref  f32[S, H, programs, q_per_kv_pad];  acc_ref f32[S, H, programs, q_per_kv_pad, D]
-    # out_ref       f32[q_per_kv_pad, D] of (b, h): common.lse_combine over the programs
-    b, h = pl.program_id(0), pl.program_id(1)
-    rows = out_ref.shape[0]
-    m_max = jax.lax.fori_loop(0, programs, lambda s, mx: jnp.maximum(mx, m_ref[b, h, s, :]),
-                              jnp.full((rows,), -jnp.inf, jnp.float32))
-    base = jnp.where(m_max > -jnp.inf, m_max, 0.0)
-
-    def body(s, carry):
-        l, acc = carry
-        w = jnp.exp(m_ref[b, h, s, :] - base)  # [q_per_kv_pad]; 0 for a program that saw nothing
-        return l + l_ref[b, h, s, :] * w, acc + acc_ref[b, h, s, :, :] * w[:, None]
-
-    l, acc = jax.lax.fori_loop(0, programs, body, (jnp.zeros((rows,), jnp.float32), jnp.zeros_like(out_ref)))
-    out_ref[...] = jnp.where((l == 0)[:, None], 0.0, acc / jnp.where(l == 0, 1.0, l)[:, None])
-
-
-def combine_splits(acc, m, l, num_q_heads, *, interpret):
-    """common.combine_splits as one small Pallas kernel (one launch, where XLA makes a reduction fusion per
-    reduced quantity): acc f32[S, H, programs, q_per_kv_pad, D], m, l f32[S, H, programs, q_per_kv_pad] ->
-    f32[S, num_q_heads, head_dim]; the q_per_kv_pad - q_per_kv padding rows are sliced off after (free when they
-    are equal)."""
-    batch, num_kv_heads, programs, pad, head_dim = acc.shape
-    out = common.pallas_call(
-        functools.partial(_combine_kernel, programs=programs),
-        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, pad, head_dim), jnp.float32),
-        grid=(batch, num_kv_heads), in_specs=[common.full_spec(x) for x in (m, l, acc)],
-        out_specs=pl.BlockSpec((None, None, pad, head_dim), lambda b, h: (b, h, 0, 0)),
-        num_warps=4, num_stages=1, interpret=interpret, name="hack_combine_splits")(m, l, acc)
-    return out[:, :, :num_q_heads // num_kv_heads].reshape(batch, num_q_heads, head_dim)
-
-
 @functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "num_layers", "config",
                                              "interpret"))
 def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
@@ -184,7 +152,7 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
         input_output_aliases=aliases, name="hack_fused_decode_attention")(*inputs)
     sinks = tuple(new[2:]) if num_sink_tokens else (sink_k, sink_v)
-    return (combine_splits(acc, m, l, num_q_heads, interpret=interpret), new[0], new[1]) + sinks
+    return (common.combine_splits(acc, m, l, num_q_heads), new[0], new[1]) + sinks
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int, partition_size: int,
