@@ -25,7 +25,8 @@ dynamic slice) and the calls rotate through them, so that consecutive calls do n
 
 bytes = what an impl must read from HBM at minimum: K+V (+ page table) for bf16; codes + metadata
 + sums + open block + sinks + page table for HACK (only the parts holding the kv_len tokens);
-the same minus the code sums for dequant (it does not read them); fp8: codes + scales; kivi2: K codes +
+the same minus the code sums for dequant (it does not read them); fp8: codes + scales; int8: codes + scales
++ minima; kivi2: K codes +
 metadata of the sealed chunks, V codes + metadata of the quantized tokens, the residual rows in use
 (`_kivi2_bytes`, from the layer's array shapes). q and the output are not counted (< 0.1%).
 
@@ -66,7 +67,7 @@ KV_LENS = (32768, 1024, 131072, 8192)
 QUICK = [("llama3.1-8b", 8, 32768), ("llama3.1-8b", 1, 32768), ("llama3.1-8b", 32, 8192),
          ("llama3.1-8b", 8, 8192), ("llama3.1-8b", 8, 131072), ("smollm2", 8, 32768)]
 SMOKE = [("tiny", 2, 256), ("tiny", 1, 100)]
-IMPLS = ("hack", "dequant", "bf16", "fp8", "kivi2", "jax_gqa", "xla", "triton")
+IMPLS = ("hack", "dequant", "bf16", "fp8", "int8", "kivi2", "jax_gqa", "xla", "triton")
 PAGE_SIZE = 256  # QuantConfig's default
 UNROLL = 8
 ROTATE_BYTES = 256 << 20  # >= 4x the H200's 60 MB L2
@@ -330,6 +331,24 @@ def prep_fp8(shape, key, *, interpret):
                                     a["lens"], interpret=interpret)
 
     return Prepared(call, arrays, nbytes, f"e4m3 + f32 scale per (token, kv head), page_size={config.page_size} "
+                    "default_config", n, append=("k_codes", "v_codes"))
+
+
+def prep_int8(shape, key, *, interpret):
+    """kv_format="int8" pages (random int8 codes, f16 scales in [0.01, 0.1], random minima), the int8 kernel."""
+    from pallas_kernels.int8_decode_attention import int8_decode_attention
+    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "int8")
+    i8 = lambda x: lax.bitcast_convert_type(x, jnp.int8)  # _random_hack_layer gave u8 bits
+    layer = dataclasses.replace(layer, k_codes=i8(layer.k_codes), v_codes=i8(layer.v_codes))
+    arrays = dict(layer=layer, table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
+    per_copy = shape.batch * pps
+
+    def call(q, i, a):
+        x = a["layer"]
+        return int8_decode_attention(q, x.k_codes, x.k_scale, x.k_min, x.v_codes, x.v_scale, x.v_min,
+                                     a["table"] + (i % n) * per_copy, a["lens"], interpret=interpret)
+
+    return Prepared(call, arrays, nbytes, f"int8 + f16 scale and min per (token, kv head), page_size={config.page_size} "
                     "default_config", n, append=("k_codes", "v_codes"))
 
 
@@ -680,6 +699,8 @@ def main(argv=None):
             impls.append(("dequant", lambda s, k: prep_dequant(s, k, interpret=interpret)))
         elif name == "fp8":
             impls.append(("fp8", lambda s, k: prep_fp8(s, k, interpret=interpret)))
+        elif name == "int8":
+            impls.append(("int8", lambda s, k: prep_int8(s, k, interpret=interpret)))
         elif name == "kivi2":
             impls.append(("kivi2", lambda s, k: prep_kivi2(s, k, interpret=interpret)))
         elif name == "jax_gqa":
@@ -702,7 +723,7 @@ def main(argv=None):
                        gpu=gpu, jax_version=jax.__version__, timing_method=timing, touch=TOUCH, roof_gbps=roof)
             # peak memory vs the bf16 K/V size: the 2-bit caches are ~6x smaller (never skipped), the bf16
             # pool ~1x (+ its random-bits temporary), jax gqa / XLA's contiguous K/V + transposes ~3x
-            factor = (0 if impl.startswith(("hack", "dequant", "kivi2")) else 1 if impl == "fp8"
+            factor = (0 if impl.startswith(("hack", "dequant", "kivi2")) else 1 if impl in ("fp8", "int8")
                       else 2 if impl.startswith("bf16") else 3)
             if factor * shape.kv_bytes > MEMORY_LIMIT:
                 row["error"] = f"skipped: needs > {MEMORY_LIMIT >> 30} GiB"

@@ -59,6 +59,7 @@ _PALLAS = {
     ("pallas", "decode", "hack"): ("pallas_kernels.decode_attention", "hack_decode_attention"),
     ("pallas", "decode", "bf16"): ("pallas_kernels.bf16_decode_attention", "bf16_decode_attention"),
     ("pallas", "decode", "fp8"): ("pallas_kernels.fp8_decode_attention", "fp8_decode_attention"),
+    ("pallas", "decode", "int8"): ("pallas_kernels.int8_decode_attention", "int8_decode_attention"),
     ("pallas", "decode", "kivi2"): ("pallas_kernels.kivi2_decode_attention", "kivi2_decode_attention"),
     ("pallas", "prefill", "hack"): ("pallas_kernels.prefill_attention", "hack_prefill_attention"),
     ("pallas", "prefill", "bf16"): ("pallas_kernels.bf16_prefill_attention", "bf16_prefill_attention"),
@@ -186,13 +187,14 @@ def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
 _KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k",
                 "open_v", "sink_k", "sink_v")
 _FP8_FIELDS = ("k_codes", "k_scale", "v_codes", "v_scale")
+_INT8_FIELDS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
 _KIVI2_FIELDS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min", "open_k", "open_v")
 
 
 def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
     """(arrays, static ints) a kernel takes for a cache layer, decode and prefill alike: the ONE place
     that unpacks a layer (the kernels take arrays and static ints only). bf16 pages: (k, v); fp8 /
-    kivi2: their arrays (kivi2 with quant_group_size); kivi: the 12 arrays in the kernels' order (k_codes,
+    int8 / kivi2: their arrays (kivi2 with quant_group_size); kivi: the 12 arrays in the kernels' order (k_codes,
     k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v) with
     partition_size and num_sink_tokens, and v_group when the config sets one. Kernels are called as
     fn(q, *arrays, page_indices, kv_lens, **static, **kernel_options) (prefill: also q_start=)."""
@@ -200,6 +202,8 @@ def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
         return (layer.k, layer.v), {}
     if isinstance(layer, kv_cache.Fp8Pages):
         return tuple(getattr(layer, f) for f in _FP8_FIELDS), {}
+    if isinstance(layer, kv_cache.Int8Pages):
+        return tuple(getattr(layer, f) for f in _INT8_FIELDS), {}
     if isinstance(layer, kv_cache.Kivi2Pages):
         return tuple(getattr(layer, f) for f in _KIVI2_FIELDS), dict(quant_group_size=kv_cache.kivi2.GROUP)
     if not isinstance(layer, kv_cache.KiviPages):

@@ -1,7 +1,8 @@
-"""kv_format="fp8" and "kivi2" (the vLLM fp8 and KIVI-2 baselines): cache contents, write paths, the
+"""kv_format="fp8", "int8" and "kivi2" (the vLLM fp8, per-token int8 and KIVI-2 baselines): cache contents, write paths, the
 reference attention and the Pallas decode kernels against the independent float64 NumPy twin
 (tests/twin_baselines.py) on shuffled page tables with every unread entry NaN-poisoned.
-CPU: kernels in interpret mode; the `gpu`-marked tests compile them (and fp8's float8 loads) for the GPU.
+CPU: kernels in interpret mode, and lowered to Triton IR for CUDA; the `gpu`-marked tests compile them (and
+fp8's float8 loads) for the GPU.
 """
 
 import jax
@@ -13,9 +14,11 @@ import twin
 import twin_baselines
 from hack_jax import attention, kv_cache
 from hack_jax.config import QuantConfig
-from pallas_kernels import fp8_decode_attention as fp8k, kivi2_decode_attention as kivi2k
+from pallas_kernels import fp8_decode_attention as fp8k, int8_decode_attention as int8k, kivi2_decode_attention as kivi2k
 
-LENGTHS = {"fp8": (1, 255, 256, 300, 0), "kivi2": (1, 128, 129, 130, 257, 300, 0)}
+LENGTHS = {"fp8": (1, 255, 256, 300, 0), "int8": (1, 255, 257, 300, 700, 0),
+           "kivi2": (1, 128, 129, 130, 257, 300, 0)}
+FORMATS = ("fp8", "int8", "kivi2")
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 _CACHES = {}
 
@@ -28,7 +31,7 @@ def cache_of(fmt, how, page_size=256):
     return _CACHES[fmt, how, page_size]
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "kivi2"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("how", ["prefill", "append", "both"])
 def test_contents_match_twin_and_bounds(fmt, how):
     cache = cache_of(fmt, how)
@@ -57,7 +60,7 @@ def test_contents_match_twin_and_bounds(fmt, how):
             assert np.all(sv <= (np.ptp(xv, -1) + 2 ** -9 * np.abs(xv).max(-1)) / 3 * (1 + 2 ** -9) + 1e-7)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "kivi2"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_write_paths_store_the_same(fmt):
     ref = twin_baselines.decode(cache_of(fmt, "prefill"))
     for how in ("append", "both"):
@@ -111,7 +114,7 @@ def _check_attention(fmt, how, impl, page_size=256, **options):
         np.testing.assert_allclose(out[s], want, atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "kivi2"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("how", ["prefill", "append"])
 def test_reference_attention_vs_twin(fmt, how):
     _check_attention(fmt, how, "reference")
@@ -119,12 +122,14 @@ def test_reference_attention_vs_twin(fmt, how):
 
 @pytest.mark.parametrize("fmt,options", [
     ("fp8", {}), ("fp8", dict(config=fp8k.KernelConfig(block_k=512, num_splits=3))),
+    ("int8", {}), ("int8", dict(config=int8k.KernelConfig(block_k=512, num_splits=3))),
+    ("int8", dict(config=int8k.KernelConfig(block_k=64, num_splits=2))),
     ("kivi2", {}), ("kivi2", dict(config=kivi2k.KernelConfig(num_splits=3)))])
 def test_kernel_interpret_vs_twin(fmt, options):
     _check_attention(fmt, "both", "pallas", interpret=True, **options)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "kivi2"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_larger_pages(fmt):  # 512-token pages: 4 KIVI chunks per page, 2 fp8 tiles per page
     for impl, options in (("reference", {}), ("pallas", {"interpret": True})):
         _check_attention(fmt, "prefill", impl, page_size=512, **options)
@@ -132,11 +137,29 @@ def test_larger_pages(fmt):  # 512-token pages: 4 KIVI chunks per page, 2 fp8 ti
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("fmt", ["fp8", "kivi2"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_gpu_vs_twin(fmt):
     _check_attention(fmt, "both", "pallas")
-    _check_attention(fmt, "prefill", "pallas", config=(fp8k.KernelConfig(block_k=512, num_splits=3) if fmt == "fp8"
-                                                       else kivi2k.KernelConfig(num_splits=3)))
+    _check_attention(fmt, "prefill", "pallas", config=(kivi2k.KernelConfig(num_splits=3) if fmt == "kivi2"
+                                                       else fp8k.KernelConfig(block_k=512, num_splits=3)))
+    if fmt == "int8":
+        _check_attention(fmt, "append", "pallas", config=int8k.KernelConfig(block_k=64, num_splits=2))
+
+
+@pytest.mark.parametrize("config", [None, int8k.KernelConfig(block_k=512, num_splits=3),
+                                    int8k.KernelConfig(block_k=32, num_splits=2, num_warps=8)])
+def test_int8_kernel_lowers_to_triton_for_cuda(config):
+    """The int8 kernel's ops (int8 tile loads, f16 metadata loads, the folded scale / minimum) all have a
+    Pallas-Triton lowering; what can be checked without a GPU (XLA compiles the Triton IR on the device)."""
+    layer = jax.eval_shape(lambda: kv_cache.init_layer(QuantConfig(kv_format="int8", page_size=256), num_kv_heads=8,
+                                                       head_dim=128, num_pages=9, max_seqs=2))
+    q = jax.ShapeDtypeStruct((2, 32, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    fn = lambda q, layer, table, lens: attention.decode_attention(q, layer, page_indices=table, kv_lens=lens,
+                                                                  impl="pallas", config=config)
+    text = jax.jit(fn).trace(q, layer, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 def test_bad_inputs():
@@ -147,6 +170,16 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="k_codes"):
         fp8k.fp8_decode_attention(jnp.zeros((5, 6, 64)), bad["k_codes"], cache.layer.k_scale, cache.layer.v_codes,
                                   cache.layer.v_scale, jnp.asarray(cache.table), jnp.asarray(cache.lengths))
+    cache = cache_of("int8", "prefill")
+    x = cache.layer
+    args = [x.k_codes, x.k_scale, x.k_min, x.v_codes, x.v_scale, x.v_min]
+    q, table, lens = jnp.zeros((6, 6, 64)), jnp.asarray(cache.table), jnp.asarray(cache.lengths)
+    for i, name, bad in ((0, "k_codes", x.k_codes.astype(jnp.uint8)), (3, "v_codes", x.v_codes[..., :32]),
+                         (2, "k_min", x.k_min.astype(jnp.int32)), (4, "v_scale", x.v_scale[:, :, :8])):
+        with pytest.raises(ValueError, match=name):
+            int8k.int8_decode_attention(q, *args[:i], bad, *args[i + 1:], table, lens)
+    with pytest.raises(ValueError, match="kv_lens"):
+        int8k.int8_decode_attention(q, *args, table, lens[:3])
     cache = cache_of("kivi2", "prefill")
     k = np.zeros((len(LENGTHS["kivi2"]), 2, 64), np.float32)
     k[0, 0, 0] = np.nan

@@ -1,4 +1,4 @@
-"""The tests' float64 NumPy twin of the fp8 and kivi2 caches (hack_jax.kv_cache.fp8 / kivi2).
+"""The tests' float64 NumPy twin of the fp8, int8 and kivi2 caches (hack_jax.kv_cache.fp8 / int8 / kivi2).
 
   poison(cache): like twin.poison, for these formats: every page entry no live token reads (dead
       pages, the null page, rows / chunks / code planes past what the KIVI rules read, stale
@@ -31,7 +31,7 @@ def _arrays(layer):
 
 
 def poison(cache):
-    if cache.config.kv_format == "fp8":
+    if cache.config.kv_format in ("fp8", "int8"):
         return twin_poison(cache)
     layer, ps = cache.layer, cache.config.page_size
     a = _arrays(layer)
@@ -83,6 +83,13 @@ def decode(cache):
             # e4m3: 3 mantissa bits, smallest normal 2**-6
             step = lambda x, sc: sc * 2.0 ** (np.floor(np.log2(np.maximum(np.abs(x / sc), 2.0 ** -6))) - 3)
             out.append((k, v, step(k, ks), step(v, vs)))
+            continue
+        if cfg.kv_format == "int8":  # x = scale * code + min per (token, kv head); step = scale
+            meta = lambda name: f[name][pages, :, u].astype(np.float64)[..., None]
+            ks, vs = meta("k_scale"), meta("v_scale")
+            k = f["k_codes"][pages, :, u].astype(np.float64) * ks + meta("k_min")
+            v = f["v_codes"][pages, :, u].astype(np.float64) * vs + meta("v_min")
+            out.append((k, v, np.broadcast_to(ks, k.shape), np.broadcast_to(vs, v.shape)))
             continue
         m, w = u // R, u % R
         j, i = w // G, w % G
