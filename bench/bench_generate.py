@@ -12,8 +12,9 @@ Llama-3.1-8B and Qwen2.5-7B shapes, per cache "format":
             gather of the chunk's pages, two einsums, an online softmax) for ceil(max kv_len /
             chunk) iterations, so its cost follows the runtime length like a paged kernel's.
   fp8       kv_format="fp8" (e4m3 + f32 scale per (token, kv head), vLLM's fp8) + its Pallas decode kernel
+  int8      kv_format="int8" (i8 codes + f16 scale and min per (token, kv head)) + its Pallas decode kernel
+            (pallas_kernels/int8_decode_attention.py; no prefill kernel: JCT rows lack its prefill time)
   kivi2     kv_format="kivi2" (KIVI-2, G=32, R=128) + its Pallas decode kernel (dequantizes in registers)
-  int8      capacity and JCT bytes only (no Pallas kernel exists for it).
 
 What is measured
   decode   per (model, format, batch): one compiled decode step (AOT `.lower().compile()`, its time
@@ -116,7 +117,7 @@ TOY = {  # same code path, tiny widths: CPU checks of this script (and the pytes
 MODELS = ("llama-3.1-8b", "qwen2.5-7b")
 CONTEXTS = (4096, 16384, 65536)
 BATCHES = (1, 8, 32)
-FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "kivi2")  # timed
+FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
 KV_FORMAT = {"hack": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8", "fp8": "fp8", "kivi2": "kivi2"}
 PREFILL_FORMATS = ("hack", "bf16")
@@ -554,8 +555,8 @@ def jct_rows(rows, cfg, name, output_tokens, common):
                 row["total_s"] = {g: row["prefill_s"] + t + row["decode_s"]
                                   for g, t in row["transfer_s"].items()}
             else:
-                row["note"] = ("no Pallas kernels for int8: bytes and transfer only" if fmt == "int8"
-                               else "prefill or batch-1 decode not measured")
+                row["note"] = ("no Pallas prefill kernel for int8: bytes, transfer and decode only"
+                               if fmt == "int8" and d else "prefill or batch-1 decode not measured")
             out.append(row)
     return out
 
