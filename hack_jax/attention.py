@@ -363,9 +363,10 @@ def _homomorphic(q, layer, page_indices, kv_lens, q_pos):
     leading = lambda x: jnp.moveaxis(x, 1, 0)  # [NB, S, ...]
     state, _ = jax.lax.scan(body, state, (leading(masks), *map(leading, blocks[:8])))
 
-    # The open block: positions ns + num_sealed P + i, i < num_open.
-    open_pos = ns + blocks.num_sealed[:, None] * p + i[None, :]  # [S, P]
-    open_vis = visible(open_pos, i[None, :] < blocks.num_open[:, None])
+    # The open region: positions ns + num_sealed P + i, i < num_open (< W = config.open_window).
+    iw = jnp.arange(layer.open_v.shape[2])
+    open_pos = ns + blocks.num_sealed[:, None] * p + iw[None, :]  # [S, W]
+    open_vis = visible(open_pos, iw[None, :] < blocks.num_open[:, None])
     open_v = rows_below(layer.open_v, blocks.num_open)
     if isinstance(layer, kv_cache.SeedPages):
         # K of the open tokens was quantized on arrival: it is block num_sealed's first rows.
