@@ -140,3 +140,103 @@ def test_config_rejects(kwargs, match):
 def test_open_window_default():
     assert QuantConfig().open_window == 64 and QuantConfig(window=128).open_window == 128
     assert QuantConfig(window=64).sealed_blocks(127) == 1 and QuantConfig(window=128).sealed_blocks(127) == 0
+
+
+@pytest.mark.parametrize("dot_dtype, bound", [("folded_f16", 4e-3), ("folded_bf16", 3e-2)])
+def test_decode_folded_modes(dot_dtype, bound):
+    """The scale-folded operand modes on a window cache vs the exact float64 homomorphic attention (no
+    INT8 transients): they round Q*sigma and W*tau to 16 bits on purpose, so the bound is that
+    rounding's (a wrong block count or open region would be off by O(max|V|))."""
+    cache = _cache(W64)
+    q = make_q((len(LENGTHS), NUM_Q_HEADS, HEAD_DIM))
+    out = np.asarray(attention.decode_attention(q, cache.layer, page_indices=cache.table, kv_lens=cache.lengths,
+                                                impl="pallas", interpret=True, dot_dtype=dot_dtype))
+    want = twin.np_cache_attention(q[:, None], cache, (cache.lengths - 1)[:, None], transient_int8=False)[:, 0]
+    err = np.abs(out - want).max() / np.abs(cache.v).max()
+    assert np.isfinite(out).all() and err <= bound, err
+
+
+# tokens held before one non-sealing step (ns 4, P 32, W 64): sink 0, open row 0, row 31 (last of the
+# window's first block), row 32 (its second block), row 0 after a window + page boundary (4 + 128), row 62
+FUSED_PREV = np.array([0, 4, 35, 36, 132, 194], np.int32)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["append_in_place", "fused"])
+def test_stacked_and_fused_step(fuse):
+    """decode_step on layer 1 of a stacked window cache (seal="never": the stacked in-place append, or
+    the fused kernel) writes the bytes kv_cache.append writes and attends like the float64 twin."""
+    import jax
+    import jax.numpy as jnp
+    from hack_jax.kv_cache import stacked
+
+    after = FUSED_PREV + 1
+    assert not kv_cache.seals_block(W64, after, np.ones_like(after, bool))
+    table, num_pages = twin.shuffled_table(W64, after, seed=3)
+    k, v = twin.make_kv((len(after), int(after.max()), NUM_KV_HEADS, HEAD_DIM), 3)
+    layer = kv_cache.init_layer(W64, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, num_pages=num_pages,
+                                max_seqs=len(after))
+    layer = twin.poison(twin.Cache(twin.write(layer, k, v, FUSED_PREV, table), k, v, FUSED_PREV, table)).layer
+    rows = np.arange(len(after))
+    k_new, v_new = (jnp.asarray(x[rows, FUSED_PREV]) for x in (k, v))
+    active = np.ones(len(after), bool)
+    want = kv_cache.append(layer, k_new, v_new, kv_lens=after, active=active, page_indices=table, seal="never")
+    stack = jax.tree.map(lambda a: jnp.stack([jnp.zeros_like(a), a]), layer)
+    q = jnp.asarray(make_q((len(after), NUM_Q_HEADS, HEAD_DIM), seed=9))
+    view, out = attention.decode_step(q, k_new, v_new, stacked.StackedLayer(stack, 1), page_indices=jnp.asarray(table),
+                                      kv_lens=jnp.asarray(after), active=jnp.asarray(active), impl="pallas",
+                                      interpret=True, seal="never", fuse=fuse)
+    got = jax.tree.map(lambda a: a[1], view.stacked)
+    f32 = lambda x: np.asarray(x).astype(np.float32) if np.asarray(x).dtype.kind == "V" or x.dtype in (
+        jnp.bfloat16, jnp.float16) else np.asarray(x)
+    for f in dataclasses.fields(want):
+        if f.name != "config":
+            np.testing.assert_array_equal(f32(getattr(got, f.name)), f32(getattr(want, f.name)), err_msg=f.name)
+    oracle = twin.np_cache_attention(np.asarray(q)[:, None], twin.Cache(want, k, v, after, table),
+                                     (after - 1)[:, None])[:, 0]
+    check(np.asarray(out), oracle, twin.Cache(want, k, v, after, table), "interpret", "kivi")
+
+
+@pytest.mark.parametrize("impl, kind", [("triton", "decode"), ("pallas_dequant", "decode"), ("pallas", "prefill")])
+def test_kernels_without_window_say_so(impl, kind):
+    cache = _cache(W64, "prefill", lengths=(70,))
+    fn = attention.decode_attention if kind == "decode" else attention.prefill_attention
+    q = make_q((1, NUM_Q_HEADS, HEAD_DIM) if kind == "decode" else (1, 4, NUM_Q_HEADS, HEAD_DIM))
+    extra = {} if kind == "decode" else dict(q_start=np.asarray([66], np.int32))
+    with pytest.raises(NotImplementedError, match="window=64"):
+        fn(q, cache.layer, page_indices=cache.table, kv_lens=cache.lengths, impl=impl, interpret=True, **extra)
+
+
+def test_kernel_rejects_a_window_off_the_arrays():
+    from pallas_kernels.decode_attention import hack_decode_attention
+    cache = _cache(W64, "prefill", lengths=(70,))
+    arrays, static = attention.kernel_args(cache.layer)
+    assert static["window"] == 64
+    q = make_q((1, NUM_Q_HEADS, HEAD_DIM))
+    with pytest.raises(ValueError, match="open_k must have shape"):
+        hack_decode_attention(q, *arrays, cache.table, cache.lengths, **dict(static, window=128), interpret=True)
+    with pytest.raises(ValueError, match="window=96"):
+        hack_decode_attention(q, *arrays, cache.table, cache.lengths, **dict(static, window=96), interpret=True)
+
+
+def test_handoff_round_trip():
+    from hack_jax import handoff
+    lengths = np.asarray([133, 0], np.int32)
+    src = _cache(W64, "both", lengths=lengths, poison_unused=False)
+    cache = kv_cache.KVCache(layers=(src.layer,), page_indices=np.asarray(src.table), kv_lens=lengths, config=W64)
+    payload = handoff.export_sequence(cache, slot=0, page_indices=src.table, kv_len=133)
+    assert handoff.read_header(payload).config == W64
+    dst = kv_cache.init_cache(W64, num_layers=1, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                              num_pages=src.layer.num_pages, max_seqs=2, pages_per_seq=src.table.shape[1])
+    table = np.zeros_like(src.table)
+    table[1, :2] = src.table[0, :2][::-1]  # other pages of the same pool
+    got = handoff.import_sequence(dst, payload, slot=1, page_indices=table)
+    a = kv_cache.dequantize_cache(src.layer, src.table[:1], lengths[:1])
+    b = kv_cache.dequantize_cache(got.layers[0], table, np.asarray([0, 133], np.int32))
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(y)[1])
+    with pytest.raises(ValueError, match="config"):
+        handoff.import_sequence(kv_cache.init_cache(QuantConfig(partition_size=P, page_size=PAGE), num_layers=1,
+                                                    num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                                                    num_pages=src.layer.num_pages, max_seqs=2,
+                                                    pages_per_seq=src.table.shape[1]),
+                                payload, slot=1, page_indices=table)
