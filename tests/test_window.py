@@ -240,3 +240,27 @@ def test_handoff_round_trip():
                                                     num_pages=src.layer.num_pages, max_seqs=2,
                                                     pages_per_seq=src.table.shape[1]),
                                 payload, slot=1, page_indices=table)
+
+
+def test_surfaces_build_the_window_config():
+    """`hack-jax generate/perplexity --window`, eval specs `hack:window=128` and the named variants."""
+    import argparse
+    from models import eval as ev
+    from models.cli_generate import quant_config
+
+    assert ev.parse_format("hack:window=128").quant == QuantConfig(window=128)
+    assert ev.parse_format("hack:window=512").quant.page_size % 512 == 0
+    assert ev.FORMATS["hack-p64-w128"].quant.window == 128
+    with pytest.raises(ValueError, match="window=96"):
+        ev.parse_format("hack:window=96")
+    args = argparse.Namespace(kv_format="hack", partition_size=64, num_sink_tokens=4, rounding="nearest",
+                              layout="kivi", v_rotation=0, v_group=0, window=128)
+    assert quant_config(args) == QuantConfig(window=128)
+    assert quant_config(argparse.Namespace(**dict(vars(args), window=512))).page_size == 512
+    # eval's bits per element count the window's 16-bit tokens: (n - ns) // W * W tokens are 2-bit
+    row = dict(bf16_bytes_per_token=4096.0, bytes_per_token=700.0, context=300, tokens=0, fake=None,
+               quant=dict(kv_format="hack", layout="kivi", partition_size=64, num_sink_tokens=4, window=128))
+    assert ev.eff_bits(row) == pytest.approx(8 * (256 * 700 + 44 * 4096) / 300 / 2048)
+    assert ev.eff_bits(dict(row, quant=dict(row["quant"], window=0))) == pytest.approx(
+        8 * (256 * 700 + 44 * 4096) / 300 / 2048)  # 296 = 4 * 64 + 40 as well
+    assert ev.eff_bits(dict(row, context=400)) == pytest.approx(8 * (384 * 700 + 16 * 4096) / 400 / 2048)
