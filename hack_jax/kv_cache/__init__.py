@@ -361,8 +361,9 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
         slot that fills its block anyway keeps it unsealed while kv_lens count it as sealed
         (attention then reads a stale page slot), so pass "never" only from host-side knowledge of
         the lengths, as models.generate.Generator does.
-    Returns the new LayerCache. 2-bit formats: the token goes into its sink or open-block row; a slot
-    whose open block becomes full is sealed (quantized into its page slot with code sums: the
+    Returns the new LayerCache. 2-bit formats: the token goes into its sink or open-block row (row
+    (kv_len - 1 - ns) % W of the open region, W = config.open_window); a slot whose open region
+    becomes full has its W // P blocks sealed (each quantized into its page slot with code sums: the
     block's packing-group plane is cleared, then OR-ed, since pages are reused) and its open block
     zeroed; seed: K quantized per token at once into the page, only V goes through the open block.
     Raises ValueError on shape mismatch, an unknown `seal`, or (concrete inputs only) a negative
