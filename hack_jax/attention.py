@@ -68,6 +68,7 @@ _PALLAS = {
     # scale-folded operands, jax-triton (the `cuda` extra); kv_format="hack" kivi decode only
     ("triton", "decode", "hack"): ("pallas_kernels.triton_decode_attention", "hack_triton_decode_attention"),
 }
+_WINDOW_KERNELS = {("pallas", "decode")}  # the (impl, kind) whose kivi kernels take QuantConfig.window
 
 
 def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, impl="reference",
@@ -196,7 +197,7 @@ def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
     that unpacks a layer (the kernels take arrays and static ints only). bf16 pages: (k, v); fp8 /
     int8 / kivi2: their arrays (kivi2 with quant_group_size); kivi: the 12 arrays in the kernels' order (k_codes,
     k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v) with
-    partition_size and num_sink_tokens, and v_group when the config sets one. Kernels are called as
+    partition_size and num_sink_tokens, and v_group / window when the config sets them. Kernels are called as
     fn(q, *arrays, page_indices, kv_lens, **static, **kernel_options) (prefill: also q_start=)."""
     if isinstance(layer, kv_cache.DensePages):
         return (layer.k, layer.v), {}
@@ -211,6 +212,8 @@ def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
     static = dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens)
     if layer.config.v_group:
         static["v_group"] = layer.config.v_group
+    if layer.config.window:
+        static["window"] = layer.config.window
     return tuple(getattr(layer, f) for f in _KIVI_FIELDS), static
 
 
@@ -232,6 +235,10 @@ def _pallas(impl, kind, layer):
     if impl == "triton" and layer.config.v_group:
         raise NotImplementedError(f"impl='triton' has no kernel for a V channel group set apart from the "
                                   f"K block (v_group={layer.config.v_group}); use impl='pallas'")
+    if layer.config.window and (impl, kind) not in _WINDOW_KERNELS:
+        raise NotImplementedError(f"impl={impl!r} has no {kind} kernel for a 16-bit window longer than the open "
+                                  f"block (window={layer.config.window}); decode with impl='pallas', prefill "
+                                  f"with impl='reference'")
     module, name = _PALLAS[impl, kind, fmt]
     try:
         kernel = getattr(importlib.import_module(module), name)
@@ -367,9 +374,10 @@ def _homomorphic(q, layer, page_indices, kv_lens, q_pos):
     leading = lambda x: jnp.moveaxis(x, 1, 0)  # [NB, S, ...]
     state, _ = jax.lax.scan(body, state, (leading(masks), *map(leading, blocks[:8])))
 
-    # The open block: positions ns + num_sealed P + i, i < num_open.
-    open_pos = ns + blocks.num_sealed[:, None] * p + i[None, :]  # [S, P]
-    open_vis = visible(open_pos, i[None, :] < blocks.num_open[:, None])
+    # The open region: positions ns + num_sealed P + i, i < num_open (< W = config.open_window).
+    iw = jnp.arange(layer.open_v.shape[2])
+    open_pos = ns + blocks.num_sealed[:, None] * p + iw[None, :]  # [S, W]
+    open_vis = visible(open_pos, iw[None, :] < blocks.num_open[:, None])
     open_v = rows_below(layer.open_v, blocks.num_open)
     if isinstance(layer, kv_cache.SeedPages):
         # K of the open tokens was quantized on arrival: it is block num_sealed's first rows.

@@ -34,6 +34,11 @@ class QuantConfig:
       v_rotation: 0 (off) or B, a power of two >= 2 dividing head_dim: V is multiplied by the
         block-diagonal normalized Hadamard(B) matrix before it is stored (every format, 16-bit
         parts included; no extra bytes) and the attention output by it again (hack_jax.rotation).
+      window: kivi only: the 16-bit recent window W (KIVI's residual), tokens the open region holds;
+        0 = partition_size (one open block, the default); else a multiple of partition_size that
+        divides page_size. The newest u % W tokens after the sinks stay in residual_dtype; when the
+        window fills, its W // P blocks are sealed at once (same P-token blocks in the pages).
+        `open_window` is the value in effect.
       meta_dtype: dtype of scale and minimum (class constant).
       residual_dtype: dtype of the open block and the sinks (class constant).
 
@@ -49,6 +54,7 @@ class QuantConfig:
     rounding: Rounding = "nearest"
     v_rotation: int = 0
     v_group: int = 0
+    window: int = 0
 
     meta_dtype: ClassVar = jnp.float16
     residual_dtype: ClassVar = jnp.bfloat16
@@ -58,7 +64,7 @@ class QuantConfig:
             value = getattr(self, name)
             if value not in get_args(literal):
                 raise ValueError(f"{name} must be one of {get_args(literal)}, got {value!r}")
-        for name in ("partition_size", "page_size", "num_sink_tokens", "v_rotation", "v_group"):
+        for name in ("partition_size", "page_size", "num_sink_tokens", "v_rotation", "v_group", "window"):
             value = getattr(self, name)
             # bool is an int subclass; True as a size is always a bug.
             if not isinstance(value, int) or isinstance(value, bool):
@@ -79,6 +85,13 @@ class QuantConfig:
         if g and (self.kv_format, self.layout) != ("hack", "kivi"):
             raise ValueError(f"v_group applies to kv_format='hack', layout='kivi' only, got "
                              f"kv_format={self.kv_format!r}, layout={self.layout!r}, v_group={g}")
+        w = self.window
+        if w < 0 or (w and (w % p or self.page_size % w)):
+            raise ValueError(f"window must be 0 (= partition_size) or a positive multiple of partition_size={p} "
+                             f"that divides page_size={self.page_size}, got window={w}")
+        if w and (self.kv_format, self.layout) != ("hack", "kivi"):
+            raise ValueError(f"window applies to kv_format='hack', layout='kivi' only, got "
+                             f"kv_format={self.kv_format!r}, layout={self.layout!r}, window={w}")
         b = self.v_rotation
         if b and (b < 2 or b & (b - 1)):
             raise ValueError(f"v_rotation must be 0 (off) or a power of two >= 2, got v_rotation={b}")
@@ -87,3 +100,14 @@ class QuantConfig:
     def channel_group(self) -> int:
         """Channels per channel group before the head_dim clamp: v_group, or partition_size when 0."""
         return self.v_group or self.partition_size
+
+    @property
+    def open_window(self) -> int:
+        """Tokens the 16-bit open region holds (2-bit formats): window, or partition_size when 0."""
+        return self.window or self.partition_size
+
+    def sealed_blocks(self, u):
+        """Sealed P-token blocks of a sequence holding u tokens after its sinks (int or array):
+        (u // W) * (W // P), W = open_window; the other u % W tokens are open (16-bit)."""
+        w = self.open_window
+        return (u // w) * (w // self.partition_size)

@@ -118,9 +118,11 @@ def read_prompts(args) -> list[str]:
 
 
 def quant_config(args) -> QuantConfig:
-  """QuantConfig from --kv-format and the cache flags (page_size 256, or 4 partitions if more)."""
+  """QuantConfig from --kv-format and the cache flags (page_size 256, or 4 partitions or the
+  --window if more)."""
   p = args.partition_size
-  return QuantConfig(kv_format=args.kv_format, partition_size=p, page_size=max(256, 4 * p),
+  return QuantConfig(kv_format=args.kv_format, partition_size=p, page_size=max(256, 4 * p, args.window),
+                     window=args.window,
                      num_sink_tokens=args.num_sink_tokens, rounding=args.rounding,
                      layout=args.layout, v_rotation=args.v_rotation, v_group=args.v_group)
 

@@ -51,6 +51,10 @@ HACK.md §4 variants (VARIANT_FORMATS, `--formats variants`):
                                  64 (QuantConfig(partition_size=32, v_group=64)), without / with
                                  v_rotation=64.
   hack-p64-sink64                the real cache with 64 bf16 sink tokens instead of 4.
+  hack-p64-w128, hack-k32v64-vhad-w128  the real cache with a 16-bit recent window of 128 tokens
+                                 (QuantConfig(window=128): the newest 0..127 tokens after the sinks
+                                 in bf16, the window's blocks sealed together when it fills; KIVI's
+                                 residual), alone / with K32, V64 and v_rotation=64.
   fake-*                         FakeHack (evaluation only, fake quantization like kivi2): K block
                                  size and V channel group chosen separately (fake-k32v64), a bf16
                                  window of the newest 128 tokens (-w128), V rotation (-vhad), and
@@ -197,6 +201,10 @@ FORMATS = {f.name: f for f in [
                note="kivi layout K32/V64 + Hadamard(64) on V (real cache)"),
     EvalFormat("hack-p64-sink64", _hack(64, num_sink_tokens=64),
                note="kivi layout P64, 64 bf16 sinks (real cache)"),
+    EvalFormat("hack-p64-w128", _hack(64, window=128),
+               note="kivi layout P64, 16-bit window of 0..127 newest tokens (real cache)"),
+    EvalFormat("hack-k32v64-vhad-w128", _hack(32, v_group=64, v_rotation=64, window=128),
+               note="kivi layout K32/V64 + Hadamard(64) on V + 16-bit window of 0..127 tokens (real cache)"),
     EvalFormat("fake-hack-p64", QuantConfig(kv_format="float32"), fake=FakeHack(64, 64),
                note="fake quant twin of hack-p64 (no INT8 q/W rounding): calibrates the fake rows"),
     EvalFormat("fake-k32v64", QuantConfig(kv_format="float32"), fake=FakeHack(32, 64),
@@ -866,14 +874,14 @@ def _json_safe(d: dict) -> dict:
 def eff_bits(r: dict) -> float:
   """Bits per element of the cell's sequence (context + tokens) counted token by token, no page
   rounding: real hack caches: 2-bit tokens at the arrays' per-token rate (bytes_per_token, from
-  kv_cache's array shapes), sinks and the open block at 16 bits; other real caches: their
+  kv_cache's array shapes), sinks and the open region (open block or window) at 16 bits; other real caches: their
   per-token rate; kivi2 / fake rows: their arithmetic at this length (effective_bytes_per_token)."""
   elems = r["bf16_bytes_per_token"] / 2
   n = r["context"] + r["tokens"]
   q = r.get("quant") or {}
   if r.get("fake") is None and q.get("kv_format") == "hack":
-    nq = int(hack_quantized_range(np.int64(n), k_block=q["partition_size"],
-                                  sinks=q["num_sink_tokens"]))
+    w = q.get("window") or q["partition_size"]  # QuantConfig.window: the open region's W // P blocks seal together
+    nq = max(n - q["num_sink_tokens"], 0) // w * w
     if q.get("layout") == "seed":  # K of every non-sink token is quantized at once; V waits
       nq = (n - q["num_sink_tokens"] + nq) / 2
     return 8 * (nq * r["bytes_per_token"] + (n - nq) * r["bf16_bytes_per_token"]) / n / elems

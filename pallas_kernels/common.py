@@ -605,7 +605,7 @@ def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_le
     float attention on their 16-bit K/V), as one softmax part on the stream-0 rows (row_plane == 0);
     other rows get the empty state. Rows/tokens beyond the lengths are selected away (NaN-safe).
 
-    q: NP x f32[R, Pc] (q * sm_scale); open_k_ref, open_v_ref: [S, H, P, D]; sink_refs:
+    q: NP x f32[R, Pc] (q * sm_scale); open_k_ref, open_v_ref: [S, H, W, D] (W: P or the window); sink_refs:
     (sink_k_ref, sink_v_ref) [S, H, ns, D] or (). new_token: None, or (k_row, v_row, open_row,
     sink_row): a token being written this step, NP x [Pc] each in the cache dtype, used in place of
     open-block row open_row / sink row sink_row (i32 scalars, -1: none), so the kernel that writes it
@@ -660,9 +660,11 @@ def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_le
 
 
 def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
-                      sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens, v_group=None):
+                      sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens, v_group=None,
+                      window=None):
     """Trace-time checks of shapes and dtypes against DESIGN.md's kivi layout; raises ValueError.
-    v_group: channels per V / query group (None: partition_size), clamped to head_dim."""
+    v_group: channels per V / query group (None: partition_size), clamped to head_dim. window: the open
+    region's tokens W (None: partition_size), a power-of-two multiple of it dividing page_size."""
     P, ns = partition_size, num_sink_tokens
     for name, x in (("q", q), ("k_codes", k_codes), ("page_indices", page_indices), ("kv_lens", kv_lens)):
         if not hasattr(x, "shape"):
@@ -681,6 +683,10 @@ def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_mi
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads must be a multiple of num_kv_heads, got {num_q_heads=}, {num_kv_heads=}")
     check_channel_group(v_group)
+    W = window or P
+    if (not isinstance(W, int) or isinstance(W, bool) or not is_pow2(W) or W % P or page_size % W):
+        raise ValueError(f"window must be None or a power-of-two multiple of partition_size={P} dividing "
+                         f"page_size={page_size}, got {window=}")
     bpp, Pc = page_size // P, min(v_group or P, head_dim)
     NP = head_dim // Pc
     expect = {
@@ -692,8 +698,8 @@ def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_mi
         "v_scale": ((num_pages, num_kv_heads, page_size, NP), None),
         "v_min": ((num_pages, num_kv_heads, page_size, NP), None),
         "v_sums": ((num_pages, num_kv_heads, bpp, head_dim), (jnp.uint8, jnp.uint16)),
-        "open_k": ((batch, num_kv_heads, P, head_dim), None),
-        "open_v": ((batch, num_kv_heads, P, head_dim), None),
+        "open_k": ((batch, num_kv_heads, W, head_dim), None),
+        "open_v": ((batch, num_kv_heads, W, head_dim), None),
         "sink_k": ((batch, num_kv_heads, ns, head_dim), None),
         "sink_v": ((batch, num_kv_heads, ns, head_dim), None),
     }

@@ -10,7 +10,9 @@ V per token and channel group: tau_j, nu_j), in one of two operand modes (`dot_d
   "folded_f16" / "folded_bf16" (scale-folded): logits = dot(r(Q*sigma_b), K codes) + Q.mu_b and
     PV = dot(r(W*tau), V codes) + W.nu with r() a rounding to f16 / bf16 and the codes as exact 16-bit
     floats (common.folded_plane); no requantization, no row min/max, the code sums are not read.
-Sinks and the 16-bit open block: float32 attention. sm_scale = 1/sqrt(head_dim) is applied here.
+Sinks and the 16-bit open region (the open block, or QuantConfig.window W: the newest u % W tokens
+after the sinks; then (u // W) * (W // P) blocks are sealed): float32 attention. sm_scale = 1/sqrt(head_dim)
+is applied here.
 
 Shapes (P = partition_size, Pc = min(P, head_dim), NP = head_dim // Pc, bpp = page_size // P,
 S = batch, ns = num_sink_tokens; DESIGN.md "Paged cache layout"):
@@ -21,7 +23,7 @@ S = batch, ns = num_sink_tokens; DESIGN.md "Paged cache layout"):
   v_codes    u8[num_pages, num_kv_heads, head_dim, page_size // 4]   (token-major)
   v_scale, v_min  f16[num_pages, num_kv_heads, page_size, NP]
   v_sums     u8|u16[num_pages, num_kv_heads, bpp, head_dim]
-  open_k, open_v  bf16[S, num_kv_heads, P, head_dim];  sink_k, sink_v  bf16[S, num_kv_heads, ns, head_dim]
+  open_k, open_v  bf16[S, num_kv_heads, W, head_dim] (W = window or P);  sink_k, sink_v  bf16[S, num_kv_heads, ns, head_dim]
   page_indices i32[S, pages_per_seq];  kv_lens i32[S] (sinks + sealed + open tokens, the new one included)
 
 Structure. Grid (batch, num_kv_heads, programs): one program serves the q_per_kv query heads of a kv
@@ -105,7 +107,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     # v_codes_ref       u8[N, H, D, page_size // 4]   (token-major)
     # v_scale_ref, v_min_ref  f16[N, H, bpp, P, NP]   (reshaped likewise)
     # v_sums_ref        u8|u16[N, H, bpp, D]
-    # open_k_ref, open_v_ref  bf16[S, H, P, D]
+    # open_k_ref, open_v_ref  bf16[S, H, W, D]   the open region (W = window, or P)
     # refs = (sink_k_ref, sink_v_ref  bf16[S, H, ns, D],)  if ns else ()
     #        + (acc_ref f32[q_per_kv_pad, D], m_ref f32[q_per_kv_pad], l_ref f32[q_per_kv_pad])   this program's
     #        outputs
@@ -120,7 +122,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     kv_len = kv_lens_ref[b]
     first_page, row = offsets_ref[0], offsets_ref[1] + b  # row: this sequence's open block / sinks
     after_sinks = jnp.clip(kv_len - ns, 0, max_blocks * P)  # beyond the capacity: clipped (as kv_cache)
-    num_blocks = after_sinks // P  # sealed blocks
+    W = open_k_ref.shape[2]
+    num_blocks = (after_sinks // W) * (W // P)  # sealed blocks: the open region's W // P seal together
     num_packing_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
     # open_split: programs 0..num_splits-1 take the sealed blocks, program num_splits the sinks and the
     # open block alone; otherwise split 0 takes them besides its (fewest) groups
@@ -159,7 +162,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
 
     init = jax.lax.cond(
         split == prologue_split,
-        lambda: open_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), row, h, kv_len, after_sinks % P,
+        lambda: open_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), row, h, kv_len, after_sinks % W,
                            row_plane),
         lambda: common.empty_state(R, Pc, NP))
 
@@ -351,8 +354,9 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
 @common.quiet
 def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                           sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
-                          v_group: int | None = None, dot_dtype: DotDtype = "int8", num_splits: int | None = None,
-                          config: KernelConfig | None = None, layer_index=None, interpret: bool = False):
+                          v_group: int | None = None, window: int | None = None, dot_dtype: DotDtype = "int8",
+                          num_splits: int | None = None, config: KernelConfig | None = None, layer_index=None,
+                          interpret: bool = False):
     """HACK decode attention over the paged INT2 kivi cache (module docstring; shapes there).
 
     Args:
@@ -363,6 +367,8 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
       partition_size: P (the quantization block). num_sink_tokens: ns.
       v_group: channels per V / query channel group (None: P), clamped to head_dim; the kernel reads
         it from k_sums' shape, this checks the arrays against it.
+      window: the 16-bit open region's length W (None: P; QuantConfig.window), a power-of-two multiple
+        of P dividing page_size; the kernel reads it from open_k's shape, this checks it.
       dot_dtype: "int8" | "folded_f16" | "folded_bf16", the operand mode (ignored if config is given).
       num_splits: split-K programs per (sequence, kv head); overrides the config's.
       config: KernelConfig; None picks default_config(...).
@@ -383,7 +389,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
     cache = (k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)
     view = common.stacked_view(cache, layer_index, batch=q.shape[0])
     common.check_kivi_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
-                             num_sink_tokens=num_sink_tokens, v_group=v_group)
+                             num_sink_tokens=num_sink_tokens, v_group=v_group, window=window)
     config = resolve_config(q, view.layer[0], view.layer[3], page_indices, partition_size=partition_size,
                             dot_dtype=dot_dtype, num_splits=num_splits, config=config)
     return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, partition_size=partition_size,

@@ -69,7 +69,7 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_r
     # kv_lens_ref   i32[S] after this token; prev_lens_ref i32[S] before it
     # offsets_ref   i32[2] (first page, first sequence row) of the layer: _hack_decode_kernel's
     # k_ref, v_ref  float[S, H, D] the new token
-    # refs = 8 page-pool refs, open_k, open_v bf16[S, H, P, D], (sink_k, sink_v bf16[S, H, ns, D] if ns)
+    # refs = 8 page-pool refs, open_k, open_v bf16[S, H, W, D], (sink_k, sink_v bf16[S, H, ns, D] if ns)
     #        + outputs acc, m, l (as _hack_decode_kernel's) + open_k, open_v (, sink_k, sink_v): aliased
     ns, P = num_sink_tokens, partition_size
     n_cache = 10 + 2 * bool(ns)
@@ -80,7 +80,7 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_r
     written = (kv_len > prev) & (prev >= 0)  # active; a negative position is dropped, as append does
     to_sink = written & (prev < ns)
     to_open = written & (prev >= ns) & (prev < ns + max_blocks * P)
-    open_row = jnp.where(to_open, (prev - ns) % P, -1)
+    open_row = jnp.where(to_open, (prev - ns) % cache_in[8].shape[2], -1)  # mod W, the open region's length
     sink_row = jnp.where(to_sink, prev, -1)
     dtype = cache_in[8].dtype
     D = k_ref.shape[-1]
@@ -186,7 +186,7 @@ def fusion_pays(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size:
 def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums,
                                 open_k, open_v, sink_k, sink_v, page_indices, kv_lens, active, *,
                                 partition_size: int, num_sink_tokens: int, v_group: int | None = None,
-                                dot_dtype: DotDtype = "int8",
+                                window: int | None = None, dot_dtype: DotDtype = "int8",
                                 num_splits: int | None = None, config: KernelConfig | None = None,
                                 layer_index=None, interpret: bool = False):
     """Append one token per active slot and attend (module docstring; shapes there).
@@ -197,7 +197,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
         when num_sink_tokens == 0.
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held before this token;
         active: bool[batch].
-      partition_size, num_sink_tokens, v_group, dot_dtype, num_splits, config, layer_index, interpret: as
+      partition_size, num_sink_tokens, v_group, window, dot_dtype, num_splits, config, layer_index, interpret: as
         decode_attention.hack_decode_attention; config None: `default_config` (this kernel's occupancy).
         With layer_index i (a stacked cache) the token is written into layer i's rows of the stacked
         open_k ... sink_v, in place when the caller donates them.
@@ -214,7 +214,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
     cache = (k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)
     view = common.stacked_view(cache, layer_index, batch=q.shape[0])
     common.check_kivi_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
-                             num_sink_tokens=num_sink_tokens, v_group=v_group)
+                             num_sink_tokens=num_sink_tokens, v_group=v_group, window=window)
     k_codes, k_sums = view.layer[0], view.layer[3]
     want = (q.shape[0], k_codes.shape[1], q.shape[2])
     for name, x in (("k", k), ("v", v)):

@@ -124,7 +124,8 @@ def _held(cache, s):
     """(n_u, num_sealed): block positions held and sealed blocks of sequence s (2-bit formats)."""
     cfg = cache.config
     n_u = max(int(cache.lengths[s]) - cfg.num_sink_tokens, 0)
-    return n_u, n_u // cfg.partition_size
+    w = cfg.window or cfg.partition_size  # the 16-bit open region: its blocks seal together
+    return n_u, (n_u // w) * (w // cfg.partition_size)
 
 
 def _plane(codes, rows, j, token_major):

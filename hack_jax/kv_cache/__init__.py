@@ -24,7 +24,8 @@ Page layout (DESIGN.md "Paged cache layout"; axes [num_pages, num_kv_heads, ...]
 - 2-bit formats: token t < num_sink_tokens is a 16-bit sink (per sequence); token t >= it has block
   position u = t - num_sink_tokens, page column u // page_size, row u % page_size. The newest
   incomplete block is the 16-bit open block, sealed (quantized into its page slot with its code
-  sums) when it holds P tokens.
+  sums) when it holds P tokens; with QuantConfig.window = W (kivi), the open region holds the newest
+  u % W tokens and its W // P blocks are sealed together when it holds W.
 - bf16 / float32 / int8 / fp8 / kivi2 have no sinks and no open block: token t is in page column t // page_size
   (kivi2 keeps its own 16-bit residual per sequence, kivi2.py)
   (`sink_tokens(config)` is 0 for them).
@@ -317,11 +318,12 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
 
 def seals_block(config: QuantConfig, kv_lens, active) -> bool:
     """Host-side: does an `append` after which the slots hold kv_lens (int[S], as append's kv_lens:
-    the new token included) fill some active slot's open block, so that the block must be sealed
+    the new token included) fill some active slot's open region, so that its blocks must be sealed
     this step? True iff the format is 2-bit and some active slot s has kv_lens[s] >
-    num_sink_tokens and (kv_lens[s] - num_sink_tokens) % partition_size == 0. A decode loop that
-    knows its lengths on the host (models.generate.Generator) passes seal="never" to `append` on
-    the other steps (P - 1 of every P tokens at batch 1). NumPy only (no device sync)."""
+    num_sink_tokens and (kv_lens[s] - num_sink_tokens) % W == 0, W = config.open_window
+    (partition_size, or the kivi window). A decode loop that knows its lengths on the host
+    (models.generate.Generator) passes seal="never" to `append` on the other steps (W - 1 of every
+    W tokens at batch 1). NumPy only (no device sync)."""
     lens, act = np.asarray(kv_lens), np.asarray(active)
     if lens.ndim != 1 or act.shape != lens.shape:
         raise ValueError(f"seals_block: kv_lens and active must be [max_seqs] of one shape, got "
@@ -333,7 +335,7 @@ def seals_block(config: QuantConfig, kv_lens, active) -> bool:
         return False
     lens = lens.astype(np.int64)
     on = act & (lens > config.num_sink_tokens)
-    return bool(np.any(on & ((lens - config.num_sink_tokens) % config.partition_size == 0)))
+    return bool(np.any(on & ((lens - config.num_sink_tokens) % config.open_window == 0)))
 
 
 def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
@@ -359,8 +361,9 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
         slot that fills its block anyway keeps it unsealed while kv_lens count it as sealed
         (attention then reads a stale page slot), so pass "never" only from host-side knowledge of
         the lengths, as models.generate.Generator does.
-    Returns the new LayerCache. 2-bit formats: the token goes into its sink or open-block row; a slot
-    whose open block becomes full is sealed (quantized into its page slot with code sums: the
+    Returns the new LayerCache. 2-bit formats: the token goes into its sink or open-block row (row
+    (kv_len - 1 - ns) % W of the open region, W = config.open_window); a slot whose open region
+    becomes full has its W // P blocks sealed (each quantized into its page slot with code sums: the
     block's packing-group plane is cleared, then OR-ed, since pages are reused) and its open block
     zeroed; seed: K quantized per token at once into the page, only V goes through the open block.
     Raises ValueError on shape mismatch, an unknown `seal`, or (concrete inputs only) a negative
@@ -398,7 +401,7 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
     if seal == "never" and not is_traced(kv_lens, active) and seals_block(layer.config, kv_lens, active):
         raise ValueError(f"append: seal='never' but an active slot fills its open block at this step "
                          f"(kv_lens={np.asarray(kv_lens).tolist()}, "
-                         f"partition_size={layer.config.partition_size}, "
+                         f"open_window={layer.config.open_window}, "
                          f"num_sink_tokens={layer.config.num_sink_tokens}); use seal='always'")
     position = kv_lens - active.astype(jnp.int32)  # of the new token
     active = active & (position >= 0)  # under jit: a negative position is dropped, never wrapped

@@ -3,12 +3,15 @@ step's sink / open-block / seal targets, block reads (HackBlocks) and their dequ
 
 A 2-bit layer holds token t < num_sink_tokens (ns) in a 16-bit per-sequence sink, token t >= ns at
 block position u = t - ns: page column u // page_size, row u % page_size, block u // P. The newest
-incomplete block is the 16-bit open block, sealed (quantized into its page slot with its code sums)
-when it holds P tokens. Packed code bytes hold 4 blocks (a packing group, one plane per block).
+u % W tokens (W = config.open_window: partition_size, or the kivi `window`, a multiple of P) are the
+16-bit open region ("open block" when W = P); when it holds W tokens its W // P blocks are sealed
+(quantized into their page slots with their code sums), so config.sealed_blocks(u) =
+(u // W) * (W // P) blocks are sealed. Packed code bytes hold 4 blocks (a packing group, one plane per block).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import jax
@@ -45,8 +48,8 @@ class PrefillStream:
     """Rows [0, lengths) of k/v f32[S, T, H, D] as tokens [start, start + lengths) (start None: 0,
     empty slots), seen as a stream of block positions u = ustart + i, i < NU.
 
-    ustart is the packing group of the old open block b0; the stream holds the earlier 16-bit open
-    tokens (u in [b0 P, u_old)) followed by the new tokens. Its complete blocks in
+    ustart is the packing group of the old open region's first block b0; the stream holds the
+    earlier 16-bit open tokens (u in [b0 P, u_old)) followed by the new tokens. Its complete blocks in
     [b0, sealed_new) are the ones this write seals; packed bytes keep the planes of tokens stored
     before (u < u_keep). Masks: tok_sealed / tok_new bool[S, NU] (tokens of the blocks sealed now /
     tokens written now), blk_sealed bool[S, NB].
@@ -67,10 +70,11 @@ class PrefillStream:
         cap = page_indices.shape[1] * ps
         self.u_old = u_old = jnp.clip(st - ns, 0, cap)  # block positions held before this write
         self.u_new = u_new = jnp.clip(st + lengths - ns, 0, cap)  # ... and after it
-        self.b0 = b0 = u_old // p  # the old open block: the first block this write can seal
-        self.sealed_new = sealed_new = u_new // p
-        if chunked:  # (b0 % 4) P + (u_old - b0 P) + T <= T + 4P - 1 stream positions
-            ng = -(-(self.t_len + 4 * p - 1) // (4 * p))
+        self.w = w = cfg.open_window
+        self.b0 = b0 = cfg.sealed_blocks(u_old)  # the old open region's first block: the first this write can seal
+        self.sealed_new = sealed_new = cfg.sealed_blocks(u_new)
+        if chunked:  # (b0 % 4) P + (u_old - b0 P) + T <= T + 3P + W - 1 stream positions
+            ng = -(-(self.t_len + 3 * p + w - 1) // (4 * p))
             self.ustart = (b0 // 4) * (4 * p)
         else:
             ng = max(1, -(-(self.t_len - ns) // (4 * p)))  # packing groups covering the prompt (>= 1: shapes)
@@ -84,14 +88,14 @@ class PrefillStream:
         self.blk_sealed = written[:, None] & (gb >= b0[:, None]) & (gb < sealed_new[:, None])
 
     def stream(self, x, old_open):
-        """x f32[S, H, T, D] (+ the old open block bf16[S, H, P, D], or None) -> f32[S, H, NU, D]."""
+        """x f32[S, H, T, D] (+ the old open region bf16[S, H, W, D], or None) -> f32[S, H, NU, D]."""
         ns, nu, t_len, p = self.ns, self.nu, self.t_len, self.p
         if not self.chunked:
             return jnp.pad(x[:, :, ns:], ((0, 0), (0, 0), (0, nu - max(t_len - ns, 0)), (0, 0)))
         u = self.u
         row = jnp.clip(u + ns - self.st[:, None], 0, t_len - 1)  # k/v row of the new token at u
         new = jnp.take_along_axis(x, row[:, None, :, None], axis=2)
-        old_row = jnp.clip(u - (self.b0 * p)[:, None], 0, p - 1)
+        old_row = jnp.clip(u - (self.b0 * p)[:, None], 0, self.w - 1)
         old = 0.0 if old_open is None else jnp.take_along_axis(
             old_open.astype(jnp.float32), old_row[:, None, :, None], axis=2)
         return jnp.where((u < self.u_old[:, None])[:, None, :, None], old, new)
@@ -132,12 +136,12 @@ class PrefillStream:
         return put(a, code_index(pages[:, :, None], rows, token_major), packed)
 
     def open_block(self, x, old):
-        """The new open block (positions sealed_new * P + i, i < u_new % P; zero beyond) taken from
-        the stream x f32[S, H, NU, D]; slots not written keep `old` [S, H, P, D]."""
-        i = jnp.arange(self.p)
+        """The new open region (positions sealed_new * P + i, i < u_new % W; zero beyond) taken from
+        the stream x f32[S, H, NU, D]; slots not written keep `old` [S, H, W, D]."""
+        i = jnp.arange(self.w)
         src = jnp.clip((self.sealed_new * self.p - self.ustart)[:, None] + i[None, :], 0, self.nu - 1)
         ok = (i[None, :] < (self.u_new - self.sealed_new * self.p)[:, None])[:, None, :, None]
-        blk = jnp.take_along_axis(x, src[:, None, :, None], axis=2)  # [S, H, P, D]
+        blk = jnp.take_along_axis(x, src[:, None, :, None], axis=2)  # [S, H, W, D]
         return jnp.where(self.written[:, None, None, None], jnp.where(ok, blk, 0), old).astype(old.dtype)
 
     def sinks(self, x, old):
@@ -159,8 +163,9 @@ class PrefillStream:
 
 class AppendStep:
     """Targets of one appended token per slot (token kv_lens[s] of slot s, `active` slots only):
-    its sink row or its open-block row, and, for a slot whose open block it fills (`seal`), the
-    block's page slot."""
+    its sink row or its open-region row u % W, and, for a slot whose open region it fills (`seal`),
+    the page slots of the region's W // P blocks: block j's targets are those of `block(j)` (this
+    step itself is block 0's)."""
 
     def __init__(self, layer, kv_lens, active, page_indices):
         cfg = layer.config
@@ -172,15 +177,31 @@ class AppendStep:
         self.in_pages = in_pages = active & (kv_lens >= ns) & (
             kv_lens < ns + page_indices.shape[1] * ps)  # else dropped
         self.u = u = jnp.maximum(kv_lens - ns, 0)
-        self.pos, blk = u % p, u // p
+        self.w = w = cfg.open_window
+        self.num_blocks = w // p  # blocks a seal writes
+        self.pos = u % w  # the open-region row
+        self.seal = in_pages & (self.pos == w - 1)
+        self.kv_lens, self._ns = kv_lens, ns
+        self._first = cfg.sealed_blocks(u)  # the open region's first block
+        self._at_block(0)
+
+    def block(self, j):
+        """A copy of this step whose block targets (slot, seal_pages, blk_rows, tok_rows,
+        block_positions) are those of the open region's block j (sealed with rows j P .. j P + P - 1
+        of the region)."""
+        other = copy.copy(self)
+        other._at_block(j)
+        return other
+
+    def _at_block(self, j):
+        p, bpp, n = self.p, self.bpp, self.n
+        blk = self._first + j
         self.slot = slot = blk % bpp
-        self.seal = seal = in_pages & (self.pos == p - 1)
-        self.kv_lens = kv_lens
-        self.seal_pages = page_ids(page_indices, blk // bpp, seal, n)  # [S]
+        self.seal_pages = page_ids(self.page_indices, blk // bpp, self.seal, n)  # [S]
         i = jnp.arange(p)
         self.blk_rows = (slot // 4)[:, None] * p + i[None, :]  # [S, P] packed rows of the block
         self.tok_rows = slot[:, None] * p + i[None, :]  # [S, P] token rows of the block
-        self.block_positions = ns + (u - self.pos)[:, None] + i[None, :]  # [S, P] its tokens' positions
+        self.block_positions = self._ns + blk[:, None] * p + i[None, :]  # [S, P] its tokens' positions
 
     def put_row(self, a, x, ok, row, layer_index=None):
         """Row `row` i32[S] of per-sequence buffer a [S, H, R, D] set to x [S, H, D] where ok; with
@@ -212,7 +233,7 @@ class AppendStep:
         return put(a, (self.seal_pages[:, None], ALL, self.tok_rows), jnp.swapaxes(x, 1, 2))
 
     def zero_sealed(self, x):
-        """Open blocks [S, H, P, D] zeroed in the slots that seal."""
+        """Open regions [S, H, W, D] zeroed in the slots that seal."""
         return jnp.where(self.seal[:, None, None, None], 0, x).astype(x.dtype)
 
 
@@ -242,7 +263,7 @@ class HackBlocks(NamedTuple):
     v_min: jax.Array
     v_sums: jax.Array
     num_sealed: jax.Array  # i32[S] complete blocks
-    num_open: jax.Array  # i32[S] tokens in the open block
+    num_open: jax.Array  # i32[S] tokens in the open region (< config.open_window)
     num_sinks: jax.Array  # i32[S] sink tokens held
 
 
@@ -261,7 +282,8 @@ class BlockReader:
         self.s, self.pps = s, pps = ids.shape
         self.nb = nb = pps * bpp
         n_u = jnp.clip(kv_lens - ns, 0, pps * cfg.page_size)  # lengths beyond capacity are clipped
-        self.num_sealed, self.num_open = n_u // p, n_u % p
+        self.num_sealed = cfg.sealed_blocks(n_u)
+        self.num_open = n_u - self.num_sealed * p  # < W = config.open_window
         self.num_sinks = jnp.minimum(kv_lens, ns)
         self.blk_ok = jnp.arange(nb)[None, :] < self.num_sealed[:, None]  # [S, NB]
         self.tok_ok = (jnp.arange(nb * p) < n_u[:, None]).reshape(s, nb, p)  # [S, NB, P]
@@ -312,7 +334,7 @@ def deq_over_channels(codes, scale, minimum):
 
 def assemble(layer, blocks: HackBlocks, k, v, open_k):
     """(k, v, k_step, v_step) f32[S, capacity, H, D] from dequantized blocks k, v
-    (x, step) pairs of [S, NB, H, P, D]: the open block (V always, K when open_k is not None) laid
+    (x, step) pairs of [S, NB, H, P, D]: the open region (V always, K when open_k is not None) laid
     over its positions with step 0, the sinks in front with step 0."""
     cfg = layer.config
     p = cfg.partition_size
@@ -322,9 +344,9 @@ def assemble(layer, blocks: HackBlocks, k, v, open_k):
     u = jnp.arange(nb * p)
     in_open = (u[None, :] >= (blocks.num_sealed * p)[:, None]) & (
         u[None, :] < (blocks.num_sealed * p + blocks.num_open)[:, None])  # [S, U]
-    j = jnp.clip(u[None, :] - (blocks.num_sealed * p)[:, None], 0, p - 1)
+    j = jnp.clip(u[None, :] - (blocks.num_sealed * p)[:, None], 0, layer.open_v.shape[2] - 1)
 
-    def overlay(quant, step, open_):  # open_ [S, H, P, D] placed at the open block's positions
+    def overlay(quant, step, open_):  # open_ [S, H, W, D] placed at the open region's positions
         o = jnp.take_along_axis(jnp.swapaxes(open_, 1, 2).astype(jnp.float32), j[:, :, None, None], 1)
         m = in_open[:, :, None, None]
         return jnp.where(m, o, quant), jnp.where(m, 0.0, step)

@@ -28,7 +28,8 @@ class KiviPages(Pages):
                token r of block slot 4g + j: block j of packing group g), channel c, j = 0..3
       v_scale, v_min  f16[num_pages, num_kv_heads, page_size, NP]      per (token, channel group)
       v_sums   u8[num_pages, num_kv_heads, bpp, head_dim]              omega, per (block, channel)
-      open_k, open_v  bf16[S, num_kv_heads, P, head_dim]               open block, per sequence
+      open_k, open_v  bf16[S, num_kv_heads, W, head_dim]               open region, per sequence
+               (W = config.open_window: P, or the 16-bit recent window)
       sink_k, sink_v  bf16[S, num_kv_heads, ns, head_dim]
     """
 
@@ -56,13 +57,13 @@ def init(config, n, h, d, s):
         k_min=z((n, h, bpp, d), meta), k_sums=z((n, h, ps, np_), sums_dtype(pc)),
         v_codes=z((n, h, d, ps // 4), jnp.uint8), v_scale=z((n, h, ps, np_), meta),
         v_min=z((n, h, ps, np_), meta), v_sums=z((n, h, bpp, d), sums_dtype(p)),
-        open_k=z((s, h, p, d), res), open_v=z((s, h, p, d), res),
+        open_k=z((s, h, config.open_window, d), res), open_v=z((s, h, config.open_window, d), res),
         sink_k=z((s, h, ns, d), res), sink_v=z((s, h, ns, d), res), config=config)
 
 
 def write_prefill(layer, k, v, lengths, page_indices, start, key):
-    """Complete blocks quantized at once and scattered into their page slots with code sums, the
-    remainder into the open block, sinks in 16 bits."""
+    """The blocks before the last (partial) window quantized at once and scattered into their page
+    slots with code sums, the remainder into the open region, sinks in 16 bits."""
     cfg = layer.config
     st = hack.PrefillStream(layer, k, v, lengths, page_indices, start)
     s, h, nb, nu, p, d = st.s, st.h, st.nb, st.nu, st.p, st.d
@@ -89,30 +90,41 @@ def write_prefill(layer, k, v, lengths, page_indices, start, key):
 
 
 def append(layer, k, v, kv_lens, active, page_indices, key, seal):
-    """The token into its sink or open-block row; with seal="always", a slot whose open block fills
-    is sealed: K per channel over the block's tokens, V per token over channel groups."""
-    cfg = layer.config
+    """The token into its sink or open-region row; with seal="always", a slot whose open region
+    fills is sealed, block by block (W // P consecutive blocks): K per channel over the block's
+    tokens, V per token over channel groups."""
     step = hack.AppendStep(layer, kv_lens, active, page_indices)
     out = dict(step.sinks(layer, k, v), open_k=step.put_open(layer.open_k, k),
                open_v=step.put_open(layer.open_v, v))
     if seal == "always":
-        h, d = layer.num_kv_heads, layer.head_dim
-        noise_k, noise_v = (token_noise(cfg, key, i, step.block_positions, h, d) for i in (0, 1))  # [S, H, P, D]
-        kc, ksc, kmn, _ = quant_blocks_over_tokens(out["open_k"].astype(jnp.float32)[:, :, None], cfg,
-                                                   None if noise_k is None else noise_k[:, :, None])
-        kc = kc[:, :, 0]  # [S, H, P, D]
-        vc, vsc, vmn, _ = quant_tokens_over_channels(out["open_v"].astype(jnp.float32), cfg, step.pc, noise_v)
-        out.update(
-            k_codes=step.put_block_codes(layer.k_codes, kc),
-            k_scale=step.put_block(layer.k_scale, ksc[:, :, 0]),
-            k_min=step.put_block(layer.k_min, kmn[:, :, 0]),
-            k_sums=step.put_block_tokens(layer.k_sums, hack.channel_sums(kc, step.np_, step.pc)),
-            v_codes=step.put_block_codes(layer.v_codes, vc, token_major=True),
-            v_scale=step.put_block_tokens(layer.v_scale, vsc),
-            v_min=step.put_block_tokens(layer.v_min, vmn),
-            v_sums=step.put_block(layer.v_sums, vc.astype(jnp.int32).sum(2)),
-            open_k=step.zero_sealed(out["open_k"]), open_v=step.zero_sealed(out["open_v"]))
+        out.update(k_codes=layer.k_codes, k_scale=layer.k_scale, k_min=layer.k_min, k_sums=layer.k_sums,
+                   v_codes=layer.v_codes, v_scale=layer.v_scale, v_min=layer.v_min, v_sums=layer.v_sums)
+        p = step.p
+        for j in range(step.num_blocks):
+            rows = slice(j * p, (j + 1) * p)
+            out.update(_seal_block(layer.config, out, step.block(j), out["open_k"][:, :, rows],
+                                   out["open_v"][:, :, rows], key, layer.num_kv_heads, layer.head_dim))
+        out.update(open_k=step.zero_sealed(out["open_k"]), open_v=step.zero_sealed(out["open_v"]))
     return dataclasses.replace(layer, **out)
+
+
+def _seal_block(cfg, a, step, open_k, open_v, key, h, d):
+    """The page arrays of `a` with the block of 16-bit rows open_k / open_v [S, H, P, D] sealed
+    into step's block slot (the slots that do not seal drop their writes)."""
+    noise_k, noise_v = (token_noise(cfg, key, i, step.block_positions, h, d) for i in (0, 1))  # [S, H, P, D]
+    kc, ksc, kmn, _ = quant_blocks_over_tokens(open_k.astype(jnp.float32)[:, :, None], cfg,
+                                               None if noise_k is None else noise_k[:, :, None])
+    kc = kc[:, :, 0]  # [S, H, P, D]
+    vc, vsc, vmn, _ = quant_tokens_over_channels(open_v.astype(jnp.float32), cfg, step.pc, noise_v)
+    return dict(
+        k_codes=step.put_block_codes(a["k_codes"], kc),
+        k_scale=step.put_block(a["k_scale"], ksc[:, :, 0]),
+        k_min=step.put_block(a["k_min"], kmn[:, :, 0]),
+        k_sums=step.put_block_tokens(a["k_sums"], hack.channel_sums(kc, step.np_, step.pc)),
+        v_codes=step.put_block_codes(a["v_codes"], vc, token_major=True),
+        v_scale=step.put_block_tokens(a["v_scale"], vsc),
+        v_min=step.put_block_tokens(a["v_min"], vmn),
+        v_sums=step.put_block(a["v_sums"], vc.astype(jnp.int32).sum(2)))
 
 
 def read_blocks(layer, page_indices, kv_lens) -> hack.HackBlocks:
