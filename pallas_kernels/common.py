@@ -31,6 +31,7 @@ touches this file and the launch wrappers.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import Any, NamedTuple
 
@@ -721,3 +722,55 @@ def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_mi
                          f"{page_indices.dtype=}")
     if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
         raise ValueError(f"kv_lens must be i32[{batch}], got {kv_lens.shape=}, {kv_lens.dtype=}")
+
+
+def per_token_paged_decode(kernel, q, arrays, page_indices, kv_lens, *, config, default_config, name, interpret):
+    """Launch of a decode kernel over per-(token, kv head) quantized pages (fp8, int8): the shared shape
+    checks, query grouping and page-table padding, one program per (sequence, kv head, split), and the
+    split combine.
+
+    kernel: the Pallas kernel taking (page_indices, kv_lens, q, *arrays, acc, m, l refs) with keywords
+    block_k, num_splits, sm_scale. arrays: the cache arrays in the kernel's order, each
+    [num_pages, num_kv_heads, page_size, head_dim] (codes) or [num_pages, num_kv_heads, page_size]
+    (per-token metadata). config: bf16_decode_attention.KernelConfig (block_k, num_splits, warps, stages),
+    or None for default_config(batch=, num_q_heads=, num_kv_heads=, head_dim=, page_size=, pages_per_seq=).
+    q float[batch, num_q_heads, head_dim] -> f32[batch, num_q_heads, head_dim]. Raises ValueError on
+    inconsistent shapes (head_dim, page_size, heads, page table, kv_lens)."""
+    batch, num_q_heads, head_dim = q.shape
+    stand_in = jax.ShapeDtypeStruct(arrays[0].shape, jnp.bfloat16)  # the bf16 kernel's shape checks
+    num_pages, num_kv_heads, page_size, _ = check_paged_bf16(head_dim, num_q_heads, batch, stand_in, stand_in,
+                                                             page_indices)
+    if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
+        raise ValueError(f"kv_lens must be i32[batch], got {kv_lens.shape=} {kv_lens.dtype=} ({batch=})")
+    pages_per_seq = page_indices.shape[1]
+    if config is None:
+        config = default_config(batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                head_dim=head_dim, page_size=page_size, pages_per_seq=pages_per_seq)
+    group = num_q_heads // num_kv_heads
+    block_h = max(16, pl.next_power_of_2(group))
+    q_g = q.astype(jnp.bfloat16).reshape(batch, num_kv_heads, group, head_dim)
+    q_g = jnp.pad(q_g, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+    kv_lens = jnp.clip(kv_lens, 0, pages_per_seq * page_size)
+    if config.block_k > page_size:
+        n = config.block_k // page_size
+        page_indices = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % n)))
+    splits = config.num_splits
+    pool = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, h, s: (0, h, 0, 0))
+    per_token = pl.BlockSpec((num_pages, None, page_size), lambda b, h, s: (0, h, 0))
+    acc_spec = pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (b, h, s, 0, 0))
+    row_spec = pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0))
+    acc, m, l = pallas_call(
+        functools.partial(kernel, block_k=config.block_k, num_splits=splits, sm_scale=1.0 / math.sqrt(head_dim)),
+        grid=(batch, num_kv_heads, splits),
+        in_specs=[pl.BlockSpec((None, page_indices.shape[1]), lambda b, h, s: (b, 0)),
+                  pl.BlockSpec((1,), lambda b, h, s: (b,)),
+                  pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0))]
+                 + [pool if x.ndim == 4 else per_token for x in arrays],
+        out_specs=[acc_spec, row_spec, row_spec],
+        out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, splits, block_h, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, num_kv_heads, splits, block_h), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, num_kv_heads, splits, block_h), jnp.float32)],
+        num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret, name=name,
+    )(page_indices, kv_lens, q_g, *arrays)
+    out = lse_combine(m[..., :group], l[..., :group], acc[..., :group, :], 2)
+    return out.reshape(batch, num_q_heads, head_dim)

@@ -19,7 +19,6 @@ outside [0, num_pages) read page 0; whatever is read past kv_len is masked (NaN 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -113,43 +112,6 @@ def fp8_decode_attention(q, k_codes, k_scale, v_codes, v_scale, page_indices, kv
     for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
         if x.dtype != jnp.float32 or x.shape != k_codes.shape[:3]:
             raise ValueError(f"{name} must be f32{list(k_codes.shape[:3])}, got {x.shape=} {x.dtype=}")
-    # the bf16 checks on shapes (head_dim, page_size, heads, page table), on bf16 stand-ins
-    stand_in = jax.ShapeDtypeStruct(k_codes.shape, jnp.bfloat16)
-    num_pages, num_kv_heads, page_size, _ = common.check_paged_bf16(head_dim, num_q_heads, batch, stand_in,
-                                                                    stand_in, page_indices)
-    if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
-        raise ValueError(f"kv_lens must be i32[batch], got {kv_lens.shape=} {kv_lens.dtype=} ({batch=})")
-    pages_per_seq = page_indices.shape[1]
-    if config is None:
-        config = default_config(batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                head_dim=head_dim, page_size=page_size, pages_per_seq=pages_per_seq)
-    group = num_q_heads // num_kv_heads
-    block_h = max(16, pl.next_power_of_2(group))
-    q_g = q.astype(jnp.bfloat16).reshape(batch, num_kv_heads, group, head_dim)
-    q_g = jnp.pad(q_g, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
-    kv_lens = jnp.clip(kv_lens, 0, pages_per_seq * page_size)
-    if config.block_k > page_size:
-        n = config.block_k // page_size
-        page_indices = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % n)))
-    splits = config.num_splits
-    kernel = functools.partial(_fp8_decode_kernel, block_k=config.block_k, num_splits=splits,
-                               sm_scale=1.0 / math.sqrt(head_dim))
-    pool = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, h, s: (0, h, 0, 0))
-    scales = pl.BlockSpec((num_pages, None, page_size), lambda b, h, s: (0, h, 0))
-    acc_spec = pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (b, h, s, 0, 0))
-    row_spec = pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0))
-    acc, m, l = common.pallas_call(
-        kernel, grid=(batch, num_kv_heads, splits),
-        in_specs=[pl.BlockSpec((None, page_indices.shape[1]), lambda b, h, s: (b, 0)),
-                  pl.BlockSpec((1,), lambda b, h, s: (b,)),
-                  pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
-                  pool, scales, pool, scales],
-        out_specs=[acc_spec, row_spec, row_spec],
-        out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, splits, block_h, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, num_kv_heads, splits, block_h), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, num_kv_heads, splits, block_h), jnp.float32)],
-        num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
-        name="fp8_decode_attention",
-    )(page_indices, kv_lens, q_g, k_codes, k_scale, v_codes, v_scale)
-    out = common.lse_combine(m[..., :group], l[..., :group], acc[..., :group, :], 2)
-    return out.reshape(batch, num_q_heads, head_dim)
+    return common.per_token_paged_decode(
+        _fp8_decode_kernel, q, (k_codes, k_scale, v_codes, v_scale), page_indices, kv_lens, config=config,
+        default_config=default_config, name="fp8_decode_attention", interpret=interpret)
