@@ -380,7 +380,7 @@ def test_scanned_layers_write_the_unrolled_cache_bytes_pallas(kv_format):
   """As test_scanned_layers_write_the_unrolled_cache_bytes with the Pallas kernels on the GPU
   (Backend("pallas"), default QuantConfig geometry: P = 64, pages of 256, head_dim 64, lengths
   scaled to match). Compared within float reassociation: the two forms' matmuls are separate XLA
-  fusions (loop body vs unrolled) that may accumulate in another order, so logits agree to 5e-3,
+  fusions (loop body vs unrolled) that may accumulate in another order, so logits agree to 2e-3,
   16-bit cache arrays to 1e-2 relative, and >= 99% of the code / sum bytes are equal (a K/V value
   an ulp apart can round to the neighbouring code). The float32 matmuls run at full float32 precision
   here: at XLA's GPU default (TF32) the first chunk's logits differed by up to 3.3e-3 between the forms on
@@ -503,7 +503,7 @@ def _scan_vs_unrolled(kv_format, impl):
   exact = impl == "reference"
   for form in (True, "stacked"):
     for a, b in zip(out[form][0], out[False][0]):
-      np.testing.assert_array_equal(a, b) if exact else np.testing.assert_allclose(a, b, atol=5e-3)
+      np.testing.assert_array_equal(a, b) if exact else np.testing.assert_allclose(a, b, atol=2e-3)
     assert out[form][1].keys() == out[False][1].keys()
     for name, a in out[False][1].items():
       b = out[form][1][name]
