@@ -410,7 +410,7 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache | stacked.StackedLayer, *, p
     instead of 3 (more registers). fuse=True forces it (ValueError where it cannot apply); None / False do
     not fuse: where the model used it on the H200 (Qwen2.5-7B heads, batch 1, 4K and 32K) its split-combine
     kernel took 27 us per layer, more than the attention itself, and the step ran 13% slower than bf16's
-    (bench/NOTES_generate.md, session 6); `fused_decode_attention.fusion_pays` is its split model.
+    (bench/NOTES_generate.md, session 6).
 
     `layer` may be a kv_cache.stacked.StackedLayer (layer i of a stacked cache, what the unrolled model
     passes): with impl="pallas", seal="never" and a kivi or bf16 cache, the token's rows are written into

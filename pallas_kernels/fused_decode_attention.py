@@ -40,8 +40,7 @@ the stacked form's (tests/test_stacked_decode.py). In a model (Qwen2.5-7B heads,
 split-combine Pallas kernel (one program per (sequence, kv head) looping over every split) took 27 us per
 layer, more than the attention; the combine is XLA's now (not re-measured), and
 hack_jax.attention.decode_step fuses only with fuse=True. Caveat: the in-kernel row writes cost registers (ptxas, sm_90: 2 resident programs per SM
-instead of the plain kernel's 3, RESIDENT_PROGRAMS_PER_SM); `fusion_pays` is the split model that says
-where that is predicted to cost nothing; numbers in bench/NOTES_generate.md.
+instead of the plain kernel's 3, RESIDENT_PROGRAMS_PER_SM); numbers in bench/NOTES_generate.md.
 """
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 from pallas_kernels.common import NUM_PLANES
 from pallas_kernels.decode_attention import (DOT_DTYPES, H200_NUM_SMS, DotDtype, KernelConfig, _hack_decode_kernel,
-                                             choose_num_splits, resolve_config, split_cost)
+                                             choose_num_splits, resolve_config)
 from pallas_kernels import decode_attention
 
 # Programs resident per SM (4 warps): the row writes raise the "int8" kernel from 168 to 182 registers
@@ -163,23 +162,6 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
     splits, open_split = choose_num_splits(batch * num_kv_heads, groups, RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms)
     return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
-
-
-def fusion_pays(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int, partition_size: int,
-                dot_dtype: DotDtype = "int8", num_sms: int = H200_NUM_SMS) -> bool:
-    """Whether this kernel at its default_config is predicted no slower (split_cost) than
-    decode_attention's kernel at its own, which keeps 3 programs per SM for "int8". Llama-3.1-8B heads
-    (8 kv heads, pages of 256, P 64): True at batch 1 to 4K tokens (and 16K) and batch <= 4 at 1K, where
-    the step waits on the host and fewer launches pay; False elsewhere, where the kernel's occupancy
-    is predicted to cost more (batch 8 at 4K: 6 vs 4 units). A prediction, to be
-    checked against the GPU profile (bench/NOTES_generate.md)."""
-    kw = dict(batch=batch, num_kv_heads=num_kv_heads, pages_per_seq=pages_per_seq, page_size=page_size,
-              partition_size=partition_size, dot_dtype=dot_dtype, num_sms=num_sms)
-    groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
-    cost = lambda cfg, per_sm: split_cost(batch * num_kv_heads, groups, per_sm * num_sms, cfg.num_splits,
-                                          cfg.open_split)
-    return (cost(default_config(**kw), RESIDENT_PROGRAMS_PER_SM[dot_dtype])
-            <= cost(decode_attention.default_config(**kw), decode_attention.RESIDENT_PROGRAMS_PER_SM[dot_dtype]))
 
 
 @common.quiet
