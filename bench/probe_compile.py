@@ -1,7 +1,7 @@
 """Where the decode step's compile time goes: one lowering, compiled under several XLA option sets.
 
-  python3 bench/probe_compile.py --out DIR [--formats hack bf16] [--seal never always] [--layers 32]
-      [--options '' 'xla_gpu_autotune_level=0' 'xla_gpu_enable_command_buffer=']
+  python3 bench/probe_compile.py --out DIR [--formats hack bf16] [--seal never always] [--layers 32] [--scan]
+      [--options '' 'xla_gpu_autotune_level=0' 'xla_gpu_enable_llvm_module_compilation_parallelism=true']
 
 Per format and seal mode: the Llama-3.1-8B-shaped decode step (random weights, models.stepper.forward_step as
 bench_generate.py compiles it) is lowered once, then compiled once per `--options` entry (comma-separated
@@ -66,15 +66,16 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--impl", default="pallas", choices=("pallas", "reference"))
     ap.add_argument("--options", nargs="+", default=[""])
+    ap.add_argument("--scan", action="store_true", help="the layers as one lax.scan (default: unrolled, the GPU default)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    cfg0 = bg.model_config(args.model, "bf16", args.impl, False)
+    cfg0 = bg.model_config(args.model, "bf16", args.impl, False, scan_layers=args.scan)
     cfg0 = dataclasses.replace(cfg0, num_layers=args.layers) if args.layers else cfg0
     _, state, _ = bg.random_state(cfg0, init="hash")
     b = args.batch
     tokens, targets = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32)
     for fmt in args.formats:
-        cfg = bg.model_config(args.model, fmt, args.impl, False)
+        cfg = bg.model_config(args.model, fmt, args.impl, False, scan_layers=args.scan)
         cfg = dataclasses.replace(cfg, num_layers=args.layers) if args.layers else cfg
         graphdef = nnx.split(nnx.eval_shape(lambda: mllama.Llama(cfg, rngs=nnx.Rngs(0))))[0]
         cache, _ = bg.filled_cache(cfg, bg.quant_config(fmt), b, args.context + 256)
@@ -92,7 +93,7 @@ def main(argv=None):
                     text, error = lowered.compile(parse_options(spec) or None).as_text(), ""
                 except Exception as e:  # an unknown option must not cost the other rows
                     text, error = "", f"{type(e).__name__}: {e}"[:300]
-                row = dict(format=fmt, seal=seal, layers=cfg.num_layers, batch=b, context=args.context,
+                row = dict(format=fmt, seal=seal, scan_layers=args.scan, layers=cfg.num_layers, batch=b, context=args.context,
                            options=spec, lower_s=round(lower_s, 2), compile_s=round(time.perf_counter() - t0, 2),
                            error=error, **hlo_counts(text), jax=jax.__version__, device=str(jax.devices()[0]))
                 print(json.dumps(row), flush=True)
