@@ -33,7 +33,9 @@ What is measured
            kv_cache.append (for hack: quantizes and seals blocks) and runs all layers, lm_head and
            greedy sampling, in the layer form(s) of --scan-layers. hack (--seal host, default): as the Generator, two compiled steps, the
            one without the sealing path on the steps where no slot fills its open block
-           (kv_cache.seals_block); both run once before the timed regions.
+           (kv_cache.seals_block) and the one that seals (seal "after" where the backend defers);
+           both compiled in parallel threads (compile_s = the wall, compile_each per step) and run
+           once before the timed regions.
   prefill  batch 1 (`--prefill-batches`), one prompt of C random tokens (bucket = C) through
            `forward_step` (a prefill Step) into an empty cache of that format (write_prefill + prefill attention):
            median of `--prefill-reps` runs after one warm-up run (single timed run at >= 64K).
@@ -73,6 +75,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import concurrent.futures  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import glob  # noqa: E402
@@ -416,22 +419,33 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
         return Step("decode", table, jnp.full((batch,), ctx, jnp.int32), active, key, seal)
 
     t0 = time.perf_counter()
-    compiled = {}
     # --seal host: as models.generate.Generator, the step without the sealing path wherever the host
-    # knows that no slot fills its open block (kv_cache.seals_block); else one mode for every step
-    modes = ["always", "never"] if args.seal == "host" and fmt == "hack" else [
-        "always" if args.seal == "host" else args.seal]
-    for mode in modes:
-        compiled[mode] = mstep.forward_step.lower(
-            state, tokens, step_record(1, mode), cache, None, targets, graphdef=graphdef,
-            attention=cfg.attention, head=mstep.SampleHead(sampling)).compile()
+    # knows that no slot fills its open block (kv_cache.seals_block), and the step that seals
+    # (models.stepper.full_seal_mode: "after" = one seal of every layer after the last one, where the
+    # backend defers); else one mode for every step
+    full = mstep.full_seal_mode(cfg.attention, quant)
+    modes = [full, "never"] if args.seal == "host" and fmt == "hack" else [
+        full if args.seal == "host" else args.seal]
+    lowered = {mode: mstep.forward_step.lower(
+        state, tokens, step_record(1, mode), cache, None, targets, graphdef=graphdef,
+        attention=cfg.attention, head=mstep.SampleHead(sampling)) for mode in modes}
+
+    def timed_compile(mode):
+        t = time.perf_counter()
+        return lowered[mode].compile(), time.perf_counter() - t
+
+    # in parallel threads, as models.stepper.Stepper.compile_many: compile_s is what a user waits
+    with concurrent.futures.ThreadPoolExecutor(len(modes)) as pool:
+        done = dict(zip(modes, pool.map(timed_compile, modes)))
+    compiled = {mode: exe for mode, (exe, _) in done.items()}
+    compile_each = {mode: round(dt, 2) for mode, (_, dt) in done.items()}
     compile_s = time.perf_counter() - t0
 
     def step_for(lens):  # lens: tokens held after the step -> (executable, its Step)
         mode = modes[0] if len(modes) == 1 else (
-            "always" if kv_cache.seals_block(quant, lens, np.ones(batch, bool)) else "never")
+            full if kv_cache.seals_block(quant, lens, np.ones(batch, bool)) else "never")
         return compiled[mode], step_record(int(lens[0]), mode)
-    print(f"    compiled decode in {compile_s:.1f} s (cache {cache_bytes / 2**30:.2f} GiB, "
+    print(f"    compiled decode in {compile_s:.1f} s ({compile_each}; cache {cache_bytes / 2**30:.2f} GiB, "
           f"filled in {fill_s:.1f} s)", flush=True)
 
     def run(n, ctx):
@@ -448,7 +462,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
         row = dict(base, kind="decode", context=ctx, capacity=capacity, pages_per_seq=pps,
                    scan_in_place=stacked_cache.use_flat(cache.layers) if cache.stacked else None,
                    stacked_cache=cache.stacked,
-                   compile_s=round(compile_s, 3), fill_s=round(fill_s, 3),
+                   compile_s=round(compile_s, 3), compile_each=compile_each, fill_s=round(fill_s, 3),
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
                    kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps,
                    seal=args.seal if fmt == "hack" else None,
@@ -763,7 +777,7 @@ def parse_args(argv):
                     help="random weights: Llama's initializer, or a cheap integer hash (CPU tests)")
     ap.add_argument("--quick", action="store_true", help="llama only, batches 1 and 8")
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--seal", default="host", choices=("host", "always", "never"),
+    ap.add_argument("--seal", default="host", choices=("host", "always", "after", "never"),
                     help="hack decode steps: host = as the Generator (a step without the block-sealing "
                          "path where no slot fills its open block, chosen on the host per step), or one "
                          "kv_cache.append seal mode for every step (never: timing only, blocks not sealed)")

@@ -60,7 +60,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--formats", nargs="+", default=["hack", "bf16"])
-    ap.add_argument("--seal", nargs="+", default=["never", "always"], choices=("never", "always"))
+    ap.add_argument("--seal", nargs="+", default=["never", "after", "always"], choices=("never", "after", "always"))
     ap.add_argument("--layers", type=int, default=0, help="0 = the model's own count")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)

@@ -193,7 +193,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--impl", default="pallas", choices=("pallas", "reference"))
-    ap.add_argument("--seal", nargs="+", default=["never"], choices=("never", "always"),
+    ap.add_argument("--seal", nargs="+", default=["never"], choices=("never", "after", "always"),
                     help="hack's compiled step(s): never = the 63 of 64 steps that seal no block")
     ap.add_argument("--profile", type=int, default=0, help="trace this many steps: GPU time per kernel")
     ap.add_argument("--alternate", type=int, default=0,

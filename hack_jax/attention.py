@@ -436,6 +436,16 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache | stacked.StackedLayer, *, p
     if fuse and not can_fuse:
         raise ValueError(f"fuse=True needs impl='pallas', seal='never' and a kivi layer, got {impl=} {seal=} "
                          f"{type(layer).__name__}")
+    if seal == "after" and isinstance(layer, kv_cache.KiviPages):
+        q = jnp.asarray(q)
+        if q.ndim != 3:
+            raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
+        _check_after(impl)
+        layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active, page_indices=page_indices,
+                                key=key, seal="after")
+        page_indices, kv_lens = _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
+        return layer, _attend_after(q, k, v, layer, page_indices, kv_lens, jnp.asarray(active, bool), impl,
+                                    None, kernel_options)
     if not (can_fuse and fuse):
         layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active, page_indices=page_indices,
                                 key=key, seal=seal)
@@ -467,8 +477,8 @@ def _fused_step(q, k, v, layer, page_indices, kv_lens, active, impl, layer_index
 def _stacked_decode_step(q, k, v, view, *, page_indices, kv_lens, active, impl, seal, key, fuse, **kernel_options):
     """decode_step on layer view.index of a stacked cache (decode_step's docstring)."""
     kivi = isinstance(view.stacked, kv_cache.KiviPages)
-    in_place = impl == "pallas" and seal == "never" and stacked.reads_in_place(view) and (
-        kivi or view.config.kv_format == "bf16")
+    in_place = impl == "pallas" and (seal == "never" or seal == "after" and kivi and not fuse) and (
+        stacked.reads_in_place(view) and (kivi or view.config.kv_format == "bf16"))
     if not in_place:
         layer, table = stacked.take(view, page_indices)
         layer, out = decode_step(q, k, v, layer, page_indices=table, kv_lens=kv_lens, active=active, impl=impl,
@@ -481,7 +491,7 @@ def _stacked_decode_step(q, k, v, view, *, page_indices, kv_lens, active, impl, 
     if q.ndim != 3:
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens, active = _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl,
-                                                   kernel_options)
+                                                   kernel_options, seal)
     if kivi and fuse:
         out, written = _fused_step(q, k, v, view.stacked, page_indices, kv_lens, active, impl, view.index,
                                    kernel_options)
@@ -490,13 +500,61 @@ def _stacked_decode_step(q, k, v, view, *, page_indices, kv_lens, active, impl, 
     position = kv_lens - active.astype(jnp.int32)  # of the new token, as kv_cache.append
     view = stacked.append_in_place(view, k, rotate_v(v, view.config.v_rotation), position,
                                    active & (position >= 0), page_indices)
+    if seal == "after":
+        return view, _attend_after(q, k, v, view.stacked, page_indices, kv_lens, active, impl, view.index,
+                                   kernel_options)
     arrays, static = kernel_args(view.stacked)
     out = _run_kernel(impl, _pallas(impl, "decode", view.stacked), q, *arrays, page_indices, kv_lens,
                       layer_index=view.index, **static, **kernel_options)
     return view, _unrotate(out, view)
 
 
-def _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl, kernel_options):
+AFTER_IMPLS = ("reference", "pallas")  # decode_step(seal="after") attends with these
+
+
+def _check_after(impl):
+    if impl not in AFTER_IMPLS:
+        raise NotImplementedError(f"decode_step(seal='after') attends with impl in {AFTER_IMPLS}, got {impl=}; "
+                                  f"use seal='always'")
+
+
+def _attend_after(q, k, v, layer, page_indices, kv_lens, active, impl, layer_index, kernel_options):
+    """decode_step(seal="after")'s attention (its rows already written): every active slot attends over
+    its kv_lens - 1 cached tokens plus its new token as the 16-bit open row holds it (k, v [S, H, D]), so a
+    slot whose token filled its open region reads the region's W tokens in 16 bits (not yet sealed); for
+    the other slots this is the usual attention. layer: a kivi LayerCache, or the stacked one with
+    layer_index. Returns f32[S, Hq, D] in V's own basis."""
+    cfg = layer.config
+    q = jnp.asarray(q)
+    before = kv_lens - active.astype(jnp.int32)
+    k_new = jnp.asarray(k).astype(cfg.residual_dtype).astype(jnp.float32)
+    v_new = rotate_v(jnp.asarray(v), cfg.v_rotation).astype(cfg.residual_dtype).astype(jnp.float32)
+    if impl == "reference":
+        out = _reference_after(q, layer, page_indices, before, k_new, v_new, active)
+    else:
+        arrays, static = kernel_args(layer)
+        if layer_index is not None:
+            static["layer_index"] = layer_index
+        out = _run_kernel(impl, _pallas(impl, "decode", layer), q, *arrays, page_indices, before,
+                          extra_kv=(k_new, v_new, active), **static, **kernel_options)
+    return rotate_v(out, cfg.v_rotation)
+
+
+@jax.jit
+def _reference_after(q, layer, page_indices, before, k_new, v_new, active):
+    """The reference of _attend_after: the state over the cached tokens merged with the new key's."""
+    state = _prefix_reference(q[:, None], layer, page_indices, before)  # acc [S, 1, Hq, D], m, l [S, 1, Hq]
+    group = q.shape[1] // k_new.shape[1]
+    k_rep, v_rep = (jnp.repeat(x, group, axis=1) for x in (k_new, v_new))  # [S, Hq, D]
+    logit = jnp.einsum("shd,shd->sh", q.astype(jnp.float32), k_rep,
+                       precision=jax.lax.Precision.HIGHEST) / math.sqrt(q.shape[-1])
+    on = active[:, None]
+    new = reference.SoftmaxState(jnp.where(on[..., None], v_rep, 0.0)[:, None], jnp.where(on, logit, -jnp.inf)[:, None],
+                                 on.astype(jnp.float32)[:, None])
+    return reference.softmax_state_output(reference.online_softmax_merge(state, new))[:, 0]
+
+
+def _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl, kernel_options, seal="never"):
     """decode_step's checks for layer view.index of a stacked cache: those of the layer taken out
     (kv_cache.stacked.take), run abstractly (jax.eval_shape) when anything is traced. Returns
     (page_indices, kv_lens, active) as arrays."""
@@ -506,7 +564,7 @@ def _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl, kernel_op
 
     def checks(view, q, k, v, page_indices, kv_lens, active):
         layer, table = stacked.take(view, page_indices)
-        _check_append(layer, k, v, table, kv_lens, active)
+        _check_append(layer, k, v, table, kv_lens, active, seal)
         _check(q[:, None], layer, table, kv_lens, impl, kernel_options)
 
     args = (view, q, k, v, page_indices, kv_lens, active)
@@ -517,15 +575,15 @@ def _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl, kernel_op
     return page_indices, kv_lens, active
 
 
-def _check_append(layer, k, v, page_indices, kv_lens, active):
-    """kv_cache.append's checks of a seal="never" step, with its messages: traced lengths get the shape
+def _check_append(layer, k, v, page_indices, kv_lens, active, seal="never"):
+    """kv_cache.append's checks of a seal="never" (or "after") step, with its messages: traced lengths get the shape
     checks (an abstract append), concrete ones all of them (an eager append whose result is dropped: the
     eager path is for tests and tools). Returns (page_indices, kv_lens, active) as arrays."""
     paging.check_index_dtype("append", kv_lens=kv_lens, page_indices=page_indices)
     page_indices, kv_lens = jnp.asarray(page_indices, jnp.int32), jnp.asarray(kv_lens, jnp.int32)
     active = jnp.asarray(active, bool)
     probe = functools.partial(kv_cache.append, layer, k, v, kv_lens=kv_lens, active=active,
-                              page_indices=page_indices, seal="never")
+                              page_indices=page_indices, seal=seal)
     if any(isinstance(x, jax.core.Tracer) for x in (page_indices, kv_lens, active, k, v)):
         jax.eval_shape(probe)
     else:

@@ -9,6 +9,8 @@ unchanged). The backend writes the K/V into the cache and attends:
   decode   hack_jax.attention.decode_step: kv_cache.append then decode_attention, fused into one
            Pallas call on request (fuse=True); the HACK kernel with scale-folded
            f16 operands unless the options name dot_dtype / config.
+  finish   once after the last layer: a decode step with Step.seal "after" (`defers_seal`) has every
+           layer's filled open regions sealed at once (docs/DESIGN.md "Deferred sealing").
 Evaluation variants and benchmark adapters are other objects with the same two methods
 (models/eval.py, bench/bench_generate.py); nothing patches a module global.
 """
@@ -19,6 +21,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 
 from hack_jax import attention, kv_cache, prefill as hack_prefill
 from hack_jax.kv_cache import stacked
@@ -98,6 +101,32 @@ class Backend:
             q_start=step.start if step.mode == "chunk" else None,
             key=jax.random.fold_in(step.key, layer_index), attention=self.prefill_attention,
             impl=self.impl, **{name: value for name, value in self.options if name != "fuse"})
+
+    @property
+    def defers_seal(self) -> bool:
+        """Whether decode steps through this backend may seal after the last layer (Step.seal "after",
+        then `finish`): the impls whose decode attends over a filled, unsealed open region."""
+        return self.impl in attention.AFTER_IMPLS
+
+    def finish(self, cache: kv_cache.KVCache, step: Step) -> kv_cache.KVCache:
+        """The cache after a step's last layer. A decode step with seal="after": every layer's open regions
+        that the step filled are sealed (kv_cache.seal_filled), a stacked cache's layers in one call
+        vectorized over its layer axis (one compiled seal, not one per layer); layer i rounds with
+        fold_in(step.key, i), as its append(seal="always") would, so the bytes are the same. Other steps:
+        the cache as it is."""
+        if step.mode != "decode" or step.seal != "after":
+            return cache
+
+        def seal(layer, key):
+            return kv_cache.seal_filled(layer, kv_lens=step.kv_lens, active=step.active,
+                                        page_indices=step.page_indices, key=key)
+
+        if cache.stacked:
+            keys = jax.vmap(lambda i: jax.random.fold_in(step.key, i))(jnp.arange(cache.num_layers))
+            layers = jax.vmap(seal)(cache.layers, keys)
+        else:
+            layers = tuple(seal(layer, jax.random.fold_in(step.key, i)) for i, layer in enumerate(cache.layers))
+        return dataclasses.replace(cache, layers=layers)
 
     def decode(self, q, k, v, layer, step: Step, *, layer_index):
         """q float[max_seqs, num_q_heads, head_dim], k, v float[max_seqs, num_kv_heads, head_dim]

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 Mode = Literal["prefill", "chunk", "decode"]
-Seal = Literal["always", "never"]
+Seal = Literal["always", "never", "after"]
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -42,7 +42,10 @@ class Step:
       key: a jax PRNG key for the step. Layer i rounds with fold_in(key, i) (stochastic rounding);
         a sampler uses fold_in(key, num_layers).
       seal: decode only, kv_cache.append's `seal`: "never" when the host knows that no active slot
-        fills its open block this step (kv_cache.seals_block), else "always". Static.
+        fills its open block this step (kv_cache.seals_block), else "always" (each layer seals in its
+        append, before it attends) or "after" (each layer writes its rows and attends over the filled
+        region's 16-bit rows; the backend seals every layer at once after the last one:
+        hack_jax.backend.Backend.finish, docs/DESIGN.md "Deferred sealing"). Static.
       start: i32[max_seqs] tokens each slot held before this step (0 for a prefill, kv_lens - active
         for a decode).
     """

@@ -170,6 +170,8 @@ def forward_step(state, tokens, step, cache, rows, head_args, *, graphdef, atten
     positions = step.start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
   sub = cache if rows is None else take_rows(cache, rows)
   sub, hidden = model.run(tokens, positions, sub, step, attention)
+  if step.mode == "decode" and step.seal == "after":  # the backend seals every layer at once
+    sub = attention.finish(sub, step)
   cache = sub if rows is None else put_rows(cache, sub, rows)
   return (cache, *head(model, hidden, step, head_args))
 
@@ -201,14 +203,25 @@ def put_rows(cache, sub, rows):
   return dataclasses.replace(cache, layers=layers)
 
 
-def decode_record(alloc: PageAllocator, quant: QuantConfig, kv_lens, active, key) -> Step:
+def decode_record(alloc: PageAllocator, quant: QuantConfig, kv_lens, active, key, *,
+                  full_seal: str = "always") -> Step:
   """The decode Step after which active slot s holds kv_lens[s] tokens (its new one included):
   reserves the page each new token needs, and compiles out the sealing path (seal "never") when
-  no active slot fills its open block (kv_cache.seals_block)."""
+  no active slot fills its open block (kv_cache.seals_block); else seal=full_seal (Stepper.full_seal:
+  "after" where the backend seals after the last layer, else "always")."""
   for s in np.nonzero(active)[0]:
     alloc.reserve(int(s), int(kv_lens[s]))
-  seal = "always" if kv_cache.seals_block(quant, kv_lens, active) else "never"
+  seal = full_seal if kv_cache.seals_block(quant, kv_lens, active) else "never"
   return Step.decode(alloc.page_indices, kv_lens, active, key, seal)
+
+
+def full_seal_mode(attention: Any, quant: QuantConfig) -> str:
+  """The seal mode of a decode step in which some slot fills its open region: "after" (the layers
+  attend over the filled region's 16-bit rows, then the backend seals every layer at once: one small
+  compiled seal instead of one per layer) where the backend defers (Backend.defers_seal) and the
+  format can (kivi), else "always" (each layer seals in its append)."""
+  defers = getattr(attention, "defers_seal", False) and kv_cache.FORMATS[kv_cache.format_of(quant)].seal
+  return "after" if defers else "always"
 
 
 # -------------------------------------------------------------------------------- the stepper
@@ -242,6 +255,7 @@ class Stepper:
     self.pages_per_seq = max(1, math.ceil((max_len - self.num_sink_tokens) / quant.page_size))
     self.num_pages = 1 + max_seqs * self.pages_per_seq if num_pages is None else num_pages
     self.on_stage = on_stage
+    self.full_seal = full_seal_mode(self.attention, quant)  # decode_record's seal for the steps that seal
     self.compile_s = 0.0
     self._executables: dict[Any, Any] = {}
 

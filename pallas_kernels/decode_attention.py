@@ -306,8 +306,8 @@ def split_cost(num_pairs: int, num_packing_groups: int, slots: int, splits: int,
 @functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "num_layers", "config",
                                              "interpret"))
 def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
-                 sink_k, sink_v, page_indices, kv_lens, offsets, *, partition_size, num_sink_tokens, num_layers,
-                 config, interpret):
+                 sink_k, sink_v, page_indices, kv_lens, offsets, extra_kv, *, partition_size, num_sink_tokens,
+                 num_layers, config, interpret):
     # the cache arrays of num_layers layers seen flat ([num_layers * N, ...], [num_layers * S, ...]);
     # offsets i32[2] picks the layer (the kernel's offsets_ref)
     batch, num_q_heads, head_dim = q.shape
@@ -343,7 +343,8 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         in_specs=[common.full_spec(x) for x in inputs], out_specs=out_specs,
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
         name="hack_decode_attention")(*inputs)
-    return common.combine_splits(acc, m, l, num_q_heads)
+    extra = None if extra_kv is None else (q, *extra_kv)
+    return common.combine_splits(acc, m, l, num_q_heads, extra=extra)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,7 +357,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
                           sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
                           v_group: int | None = None, window: int | None = None, dot_dtype: DotDtype = "int8",
                           num_splits: int | None = None, config: KernelConfig | None = None, layer_index=None,
-                          interpret: bool = False):
+                          extra_kv=None, interpret: bool = False):
     """HACK decode attention over the paged INT2 kivi cache (module docstring; shapes there).
 
     Args:
@@ -375,10 +376,14 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
       layer_index: None, or an int / i32 scalar i: then every cache array (k_codes ... sink_v) carries a
         leading num_layers axis (a stacked cache: [L, num_pages, ...], [L, batch, ...]) and the kernel
         reads layer i in place (`common.stacked_view`); page ids stay layer-local.
+      extra_kv: None, or (k, v, valid): k, v float[batch, num_kv_heads, head_dim], valid bool[batch]: one more
+        key per sequence (where valid) beyond its kv_lens cached tokens, merged with the split partials outside
+        the kernel (common.new_key_split; a decode step whose token fills the open region attends this way
+        before the region is sealed: hack_jax.attention.decode_step, seal="after").
       interpret: run the kernel in Pallas interpret mode (CPU tests).
 
     Returns:
-      f32[batch, num_q_heads, head_dim]; rows with kv_lens = 0 are 0.
+      f32[batch, num_q_heads, head_dim]; rows with kv_lens = 0 (and no valid extra key) are 0.
 
     Raises:
       ValueError: shapes/dtypes off the layout, unsupported sizes, bad dot_dtype or num_splits.
@@ -392,7 +397,9 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
                              num_sink_tokens=num_sink_tokens, v_group=v_group, window=window)
     config = resolve_config(q, view.layer[0], view.layer[3], page_indices, partition_size=partition_size,
                             dot_dtype=dot_dtype, num_splits=num_splits, config=config)
-    return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, partition_size=partition_size,
+    if extra_kv is not None:
+        extra_kv = common.check_extra_kv(extra_kv, q, view.layer[8].shape[1])
+    return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, extra_kv, partition_size=partition_size,
                         num_sink_tokens=num_sink_tokens, num_layers=view.num_layers, config=config,
                         interpret=interpret)
 

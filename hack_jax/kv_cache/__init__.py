@@ -44,7 +44,10 @@ The writers are jit-able, vectorized over sequences and blocks (no Python loop o
 at run time) and contain no host round trip; callers donate the cache, which the GPU then updates
 in place. `append(seal="always")` computes every slot's sealed block and drops the writes of the
 slots that do not seal, so it is correct at every step; `seal="never"` is a second, cheaper compile
-for the steps where the host knows no block fills (`seals_block`).
+for the steps where the host knows no block fills (`seals_block`); `seal="after"` writes the rows
+only and leaves the sealing to one `seal_filled` call after every layer has attended (a model step
+then seals all its layers at once, vectorized over a stacked cache's layer axis, instead of
+compiling the seal into every layer: docs/DESIGN.md "Deferred sealing").
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ __all__ = [
     "FORMATS", "SEAL_MODES", "DensePages", "Format", "FormatOps", "Fp8Pages", "HackBlocks",
     "Int8Pages", "KVCache", "Kivi2Pages", "KiviPages", "LayerCache", "Seal", "SeedPages", "append", "bytes_per_token",
     "cache_bytes_report", "dequantize_cache", "format_of", "init_cache", "init_layer",
-    "read_blocks", "seals_block", "sink_tokens", "write_prefill",
+    "read_blocks", "seal_filled", "seals_block", "sink_tokens", "write_prefill",
 ]
 
 
@@ -355,8 +358,12 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
       seal: (2-bit formats; ignored by the others) whether the sealing of full open blocks is
         compiled in. "always" (default): every slot's sealed block is computed and the writes of
         the slots that do not seal are dropped (correct at every step; ~10 page-pool scatters per
-        layer and step). "never": the caller promises that no active slot fills its open block this
-        step (`seals_block(config, kv_lens, active)` is False): the seal path is left out.
+        layer and step). "after" (kivi only): the rows only; the caller seals with `seal_filled`
+        (same arguments) before anything reads the cache as a whole again: until then a filled
+        region's blocks are counted as sealed but are not (attention over them must read the
+        region's 16-bit rows: hack_jax.attention.decode_step does). "never": the caller promises
+        that no active slot fills its open block this step (`seals_block(config, kv_lens, active)`
+        is False): the seal path is left out.
         Concrete inputs: a broken promise raises ValueError; under jit it cannot be checked, and a
         slot that fills its block anyway keeps it unsealed while kv_lens count it as sealed
         (attention then reads a stale page slot), so pass "never" only from host-side knowledge of
@@ -376,6 +383,9 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
     if seal not in SEAL_MODES:
         raise ValueError(f"append: seal must be one of {SEAL_MODES}, got {seal!r}")
     ops = _ops(layer)
+    if seal == "after" and ops.blocked and ops.seal is None:
+        raise ValueError(f"append: seal='after' needs a format that seals apart from the append (layout "
+                         f"'kivi'), got {format_of(layer.config)!r}; use seal='always'")
     k, v = jnp.asarray(k), jnp.asarray(v)
     check_kv(layer, k, v, 3, "append")
     paging.check_index_dtype("append", kv_lens=kv_lens, page_indices=page_indices)
@@ -407,6 +417,29 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
     active = active & (position >= 0)  # under jit: a negative position is dropped, never wrapped
     v = rotate_v(v, layer.config.v_rotation)
     return _compiled(ops.append, "seal")(layer, k, v, position, active, page_indices, key, seal=seal)
+
+
+def seal_filled(layer: LayerCache, *, kv_lens, active, page_indices, key=None) -> LayerCache:
+    """Seals what an append(seal="after") with the same arguments left open: each active slot whose
+    open region that append filled (`seals_block`'s condition) has its W // P blocks quantized into
+    their page slots with code sums and its open region zeroed, the same bytes as append(seal="always")
+    (key: the same one). Other slots, and formats without an open region, are left as they are.
+    jit-able; jax.vmap over a stacked cache's layer axis seals every layer at once.
+    Raises ValueError for a blocked format that cannot seal apart from the append (seed) and as
+    append for shapes; TypeError for non-integer kv_lens / page_indices."""
+    ops = _ops(layer)
+    if not ops.blocked:
+        return layer
+    if ops.seal is None:
+        raise ValueError(f"seal_filled: layout {format_of(layer.config)!r} seals inside append only "
+                         f"(seal='always')")
+    paging.check_index_dtype("seal_filled", kv_lens=kv_lens, page_indices=page_indices)
+    kv_lens, active = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(active, bool)
+    page_indices = jnp.asarray(page_indices, jnp.int32)
+    if kv_lens.ndim != 1 or active.shape != kv_lens.shape or page_indices.shape[:1] != kv_lens.shape:
+        raise ValueError(f"seal_filled: batch mismatch: {kv_lens.shape=} {active.shape=} {page_indices.shape=}")
+    position = kv_lens - active.astype(jnp.int32)
+    return _compiled(ops.seal)(layer, position, active & (position >= 0), page_indices, key)
 
 
 # ----------------------------------------------------------------------------- reading

@@ -17,7 +17,7 @@ STATIC = dict(static=True)
 ALL = slice(None)
 
 Format = Literal["kivi", "seed", "bf16", "float32", "int8", "fp8", "kivi2"]
-Seal = Literal["always", "never"]
+Seal = Literal["always", "never", "after"]
 
 
 def format_of(config: QuantConfig) -> Format:
@@ -63,6 +63,9 @@ class FormatOps:
       dequantize(layer, page_indices, kv_lens) -> (k, v, k_step, v_step) f32[S, capacity, H, D],
         before the mask at kv_lens.
       read_blocks: (layer, page_indices, kv_lens) -> HackBlocks for the blocked formats, else None.
+      seal: (layer, kv_lens, active, page_indices, key) -> layer, the sealing half of append(seal="always")
+        after an append(seal="after") (kv_lens: the new token's position, as append's), for the formats
+        that can defer it (kivi), else None.
     """
 
     pages: type
@@ -72,6 +75,7 @@ class FormatOps:
     append: Callable
     dequantize: Callable
     read_blocks: Callable | None = None
+    seal: Callable | None = None
 
 
 def geometry(config: QuantConfig, head_dim: int):

@@ -92,20 +92,31 @@ def write_prefill(layer, k, v, lengths, page_indices, start, key):
 def append(layer, k, v, kv_lens, active, page_indices, key, seal):
     """The token into its sink or open-region row; with seal="always", a slot whose open region
     fills is sealed, block by block (W // P consecutive blocks): K per channel over the block's
-    tokens, V per token over channel groups."""
+    tokens, V per token over channel groups ("never" / "after": the rows only)."""
     step = hack.AppendStep(layer, kv_lens, active, page_indices)
-    out = dict(step.sinks(layer, k, v), open_k=step.put_open(layer.open_k, k),
-               open_v=step.put_open(layer.open_v, v))
-    if seal == "always":
-        out.update(k_codes=layer.k_codes, k_scale=layer.k_scale, k_min=layer.k_min, k_sums=layer.k_sums,
-                   v_codes=layer.v_codes, v_scale=layer.v_scale, v_min=layer.v_min, v_sums=layer.v_sums)
-        p = step.p
-        for j in range(step.num_blocks):
-            rows = slice(j * p, (j + 1) * p)
-            out.update(_seal_block(layer.config, out, step.block(j), out["open_k"][:, :, rows],
-                                   out["open_v"][:, :, rows], key, layer.num_kv_heads, layer.head_dim))
-        out.update(open_k=step.zero_sealed(out["open_k"]), open_v=step.zero_sealed(out["open_v"]))
-    return dataclasses.replace(layer, **out)
+    layer = dataclasses.replace(layer, **step.sinks(layer, k, v), open_k=step.put_open(layer.open_k, k),
+                                open_v=step.put_open(layer.open_v, v))
+    return _seal_filled(layer, step, key) if seal == "always" else layer
+
+
+def seal(layer, kv_lens, active, page_indices, key):
+    """The sealing half of append(seal="always") on its own: the slots whose open region the token
+    at position kv_lens[s] (an append(seal="after") already wrote its rows) filled are sealed."""
+    return _seal_filled(layer, hack.AppendStep(layer, kv_lens, active, page_indices), key)
+
+
+def _seal_filled(layer, step, key):
+    """layer with the open regions of step's sealing slots quantized into their W // P block slots
+    (with code sums) and zeroed."""
+    out = {name: getattr(layer, name) for name in ("k_codes", "k_scale", "k_min", "k_sums", "v_codes",
+                                                   "v_scale", "v_min", "v_sums")}
+    p = step.p
+    for j in range(step.num_blocks):
+        rows = slice(j * p, (j + 1) * p)
+        out.update(_seal_block(layer.config, out, step.block(j), layer.open_k[:, :, rows],
+                               layer.open_v[:, :, rows], key, layer.num_kv_heads, layer.head_dim))
+    return dataclasses.replace(layer, **out, open_k=step.zero_sealed(layer.open_k),
+                               open_v=step.zero_sealed(layer.open_v))
 
 
 def _seal_block(cfg, a, step, open_k, open_v, key, h, d):
@@ -144,4 +155,4 @@ def dequantize(layer, page_indices, kv_lens):
 
 
 OPS = FormatOps(pages=KiviPages, blocked=True, init=init, write_prefill=write_prefill, append=append,
-                dequantize=dequantize, read_blocks=read_blocks)
+                dequantize=dequantize, read_blocks=read_blocks, seal=seal)

@@ -1,0 +1,176 @@
+"""Deferred sealing (Step.seal "after", docs/DESIGN.md "Deferred sealing"): a decode step whose token fills
+an open region writes the rows only, attends over the region's 16-bit rows, and the backend seals every
+layer after the last one.
+
+- Bytes: append(seal="after") then seal_filled == append(seal="always"), nearest and stochastic rounding,
+  W = P and W = 2P, V channel groups apart from the K block; a stacked cache sealed in one call vectorized
+  over its layers (Backend.finish) == each layer sealed alone.
+- Attention: decode_step(seal="after") (reference, Pallas in interpret mode, and on a stacked cache in
+  place) against the float64 twin's homomorphic attention over the cache before the step plus the new
+  token in 16 bits (appended to the sinks or the open region, where the cache keeps it).
+- The model: generation with the deferred seal stores the same cache bytes as with seal="always".
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import twin
+from hack_jax import attention, kv_cache
+from hack_jax.backend import Backend
+from hack_jax.config import QuantConfig
+from hack_jax.kv_cache import stacked
+from hack_jax.step import Step
+from test_attention_suite import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, check, make_q
+
+P, PAGE = 32, 128
+CONFIGS = {
+    "p32": QuantConfig(partition_size=P, page_size=PAGE),  # fills at n = 4 + 32 j
+    "w64": QuantConfig(partition_size=P, page_size=PAGE, window=64),  # fills at n = 4 + 64 j
+    "k64v32": QuantConfig(partition_size=64, page_size=256, v_group=32),  # fills at n = 4 + 64 j
+}
+# lengths before the step: empty, in the sinks, a fill at every config's boundary (35 -> 36 for p32,
+# 67 -> 68 for every config), off by one, past a page; the last slot sits the step out
+BEFORE = np.array([0, 3, 35, 34, 63, 67, 66, 131, 127, 40], np.int32)
+ACTIVE = np.array([True] * 9 + [False])
+
+
+def _fields(layer):
+    return [f.name for f in dataclasses.fields(layer) if f.name != "config"]
+
+
+def _assert_same_bytes(a, b):
+    for name in _fields(a):
+        x, y = np.asarray(getattr(a, name)), np.asarray(getattr(b, name))
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), name
+
+
+def _setup(config, seed=3):
+    """(cache holding BEFORE, k, v of each slot's next token); the cache is written with nearest rounding
+    and carries `config` (the step's rounding)."""
+    kv = twin.make_kv((len(BEFORE), int(BEFORE.max()) + 1, NUM_KV_HEADS, HEAD_DIM), seed)
+    cache = twin.build(dataclasses.replace(config, rounding="nearest"), BEFORE, num_kv_heads=NUM_KV_HEADS,
+                       head_dim=HEAD_DIM, how="both", kv=kv)
+    cache = dataclasses.replace(cache, layer=dataclasses.replace(cache.layer, config=config))
+    rows = np.arange(len(BEFORE))
+    return cache, kv[0][rows, BEFORE], kv[1][rows, BEFORE]
+
+
+def _some_slot_fills(config):
+    assert kv_cache.seals_block(config, BEFORE + ACTIVE, ACTIVE)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_seal_after_stores_the_bytes_of_seal_always(name, rounding):
+    config = dataclasses.replace(CONFIGS[name], rounding=rounding)
+    _some_slot_fills(config)
+    cache, k, v = _setup(config)
+    key = jax.random.key(7)
+    args = dict(kv_lens=BEFORE + ACTIVE, active=ACTIVE, page_indices=cache.table)
+    inline = kv_cache.append(cache.layer, k, v, **args, key=key, seal="always")
+    rows_only = kv_cache.append(cache.layer, k, v, **args, key=key, seal="after")
+    deferred = kv_cache.seal_filled(rows_only, **args, key=key)
+    _assert_same_bytes(deferred, inline)
+    # nothing fills: seal_filled leaves the layer as it is
+    quiet = np.array([False, True, False, True] + [False] * 6)
+    rows_only = kv_cache.append(cache.layer, k, v, kv_lens=BEFORE + quiet, active=quiet,
+                                page_indices=cache.table, key=key, seal="after")
+    _assert_same_bytes(kv_cache.seal_filled(rows_only, kv_lens=BEFORE + quiet, active=quiet,
+                                            page_indices=cache.table, key=key), rows_only)
+
+
+def test_backend_finish_seals_a_stacked_cache_in_one_call():
+    """Backend.finish on a stacked 3-layer cache (vmap over the layers) == each layer's seal_filled with
+    its own key fold_in(step.key, i); the tuple form the same."""
+    config = dataclasses.replace(CONFIGS["w64"], rounding="stochastic")
+    layers = []
+    for i in range(3):
+        cache, k, v = _setup(config, seed=10 + i)
+        layers.append(kv_cache.append(cache.layer, k, v, kv_lens=BEFORE + ACTIVE, active=ACTIVE,
+                                      page_indices=cache.table, key=jax.random.key(i), seal="after"))
+    step = Step.decode(cache.table, BEFORE + ACTIVE, ACTIVE, jax.random.key(5), seal="after")
+    want = [kv_cache.seal_filled(layer, kv_lens=step.kv_lens, active=step.active, page_indices=step.page_indices,
+                                 key=jax.random.fold_in(step.key, i)) for i, layer in enumerate(layers)]
+    tables, lens = jnp.asarray(cache.table), jnp.asarray(BEFORE)
+    stacked_cache = kv_cache.KVCache(jax.tree.map(lambda *a: jnp.stack(a), *layers), tables, lens, config)
+    got = Backend().finish(stacked_cache, step)
+    for i in range(3):
+        _assert_same_bytes(jax.tree.map(lambda a: a[i], got.layers), want[i])
+    tuple_cache = dataclasses.replace(stacked_cache, layers=tuple(layers))
+    for got_i, want_i in zip(Backend().finish(tuple_cache, step).layers, want):
+        _assert_same_bytes(got_i, want_i)
+    # any other step: the cache as it is
+    never = dataclasses.replace(step, seal="never")
+    assert Backend().finish(stacked_cache, never) is stacked_cache
+
+
+def _oracle(cache, q, k, v):
+    """float64 twin attention of each active slot's query at position BEFORE[s] over the cache before the
+    step plus its new token, kept where the cache keeps it (a sink, else the 16-bit open region)."""
+    want = np.zeros(q.shape)
+    ns = cache.config.num_sink_tokens
+    for s, seg in enumerate(twin.read(cache)):
+        if not ACTIVE[s]:
+            continue
+        part = ("sink_k", "sink_v") if BEFORE[s] < ns else ("open_k", "open_v")
+        for name, x in zip(part, (k, v)):
+            setattr(seg, name, np.concatenate([getattr(seg, name), twin.bf16(x[s])[:, None]], axis=1))
+        want[s] = twin.np_hack_attention(q[s][None], seg, cache.config, [BEFORE[s]])[0]
+    return want
+
+
+IMPLS = ["reference", "interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+def _impl(impl):
+    return dict(impl="reference") if impl == "reference" else dict(impl="pallas", interpret=impl == "interpret")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["p32", "w64", "k64v32"])
+def test_decode_step_after_attends_the_filled_region_in_16_bits(name, impl):
+    config = CONFIGS[name]
+    cache, k, v = _setup(config)
+    q = make_q((len(BEFORE), NUM_Q_HEADS, HEAD_DIM))
+    layer, out = attention.decode_step(q, k, v, cache.layer, page_indices=cache.table, kv_lens=BEFORE + ACTIVE,
+                                       active=ACTIVE, seal="after", **_impl(impl))
+    want = _oracle(cache, q, k, v)
+    check(np.asarray(out)[ACTIVE], want[ACTIVE], cache, impl, "kivi")
+    rows_only = kv_cache.append(cache.layer, k, v, kv_lens=BEFORE + ACTIVE, active=ACTIVE,
+                                page_indices=cache.table, seal="after")
+    _assert_same_bytes(layer, rows_only)
+
+
+@pytest.mark.parametrize("impl", ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_decode_step_after_in_place_on_a_stacked_cache(impl):
+    """Layer 1 of a stacked 2-layer cache, read and written in place (the unrolled model's path): the
+    same output and bytes as the layer on its own arrays."""
+    config = CONFIGS["w64"]
+    cache, k, v = _setup(config)
+    other, _, _ = _setup(config, seed=4)
+    both = jax.tree.map(lambda a, b: jnp.stack([a, b]), other.layer, cache.layer)
+    q = make_q((len(BEFORE), NUM_Q_HEADS, HEAD_DIM))
+    kw = dict(page_indices=cache.table, kv_lens=BEFORE + ACTIVE, active=ACTIVE, seal="after", **_impl(impl))
+    view, out = attention.decode_step(q, k, v, stacked.StackedLayer(both, 1), **kw)
+    layer, want = attention.decode_step(q, k, v, cache.layer, **kw)
+    np.testing.assert_allclose(np.asarray(out)[ACTIVE], np.asarray(want)[ACTIVE], rtol=0, atol=1e-6)
+    _assert_same_bytes(jax.tree.map(lambda a: a[1], view.stacked), layer)
+    _assert_same_bytes(jax.tree.map(lambda a: a[0], view.stacked), other.layer)
+
+
+def test_after_is_refused_where_it_cannot_apply():
+    seed_cfg = QuantConfig(layout="seed", partition_size=P, page_size=PAGE)
+    cache, k, v = _setup(seed_cfg)
+    with pytest.raises(ValueError, match="seal='after'"):
+        kv_cache.append(cache.layer, k, v, kv_lens=BEFORE + ACTIVE, active=ACTIVE, page_indices=cache.table,
+                        seal="after")
+    cache, k, v = _setup(CONFIGS["p32"])
+    q = make_q((len(BEFORE), NUM_Q_HEADS, HEAD_DIM))
+    with pytest.raises(NotImplementedError, match="seal='after'"):
+        attention.decode_step(q, k, v, cache.layer, page_indices=cache.table, kv_lens=BEFORE + ACTIVE,
+                              active=ACTIVE, seal="after", impl="pallas_dequant", interpret=True)
+    assert not Backend(impl="pallas_dequant").defers_seal and Backend().defers_seal
