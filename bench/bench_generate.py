@@ -33,9 +33,10 @@ What is measured
            kv_cache.append (for hack: quantizes and seals blocks) and runs all layers, lm_head and
            greedy sampling, in the layer form(s) of --scan-layers. hack (--seal host, default): as the Generator, two compiled steps, the
            one without the sealing path on the steps where no slot fills its open block
-           (kv_cache.seals_block) and the one that seals (seal "after" where the backend defers);
-           both compiled in parallel threads (compile_s = the wall, compile_each per step) and run
-           once before the timed regions.
+           (kv_cache.seals_block) and the one that seals in every layer; where the backend defers the seal
+           (models.stepper.defers_seal) one step (seal "after") plus the seal of every layer after the steps
+           that fill a region. Compiled in parallel threads (compile_s = the wall incl. lowering,
+           compile_each per executable) and run once before the timed regions.
   prefill  batch 1 (`--prefill-batches`), one prompt of C random tokens (bucket = C) through
            `forward_step` (a prefill Step) into an empty cache of that format (write_prefill + prefill attention):
            median of `--prefill-reps` runs after one warm-up run (single timed run at >= 64K).
@@ -419,32 +420,36 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
         return Step("decode", table, jnp.full((batch,), ctx, jnp.int32), active, key, seal)
 
     t0 = time.perf_counter()
-    # --seal host: as models.generate.Generator, the step without the sealing path wherever the host
-    # knows that no slot fills its open block (kv_cache.seals_block), and the step that seals
-    # (models.stepper.full_seal_mode: "after" = one seal of every layer after the last one, where the
-    # backend defers); else one mode for every step
-    full = mstep.full_seal_mode(cfg.attention, quant)
-    modes = [full, "never"] if args.seal == "host" and fmt == "hack" else [
-        full if args.seal == "host" else args.seal]
+    # --seal host: as models.generate.Generator. Where the backend defers the seal
+    # (models.stepper.defers_seal): one decode step for every step (seal "after") plus the seal of every
+    # layer after the steps that fill a region (models.stepper.seal_step); else the step without the
+    # sealing path wherever no slot fills its open block (kv_cache.seals_block) and the one that seals
+    # in every layer ("always"). Otherwise one mode for every step.
+    deferred = fmt == "hack" and args.seal in ("host", "after") and mstep.defers_seal(cfg.attention, quant)
+    modes = (["after"] if deferred else ["always", "never"] if args.seal == "host" and fmt == "hack"
+             else ["always" if args.seal == "host" else args.seal])
     lowered = {mode: mstep.forward_step.lower(
         state, tokens, step_record(1, mode), cache, None, targets, graphdef=graphdef,
         attention=cfg.attention, head=mstep.SampleHead(sampling)) for mode in modes}
+    if deferred:
+        lowered["seal"] = mstep.seal_step.lower(cache, step_record(1, "after"), None, attention=cfg.attention)
 
     def timed_compile(mode):
         t = time.perf_counter()
         return lowered[mode].compile(), time.perf_counter() - t
 
     # in parallel threads, as models.stepper.Stepper.compile_many: compile_s is what a user waits
-    with concurrent.futures.ThreadPoolExecutor(len(modes)) as pool:
-        done = dict(zip(modes, pool.map(timed_compile, modes)))
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+        done = dict(zip(lowered, pool.map(timed_compile, lowered)))
     compiled = {mode: exe for mode, (exe, _) in done.items()}
     compile_each = {mode: round(dt, 2) for mode, (_, dt) in done.items()}
     compile_s = time.perf_counter() - t0
+    seal_exe = compiled.pop("seal", None)
 
-    def step_for(lens):  # lens: tokens held after the step -> (executable, its Step)
-        mode = modes[0] if len(modes) == 1 else (
-            full if kv_cache.seals_block(quant, lens, np.ones(batch, bool)) else "never")
-        return compiled[mode], step_record(int(lens[0]), mode)
+    def step_for(lens):  # lens: tokens held after the step -> (executable, its Step, seal after it)
+        fills = fmt == "hack" and kv_cache.seals_block(quant, lens, np.ones(batch, bool))
+        mode = modes[0] if len(modes) == 1 else ("always" if fills else "never")
+        return compiled[mode], step_record(int(lens[0]), mode), seal_exe if deferred and fills else None
     print(f"    compiled decode in {compile_s:.1f} s ({compile_each}; cache {cache_bytes / 2**30:.2f} GiB, "
           f"filled in {fill_s:.1f} s)", flush=True)
 
@@ -453,8 +458,10 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
         steps = [step_for(np.full(batch, ctx + 1 + i)) for i in range(n)]  # host-side, before timing
         jax.block_until_ready(steps)
         t = time.perf_counter()
-        for exe, step in steps:
+        for exe, step, seal in steps:
             cache, tokens, _ = exe(state, tokens, step, cache, None, targets)
+            if seal is not None:
+                cache = seal(cache, step, None)
         jax.block_until_ready((cache, tokens))
         return time.perf_counter() - t
 
@@ -470,8 +477,10 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
                                   for i in range(args.steps)) if fmt == "hack" else None)
         try:
             row["warmup_s"] = round(run(args.warmup, ctx), 4)  # first one: incl. any lazy kernel compile
-            for mode, exe in compiled.items():  # --seal host: both loaded before the timed regions
+            for mode, exe in compiled.items():  # --seal host: every executable loaded before the timed regions
                 cache, tokens, _ = exe(state, tokens, step_record(ctx + 1, mode), cache, None, targets)
+                if seal_exe is not None:
+                    cache = seal_exe(cache, step_record(ctx + 1, mode), None)
             times = [run(args.steps, ctx) for _ in range(args.reps)]
             tpot = float(np.median(times)) / args.steps
             if not bool(jnp.all((tokens >= 0) & (tokens < cfg.vocab_size))):

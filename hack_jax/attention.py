@@ -519,39 +519,43 @@ def _check_after(impl):
 
 
 def _attend_after(q, k, v, layer, page_indices, kv_lens, active, impl, layer_index, kernel_options):
-    """decode_step(seal="after")'s attention (its rows already written): every active slot attends over
-    its kv_lens - 1 cached tokens plus its new token as the 16-bit open row holds it (k, v [S, H, D]), so a
-    slot whose token filled its open region reads the region's W tokens in 16 bits (not yet sealed); for
-    the other slots this is the usual attention. layer: a kivi LayerCache, or the stacked one with
-    layer_index. Returns f32[S, Hq, D] in V's own basis."""
+    """decode_step(seal="after")'s attention, the token's rows already written: a slot whose token filled its
+    open region reads the region's W 16-bit rows (its blocks are not sealed yet); every other slot reads as
+    usual. layer: a kivi LayerCache, or the stacked one with layer_index. Pallas: the kernel with
+    open_full=True (the region's count, not the sealed blocks, when it is full). Reference: for the
+    filling slots, the state over the kv_lens - 1 cached tokens merged with the new token as the open
+    row holds it (k, v [S, H, D]); the others the usual reference. Returns f32[S, Hq, D] in V's basis."""
     cfg = layer.config
-    q = jnp.asarray(q)
-    before = kv_lens - active.astype(jnp.int32)
-    k_new = jnp.asarray(k).astype(cfg.residual_dtype).astype(jnp.float32)
-    v_new = rotate_v(jnp.asarray(v), cfg.v_rotation).astype(cfg.residual_dtype).astype(jnp.float32)
     if impl == "reference":
-        out = _reference_after(q, layer, page_indices, before, k_new, v_new, active)
+        q = jnp.asarray(q)
+        k_new = jnp.asarray(k).astype(cfg.residual_dtype).astype(jnp.float32)
+        v_new = rotate_v(jnp.asarray(v), cfg.v_rotation).astype(cfg.residual_dtype).astype(jnp.float32)
+        u = kv_lens - cfg.num_sink_tokens
+        fills = active & (u > 0) & (u % cfg.open_window == 0)
+        out = _reference_after(q, layer, page_indices, kv_lens, fills, k_new, v_new)
     else:
         arrays, static = kernel_args(layer)
         if layer_index is not None:
             static["layer_index"] = layer_index
-        out = _run_kernel(impl, _pallas(impl, "decode", layer), q, *arrays, page_indices, before,
-                          extra_kv=(k_new, v_new, active), **static, **kernel_options)
+        out = _run_kernel(impl, _pallas(impl, "decode", layer), q, *arrays, page_indices, kv_lens,
+                          open_full=True, **static, **kernel_options)
     return rotate_v(out, cfg.v_rotation)
 
 
 @jax.jit
-def _reference_after(q, layer, page_indices, before, k_new, v_new, active):
-    """The reference of _attend_after: the state over the cached tokens merged with the new key's."""
+def _reference_after(q, layer, page_indices, kv_lens, fills, k_new, v_new):
+    """_attend_after's reference (rotated basis): the usual reference, and for the `fills` slots the state
+    over their kv_lens - 1 cached tokens merged with the new key's (q [S, Hq, D], k_new, v_new f32[S, H, D])."""
+    usual = _reference(q[:, None], layer, page_indices, kv_lens, None, decode=True)[:, 0]
+    before = kv_lens - fills.astype(jnp.int32)
     state = _prefix_reference(q[:, None], layer, page_indices, before)  # acc [S, 1, Hq, D], m, l [S, 1, Hq]
     group = q.shape[1] // k_new.shape[1]
     k_rep, v_rep = (jnp.repeat(x, group, axis=1) for x in (k_new, v_new))  # [S, Hq, D]
     logit = jnp.einsum("shd,shd->sh", q.astype(jnp.float32), k_rep,
                        precision=jax.lax.Precision.HIGHEST) / math.sqrt(q.shape[-1])
-    on = active[:, None]
-    new = reference.SoftmaxState(jnp.where(on[..., None], v_rep, 0.0)[:, None], jnp.where(on, logit, -jnp.inf)[:, None],
-                                 on.astype(jnp.float32)[:, None])
-    return reference.softmax_state_output(reference.online_softmax_merge(state, new))[:, 0]
+    new = reference.SoftmaxState(v_rep[:, None], logit[:, None], jnp.ones_like(logit)[:, None])
+    merged = reference.softmax_state_output(reference.online_softmax_merge(state, new))[:, 0]
+    return jnp.where(fills[:, None, None], merged, usual)
 
 
 def _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl, kernel_options, seal="never"):

@@ -105,8 +105,9 @@ class Backend:
     @property
     def defers_seal(self) -> bool:
         """Whether decode steps through this backend may seal after the last layer (Step.seal "after",
-        then `finish`): the impls whose decode attends over a filled, unsealed open region."""
-        return self.impl in attention.AFTER_IMPLS
+        then `finish`): the impls whose decode attends over a filled, unsealed open region (not the
+        opt-in fused kernel)."""
+        return self.impl in attention.AFTER_IMPLS and not dict(self.options).get("fuse")
 
     def finish(self, cache: kv_cache.KVCache, step: Step) -> kv_cache.KVCache:
         """The cache after a step's last layer. A decode step with seal="after": every layer's open regions

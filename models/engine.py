@@ -365,7 +365,9 @@ class Engine:
       calls.append(((state, np.zeros((r, chunk), np.int32), step, self.cache, rows, samp), head,
                     f"prefill, {chunk}-token chunk"))
     samp, _ = self._sampling_arrays([None] * s, greedy)
-    for seal in ("never", self.stepper.full_seal) if self.quant.kv_format == "hack" else ("never",):
+    seals = (("after",) if self.stepper.deferred_seal else ("never", "always")) if self.quant.kv_format == "hack" \
+        else ("never",)
+    for seal in seals:
       step = Step.decode(pages, zeros, np.zeros(s, bool), _round_key(0), seal)
       calls.append(((state, zeros, step, self.cache, None, samp), head, f"decode step ({seal} seals)"))
     self.stepper.compile_many(calls)
@@ -433,7 +435,7 @@ class Engine:
     samp, greedy = self._sampling_arrays(rows)
     kv_lens = self._kv_lens + active
     step = decode_record(self.allocator, self.quant, kv_lens, active, self._round_key(),
-                         full_seal=self.stepper.full_seal)
+                         deferred=self.stepper.deferred_seal)
     tok, logp, seconds = self._run(self._pending.copy(), step, samp, greedy, None, "decode step")
     self.stats["decode_s"] += seconds
     self.stats["decode_tokens"] += len(seqs)

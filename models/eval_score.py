@@ -151,7 +151,8 @@ def _batch(gen, pre, prompts, forced, key, take, stats):
     for j in range(n_live):
       alloc.reserve(j, int(kv_lens[j]) + 1)
     kv_lens += active
-    seal = gen.stepper.full_seal if kv_cache.seals_block(gen.quant, kv_lens, active) else "never"
+    seal = "after" if gen.stepper.deferred_seal else "always" if kv_cache.seals_block(gen.quant, kv_lens, active) \
+        else "never"
     step = Step.decode(alloc.page_indices, kv_lens, active, keys[i], seal)
     cache, logp = gen._run(targets[:, i - 1], step, cache, LogpHead(), None, stats)  # pylint: disable=protected-access
     take(i, logp)

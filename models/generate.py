@@ -294,7 +294,7 @@ class Generator:
       if i == max_new - 1 or not active.any():
         break
       kv_lens += active
-      step = decode_record(alloc, self.quant, kv_lens, active, keys[i + 1], full_seal=self.stepper.full_seal)
+      step = decode_record(alloc, self.quant, kv_lens, active, keys[i + 1], deferred=self.stepper.deferred_seal)
       cache, nxt, logp = self._run(feed, step, cache, SampleHead(sampling), targets[:, i + 1], stats)
       stats["decode_tokens"] += int(active.sum())
       sampled = np.asarray(nxt)

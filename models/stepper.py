@@ -170,8 +170,6 @@ def forward_step(state, tokens, step, cache, rows, head_args, *, graphdef, atten
     positions = step.start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
   sub = cache if rows is None else take_rows(cache, rows)
   sub, hidden = model.run(tokens, positions, sub, step, attention)
-  if step.mode == "decode" and step.seal == "after":  # the backend seals every layer at once
-    sub = attention.finish(sub, step)
   cache = sub if rows is None else put_rows(cache, sub, rows)
   return (cache, *head(model, hidden, step, head_args))
 
@@ -204,24 +202,34 @@ def put_rows(cache, sub, rows):
 
 
 def decode_record(alloc: PageAllocator, quant: QuantConfig, kv_lens, active, key, *,
-                  full_seal: str = "always") -> Step:
+                  deferred: bool = False) -> Step:
   """The decode Step after which active slot s holds kv_lens[s] tokens (its new one included):
-  reserves the page each new token needs, and compiles out the sealing path (seal "never") when
-  no active slot fills its open block (kv_cache.seals_block); else seal=full_seal (Stepper.full_seal:
-  "after" where the backend seals after the last layer, else "always")."""
+  reserves the page each new token needs. deferred (Stepper.deferred_seal): seal "after" on every
+  step (one decode executable; Stepper.__call__ seals after the steps that fill a region); else the
+  sealing path compiled out (seal "never") where no active slot fills its open block
+  (kv_cache.seals_block), "always" where one does."""
   for s in np.nonzero(active)[0]:
     alloc.reserve(int(s), int(kv_lens[s]))
-  seal = full_seal if kv_cache.seals_block(quant, kv_lens, active) else "never"
+  seal = "after" if deferred else "always" if kv_cache.seals_block(quant, kv_lens, active) else "never"
   return Step.decode(alloc.page_indices, kv_lens, active, key, seal)
 
 
-def full_seal_mode(attention: Any, quant: QuantConfig) -> str:
-  """The seal mode of a decode step in which some slot fills its open region: "after" (the layers
-  attend over the filled region's 16-bit rows, then the backend seals every layer at once: one small
-  compiled seal instead of one per layer) where the backend defers (Backend.defers_seal) and the
-  format can (kivi), else "always" (each layer seals in its append)."""
-  defers = getattr(attention, "defers_seal", False) and kv_cache.FORMATS[kv_cache.format_of(quant)].seal
-  return "after" if defers else "always"
+def defers_seal(attention: Any, quant: QuantConfig) -> bool:
+  """Whether decode steps seal apart (docs/DESIGN.md "Deferred sealing"): every decode step is seal
+  "after" (the layers write their rows; a slot whose token fills its open region reads the region's
+  16-bit rows) and a small executable seals every layer at once after the steps that fill one, so one
+  decode executable serves every step and no layer compiles a seal. Where the backend can
+  (Backend.defers_seal: reference / pallas, not the opt-in fused kernel) and the format can (kivi)."""
+  return bool(getattr(attention, "defers_seal", False) and kv_cache.FORMATS[kv_cache.format_of(quant)].seal)
+
+
+@functools.partial(jax.jit, static_argnames=("attention",), donate_argnums=(0,))
+def seal_step(cache, step, rows, *, attention):
+  """After a decode step with seal "after": the slots whose token filled their open region sealed in
+  every layer (attention.finish; rows as forward_step's). Returns the cache."""
+  sub = cache if rows is None else take_rows(cache, rows)
+  sub = attention.finish(sub, step)
+  return sub if rows is None else put_rows(cache, sub, rows)
 
 
 # -------------------------------------------------------------------------------- the stepper
@@ -255,7 +263,7 @@ class Stepper:
     self.pages_per_seq = max(1, math.ceil((max_len - self.num_sink_tokens) / quant.page_size))
     self.num_pages = 1 + max_seqs * self.pages_per_seq if num_pages is None else num_pages
     self.on_stage = on_stage
-    self.full_seal = full_seal_mode(self.attention, quant)  # decode_record's seal for the steps that seal
+    self.deferred_seal = defers_seal(self.attention, quant)  # decode_record's `deferred`
     self.compile_s = 0.0
     self._executables: dict[Any, Any] = {}
 
@@ -274,9 +282,21 @@ class Stepper:
 
   def __call__(self, tokens, step: Step, cache, head, head_args=None, rows=None, *, what="step"):
     """forward_step(state, tokens, step, cache, rows, head_args) through its executable (compiled
-    on first use); returns (cache, *head outputs)."""
+    on first use); returns (cache, *head outputs). A decode step with seal "after" in which some
+    active slot fills its open region (kv_cache.seals_block on the step's host lengths) is followed
+    by seal_step's executable."""
     args = (self.state, tokens, step, cache, rows, head_args)
-    return self.compiled(args, head, what)(*args)
+    cache, *out = self.compiled(args, head, what)(*args)
+    if step.mode == "decode" and step.seal == "after" and kv_cache.seals_block(
+        self.quant, np.asarray(step.kv_lens), np.asarray(step.active)):
+      cache = self._seal_executable(cache, step, rows)(cache, step, rows)
+    return (cache, *out)
+
+  def _seal_executable(self, cache, step, rows):
+    args = (self.state, None, step, cache, rows, None)
+    if self._seal_key(args) not in self._executables:
+      self.compile_many([(args, None, "seal")])
+    return self._executables[self._seal_key(args)]
 
   def compiled(self, args, head, what="step"):
     """The executable of forward_step for these arguments' shapes and statics (compiled once)."""
@@ -292,21 +312,29 @@ class Stepper:
     sum). compile_s grows by the wall time of the whole."""
     todo = {}
     for args, head, what in calls:
-      todo.setdefault(self._key(args, head), (args, head, what))
+      todo.setdefault(self._seal_key(args) if what == "seal" else self._key(args, head), (args, head, what))
+      step = args[2]
+      if what != "seal" and step.mode == "decode" and step.seal == "after":  # its seal, compiled beside it
+        todo.setdefault(self._seal_key(args), (args, None, "seal"))
     todo = {k: v for k, v in todo.items() if k not in self._executables}
     if not todo:
       return
     whats = ", ".join(what for _, _, what in todo.values())
     self._stage("compiling", what=whats)
     t0 = time.perf_counter()
-    lowered = {k: forward_step.lower(*args, graphdef=self.graphdef, attention=self.attention,
-                                     head=head) for k, (args, head, _) in todo.items()}
+    lowered = {k: (seal_step.lower(args[3], args[2], args[4], attention=self.attention) if what == "seal" else
+                   forward_step.lower(*args, graphdef=self.graphdef, attention=self.attention, head=head))
+               for k, (args, head, what) in todo.items()}
     with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(lowered)))) as pool:
       done = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
     self._executables.update(done)
     dt = time.perf_counter() - t0
     self.compile_s += dt
     self._stage("compiled", what=whats, seconds=dt)
+
+  def _seal_key(self, args):
+    """The executable key of seal_step for forward_step's args (its Step and rows)."""
+    return ("seal", self._key((None, None, args[2], None, args[4], None), None))
 
   @staticmethod
   def _key(args, head):

@@ -520,49 +520,13 @@ def q_per_kv_pad(q_per_kv: int, *, at_least: int = 1) -> int:
     return max(at_least, _next_pow2(q_per_kv))
 
 
-def combine_splits(acc, m, l, num_q_heads: int, extra=None):
+def combine_splits(acc, m, l, num_q_heads: int):
     """Merge the split-K partials: acc f32[S, H, splits, q_per_kv_pad, D], m, l f32[S, H, splits, q_per_kv_pad]
-    -> f32[S, Hq, D] (0 for rows that attended to nothing). extra: None, or (q, k, v, valid) of one more
-    key per sequence merged as one more split (`new_key_split`)."""
-    batch, num_kv_heads, _, pad, head_dim = acc.shape
-    if extra is not None:
-        parts = new_key_split(*extra, q_per_kv_pad=pad)
-        acc, m, l = (jnp.concatenate([x, y], axis=2) for x, y in zip((acc, m, l), parts))
+    -> f32[S, Hq, D] (0 for rows that attended to nothing)."""
+    batch, num_kv_heads, _, _, head_dim = acc.shape
     out = lse_combine(m, l, acc, axes=2)  # [S, H, q_per_kv_pad, D]
     q_per_kv = num_q_heads // num_kv_heads
     return out[:, :, :q_per_kv].reshape(batch, num_q_heads, head_dim)
-
-
-def check_extra_kv(extra_kv, q, num_kv_heads: int):
-    """A decode kernel's extra_kv (k, v, valid) checked against q [S, Hq, D] -> (k f32, v f32, valid bool);
-    ValueError naming the shapes otherwise."""
-    if not (isinstance(extra_kv, (tuple, list)) and len(extra_kv) == 3):
-        raise ValueError(f"extra_kv must be (k, v, valid), got {type(extra_kv).__name__}")
-    k, v, valid = (jnp.asarray(x) for x in extra_kv)
-    want = (q.shape[0], num_kv_heads, q.shape[2])
-    if k.shape != want or v.shape != want or valid.shape != want[:1]:
-        raise ValueError(f"extra_kv: k, v must be {want} and valid ({want[0]},), got {k.shape=} {v.shape=} "
-                         f"{valid.shape=}")
-    return k.astype(jnp.float32), v.astype(jnp.float32), valid.astype(bool)
-
-
-def new_key_split(q, k, v, valid, *, q_per_kv_pad: int):
-    """One more key per sequence as one split-K partial state (plain jnp, outside the kernels): q float[S, Hq, D]
-    (unscaled), k, v f32[S, H, D] (the key and value as the cache's 16-bit rows hold them), valid bool[S] (False:
-    the key is not there) -> acc f32[S, H, 1, q_per_kv_pad, D], m, l f32[S, H, 1, q_per_kv_pad] (logit
-    q.k / sqrt(D) in float32, weight 1; padded rows and invalid sequences: m -inf, l 0)."""
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    q_per_kv = num_q_heads // num_kv_heads
-    qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, q_per_kv, head_dim)
-    logit = jnp.einsum("shgd,shd->shg", qg, k.astype(jnp.float32),
-                       precision=jax.lax.Precision.HIGHEST) / math.sqrt(head_dim)
-    rows = (jnp.arange(q_per_kv_pad) < q_per_kv)[None, None, :] & valid[:, None, None]  # [S, 1, pad]
-    logit = jnp.pad(logit, ((0, 0), (0, 0), (0, q_per_kv_pad - q_per_kv)))
-    m = jnp.where(rows, logit, -jnp.inf)[:, :, None]
-    l = jnp.broadcast_to(rows.astype(jnp.float32), m.shape[:2] + (q_per_kv_pad,))[:, :, None]
-    acc = jnp.where(rows[..., None], v.astype(jnp.float32)[:, :, None, :], 0.0)[:, :, None]
-    return acc, m, l
 
 
 def full_spec(x):

@@ -95,7 +95,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_channel_groups, q_per_kv, q_per_kv_pad,
                         packing_groups_per_page, num_sink_tokens, num_pages, max_blocks, num_splits, open_split,
-                        sm_scale, dot_dtype, interpret, open_state=common.sinks_and_open_block_state):
+                        sm_scale, dot_dtype, interpret, open_full=False, open_state=common.sinks_and_open_block_state):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]   layer-local page ids
     # offsets_ref       i32[2]: (first page, first sequence row) of the layer read, in the arrays below
@@ -123,7 +123,10 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     first_page, row = offsets_ref[0], offsets_ref[1] + b  # row: this sequence's open block / sinks
     after_sinks = jnp.clip(kv_len - ns, 0, max_blocks * P)  # beyond the capacity: clipped (as kv_cache)
     W = open_k_ref.shape[2]
-    num_blocks = (after_sinks // W) * (W // P)  # sealed blocks: the open region's W // P seal together
+    # sealed blocks: the open region's W // P seal together; open_full: a full region is still open (its
+    # 16-bit rows read: kv_cache.append(seal="after") sealed nothing yet), so it holds 1..W tokens
+    num_blocks = ((jnp.maximum(after_sinks - 1, 0) if open_full else after_sinks) // W) * (W // P)
+    num_open = after_sinks - num_blocks * P
     num_packing_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
     # open_split: programs 0..num_splits-1 take the sealed blocks, program num_splits the sinks and the
     # open block alone; otherwise split 0 takes them besides its (fewest) groups
@@ -162,7 +165,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
 
     init = jax.lax.cond(
         split == prologue_split,
-        lambda: open_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), row, h, kv_len, after_sinks % W,
+        lambda: open_state(q, open_k_ref, open_v_ref, refs[:2] if ns else (), row, h, kv_len, num_open,
                            row_plane),
         lambda: common.empty_state(R, Pc, NP))
 
@@ -304,10 +307,10 @@ def split_cost(num_pairs: int, num_packing_groups: int, slots: int, splits: int,
 
 
 @functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "num_layers", "config",
-                                             "interpret"))
+                                             "open_full", "interpret"))
 def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
-                 sink_k, sink_v, page_indices, kv_lens, offsets, extra_kv, *, partition_size, num_sink_tokens,
-                 num_layers, config, interpret):
+                 sink_k, sink_v, page_indices, kv_lens, offsets, *, partition_size, num_sink_tokens, num_layers,
+                 config, open_full, interpret):
     # the cache arrays of num_layers layers seen flat ([num_layers * N, ...], [num_layers * S, ...]);
     # offsets i32[2] picks the layer (the kernel's offsets_ref)
     batch, num_q_heads, head_dim = q.shape
@@ -331,7 +334,8 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         q_per_kv=num_q_heads // num_kv_heads, q_per_kv_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
         packing_groups_per_page=page_size // (NUM_PLANES * partition_size), num_sink_tokens=num_sink_tokens,
         num_pages=num_pages // num_layers, max_blocks=pages_per_seq * (page_size // partition_size),
-        num_splits=splits, open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret)
+        num_splits=splits, open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret,
+        open_full=open_full)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
@@ -343,8 +347,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         in_specs=[common.full_spec(x) for x in inputs], out_specs=out_specs,
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
         name="hack_decode_attention")(*inputs)
-    extra = None if extra_kv is None else (q, *extra_kv)
-    return common.combine_splits(acc, m, l, num_q_heads, extra=extra)
+    return common.combine_splits(acc, m, l, num_q_heads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,7 +360,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
                           sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
                           v_group: int | None = None, window: int | None = None, dot_dtype: DotDtype = "int8",
                           num_splits: int | None = None, config: KernelConfig | None = None, layer_index=None,
-                          extra_kv=None, interpret: bool = False):
+                          open_full: bool = False, interpret: bool = False):
     """HACK decode attention over the paged INT2 kivi cache (module docstring; shapes there).
 
     Args:
@@ -376,14 +379,14 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
       layer_index: None, or an int / i32 scalar i: then every cache array (k_codes ... sink_v) carries a
         leading num_layers axis (a stacked cache: [L, num_pages, ...], [L, batch, ...]) and the kernel
         reads layer i in place (`common.stacked_view`); page ids stay layer-local.
-      extra_kv: None, or (k, v, valid): k, v float[batch, num_kv_heads, head_dim], valid bool[batch]: one more
-        key per sequence (where valid) beyond its kv_lens cached tokens, merged with the split partials outside
-        the kernel (common.new_key_split; a decode step whose token fills the open region attends this way
-        before the region is sealed: hack_jax.attention.decode_step, seal="after").
+      open_full: False: a sequence whose kv_len fills its open region (kv_len - ns a positive multiple of W)
+        reads the region's blocks as sealed codes (the cache's invariant). True: it reads the region's W
+        16-bit rows instead: the blocks are not sealed yet (kv_cache.append(seal="after"): the decode step
+        that wrote the filling token; hack_jax.attention.decode_step). Other lengths read the same either way.
       interpret: run the kernel in Pallas interpret mode (CPU tests).
 
     Returns:
-      f32[batch, num_q_heads, head_dim]; rows with kv_lens = 0 (and no valid extra key) are 0.
+      f32[batch, num_q_heads, head_dim]; rows with kv_lens = 0 are 0.
 
     Raises:
       ValueError: shapes/dtypes off the layout, unsupported sizes, bad dot_dtype or num_splits.
@@ -397,11 +400,11 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
                              num_sink_tokens=num_sink_tokens, v_group=v_group, window=window)
     config = resolve_config(q, view.layer[0], view.layer[3], page_indices, partition_size=partition_size,
                             dot_dtype=dot_dtype, num_splits=num_splits, config=config)
-    if extra_kv is not None:
-        extra_kv = common.check_extra_kv(extra_kv, q, view.layer[8].shape[1])
-    return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, extra_kv, partition_size=partition_size,
+    if not isinstance(open_full, bool):
+        raise ValueError(f"open_full must be a bool, got {open_full=}")
+    return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, partition_size=partition_size,
                         num_sink_tokens=num_sink_tokens, num_layers=view.num_layers, config=config,
-                        interpret=interpret)
+                        open_full=open_full, interpret=interpret)
 
 
 def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtype="int8", num_splits=None,

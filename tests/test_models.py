@@ -182,16 +182,16 @@ def test_hack_vs_bf16_on_real_text(model, ckpt, speech_ids, bf16_generator):
 
 
 def test_generator_skips_sealing_only_where_no_block_fills(model, ckpt, speech_ids, monkeypatch):
-  """The Generator runs the decode step compiled without the sealing path (append seal="never")
-  where kv_cache.seals_block says no slot fills its open block. Against the same generation with
-  the sealing path on every step (seals_block forced True): the same log-probabilities bit for bit
-  over a ragged batch whose decode steps seal blocks at different steps (positions 67 and 131), so
-  a step wrongly compiled without sealing (a block left unsealed, read from a stale page slot)
-  would change them; and the Generator does consult seals_block: with it forced False (no step
-  seals) the log-probabilities do change."""
+  """Without the deferred seal (Stepper.deferred_seal False), the Generator runs the decode step compiled
+  without the sealing path (append seal="never") where kv_cache.seals_block says no slot fills its open
+  block. Against the same generation with the sealing path on every step (seals_block forced True): the
+  same log-probabilities bit for bit over a ragged batch whose decode steps seal blocks at different
+  steps (positions 67 and 131), so a step wrongly compiled without sealing (a block left unsealed, read
+  from a stale page slot) would change them; and the Generator does consult seals_block: with it forced
+  False (no step seals) the log-probabilities do change. With the deferred seal (the default): below."""
   gen = Generator(model, ckpt.tokenizer, QuantConfig(kv_format="hack"), max_seqs=2, max_len=192)
-  assert gen.stepper.full_seal == "after"  # the default where the backend defers: checked below
-  gen.stepper.full_seal = "always"  # the sealing steps seal in each layer's append
+  assert gen.stepper.deferred_seal  # the default where the backend defers: checked below
+  gen.stepper.deferred_seal = False  # the sealing steps seal in each layer's append
   prompts = [speech_ids[:60], speech_ids[200:320]]
   forced = np.array([speech_ids[60:76], speech_ids[320:336]])
   host = gen.generate_ids(prompts, 16, forced=forced)
@@ -202,12 +202,17 @@ def test_generator_skips_sealing_only_where_no_block_fills(model, ckpt, speech_i
   unsealed = gen.generate_ids(prompts, 16, forced=forced)
   off = np.abs(np.array(unsealed.forced_logprobs) - np.array(always.forced_logprobs)).max()
   assert off > 1e-3
-  # The deferred seal (Step.seal "after": the filling step attends over the region's 16-bit rows, then
-  # every layer is sealed after the last one): its sealing steps differ from "always" by that one step's
-  # attention, so the log-probabilities differ by the 2-bit cache's own noise, not by an unsealed block's.
+  # The deferred seal (Step.seal "after" on every step: the filling step attends over the region's 16-bit
+  # rows, then every layer is sealed after it): its sealing steps differ from "always" by that one step's
+  # attention, so the log-probabilities differ by the 2-bit cache's own noise, not by an unsealed block's;
+  # and a seal forced after every step (seals_block True: it seals nothing more) changes nothing.
   monkeypatch.undo()
-  gen.stepper.full_seal = "after"
+  gen.stepper.deferred_seal = True
   after = gen.generate_ids(prompts, 16, forced=forced)
+  monkeypatch.setattr(kv_cache, "seals_block", lambda *a, **k: True)
+  np.testing.assert_array_equal(np.array(gen.generate_ids(prompts, 16, forced=forced).forced_logprobs),
+                                np.array(after.forced_logprobs))
+  monkeypatch.undo()
   diff = np.abs(np.array(after.forced_logprobs) - np.array(host.forced_logprobs)).max()
   print(f"\nmax |log p| difference vs seal='always': after {diff:.4f}, unsealed {off:.4f}")
   assert diff < off / 3  # measured 1.42 vs 8.49 (CPU, SmolLM2-135M)
