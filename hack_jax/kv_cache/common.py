@@ -16,7 +16,7 @@ from hack_jax.quantization import quantize, saturation_bound
 STATIC = dict(static=True)
 ALL = slice(None)
 
-Format = Literal["kivi", "seed", "bf16", "float32", "int8", "fp8", "kivi2"]
+Format = Literal["kivi", "seed", "bf16", "float32", "int8", "fp8", "kivi2", "int4", "turbo3", "turbo4"]
 Seal = Literal["always", "never"]
 
 
@@ -63,6 +63,8 @@ class FormatOps:
       dequantize(layer, page_indices, kv_lens) -> (k, v, k_step, v_step) f32[S, capacity, H, D],
         before the mask at kv_lens.
       read_blocks: (layer, page_indices, kv_lens) -> HackBlocks for the blocked formats, else None.
+      rotation: (config, head_dim) -> the orthogonal f32[D, D] K and V rows are multiplied by before
+        they are stored (int4, turbo: hack_jax.rotation.kv_rotation), or None (no rotation).
     """
 
     pages: type
@@ -72,6 +74,7 @@ class FormatOps:
     append: Callable
     dequantize: Callable
     read_blocks: Callable | None = None
+    rotation: Callable | None = None
 
 
 def geometry(config: QuantConfig, head_dim: int):
@@ -188,7 +191,7 @@ def check_kv(layer, k, v, ndim, what):
                          f"({layer.num_kv_heads}, {layer.head_dim}): {k.shape=}")
 
 
-F16_META_FORMATS = ("hack", "int8", "kivi2")  # kv_formats whose scale / min are config.meta_dtype
+F16_META_FORMATS = ("hack", "int8", "kivi2", "int4", "turbo3", "turbo4")  # kv_formats whose scale / min are config.meta_dtype
 
 
 def check_finite(k, v, what, config=None):
