@@ -290,8 +290,9 @@ def test_kernel_gpu_vs_twin(fmt):
     _check_attention(fmt, "append", "pallas", config=nk.KernelConfig(block_k=64, num_splits=2))
 
 
-@pytest.mark.parametrize("fmt, config", [("int4", None), ("turbo4", None), ("turbo3", nk.KernelConfig(block_k=512, num_splits=3)),
-                                         ("int4", nk.KernelConfig(block_k=32, num_splits=2, num_warps=8))])
+@pytest.mark.parametrize("fmt, config", [
+    ("int4", None), ("turbo4", None), ("turbo3", nk.KernelConfig(block_k=512, num_splits=3)),
+    ("int4", nk.KernelConfig(block_k=32, num_splits=2, num_warps=8))])
 def test_kernel_lowers_to_triton_for_cuda(fmt, config):
     """The kernel's ops (u8 tile loads, nibble shifts, the codebook gather, sliced q / acc refs) all have a
     Pallas-Triton lowering; what can be checked without a GPU (XLA compiles the Triton IR on the device)."""

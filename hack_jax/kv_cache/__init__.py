@@ -87,7 +87,8 @@ LayerCache = Union[KiviPages, SeedPages, DensePages, Int8Pages, Fp8Pages, Kivi2P
 
 __all__ = [
     "FORMATS", "SEAL_MODES", "DensePages", "Format", "FormatOps", "Fp8Pages", "HackBlocks",
-    "Int4Pages", "Int8Pages", "KVCache", "Kivi2Pages", "KiviPages", "LayerCache", "Seal", "SeedPages", "TurboPages", "append", "bytes_per_token",
+    "Int4Pages", "Int8Pages", "KVCache", "Kivi2Pages", "KiviPages", "LayerCache", "Seal", "SeedPages",
+    "TurboPages", "append", "bytes_per_token",
     "cache_bytes_report", "dequantize_cache", "format_of", "init_cache", "init_layer",
     "kv_rotation", "read_blocks", "seals_block", "sink_tokens", "write_prefill",
 ]

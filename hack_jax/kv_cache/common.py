@@ -191,7 +191,8 @@ def check_kv(layer, k, v, ndim, what):
                          f"({layer.num_kv_heads}, {layer.head_dim}): {k.shape=}")
 
 
-F16_META_FORMATS = ("hack", "int8", "kivi2", "int4", "turbo3", "turbo4")  # kv_formats whose scale / min are config.meta_dtype
+# kv_formats whose scale / min are config.meta_dtype
+F16_META_FORMATS = ("hack", "int8", "kivi2", "int4", "turbo3", "turbo4")
 
 
 def check_finite(k, v, what, config=None):
