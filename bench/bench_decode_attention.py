@@ -67,7 +67,7 @@ KV_LENS = (32768, 1024, 131072, 8192)
 QUICK = [("llama3.1-8b", 8, 32768), ("llama3.1-8b", 1, 32768), ("llama3.1-8b", 32, 8192),
          ("llama3.1-8b", 8, 8192), ("llama3.1-8b", 8, 131072), ("smollm2", 8, 32768)]
 SMOKE = [("tiny", 2, 256), ("tiny", 1, 100)]
-IMPLS = ("hack", "dequant", "bf16", "fp8", "int8", "kivi2", "jax_gqa", "xla", "triton")
+IMPLS = ("hack", "dequant", "bf16", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4", "jax_gqa", "xla", "triton")
 PAGE_SIZE = 256  # QuantConfig's default
 UNROLL = 8
 ROTATE_BYTES = 256 << 20  # >= 4x the H200's 60 MB L2
@@ -350,6 +350,29 @@ def prep_int8(shape, key, *, interpret):
 
     return Prepared(call, arrays, nbytes, f"int8 + f16 scale and min per (token, kv head), page_size={config.page_size} "
                     "default_config", n, append=("k_codes", "v_codes"))
+
+
+def prep_nibble(shape, key, fmt, *, interpret):
+    """kv_format="int4" / "turbo3" / "turbo4" pages (random bytes as two 4-bit codes, f16 scales in [0.01, 0.1],
+    int4: random minima), the nibble kernel. q is taken as already rotated: the model's q M and out M^T are
+    two small XLA matmuls outside the kernel, not timed here."""
+    from pallas_kernels import nibble_decode_attention as nk
+    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, fmt)
+    arrays = dict(layer=layer, table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
+    per_copy = shape.batch * pps
+    codebook = None if fmt == "int4" else jnp.asarray(layer.codebook)
+
+    def call(q, i, a):
+        x, t = a["layer"], a["table"] + (i % n) * per_copy
+        if fmt == "int4":
+            return nk.int4_decode_attention(q, x.k_codes, x.k_scale, x.k_min, x.v_codes, x.v_scale, x.v_min, t,
+                                            a["lens"], interpret=interpret)
+        return nk.turbo_decode_attention(q, x.k_codes, x.k_scale, x.v_codes, x.v_scale, codebook, t, a["lens"],
+                                         interpret=interpret)
+
+    what = "affine + f16 scale and min" if fmt == "int4" else f"{fmt[-1]}-bit codebook + f16 scale"
+    return Prepared(call, arrays, nbytes, f"two 4-bit codes per byte, {what} per (token, kv head), "
+                    f"page_size={config.page_size} default_config", n, append=("k_codes", "v_codes"))
 
 
 def _kivi2_bytes(layer, shape, pps):
@@ -703,6 +726,8 @@ def main(argv=None):
             impls.append(("int8", lambda s, k: prep_int8(s, k, interpret=interpret)))
         elif name == "kivi2":
             impls.append(("kivi2", lambda s, k: prep_kivi2(s, k, interpret=interpret)))
+        elif name in ("int4", "turbo3", "turbo4"):
+            impls.append((name, lambda s, k, f=name: prep_nibble(s, k, f, interpret=interpret)))
         elif name == "jax_gqa":
             impls.append(("jax_gqa", lambda s, k: prep_jax_gqa(s, k, interpret=interpret)))
         elif name == "triton":  # rows named hack_triton: the hack cache's memory and touch rules apply
@@ -723,7 +748,7 @@ def main(argv=None):
                        gpu=gpu, jax_version=jax.__version__, timing_method=timing, touch=TOUCH, roof_gbps=roof)
             # peak memory vs the bf16 K/V size: the 2-bit caches are ~6x smaller (never skipped), the bf16
             # pool ~1x (+ its random-bits temporary), jax gqa / XLA's contiguous K/V + transposes ~3x
-            factor = (0 if impl.startswith(("hack", "dequant", "kivi2")) else 1 if impl in ("fp8", "int8")
+            factor = (0 if impl.startswith(("hack", "dequant", "kivi2", "int4", "turbo")) else 1 if impl in ("fp8", "int8")
                       else 2 if impl.startswith("bf16") else 3)
             if factor * shape.kv_bytes > MEMORY_LIMIT:
                 row["error"] = f"skipped: needs > {MEMORY_LIMIT >> 30} GiB"

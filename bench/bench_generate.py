@@ -15,6 +15,9 @@ Llama-3.1-8B and Qwen2.5-7B shapes, per cache "format":
   int8      kv_format="int8" (i8 codes + f16 scale and min per (token, kv head)) + its Pallas decode kernel
             (pallas_kernels/int8_decode_attention.py; no prefill kernel: JCT rows lack its prefill time)
   kivi2     kv_format="kivi2" (KIVI-2, G=32, R=128) + its Pallas decode kernel (dequantizes in registers)
+  int4, turbo3, turbo4  kv_format="int4" (SAW-INT4) / "turbo3" / "turbo4" (TurboQuant): rotated K/V, two
+            4-bit codes per byte + f16 scale (and min) per (token, kv head), one Pallas decode kernel
+            (pallas_kernels/nibble_decode_attention.py; q and the output rotated outside it)
 
 What is measured
   decode   per (model, format, batch): one compiled decode step (AOT `.lower().compile()`, its time
@@ -121,9 +124,10 @@ TOY = {  # same code path, tiny widths: CPU checks of this script (and the pytes
 MODELS = ("llama-3.1-8b", "qwen2.5-7b")
 CONTEXTS = (4096, 16384, 65536)
 BATCHES = (1, 8, 32)
-FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2")  # timed
+FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
-KV_FORMAT = {"hack": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8", "fp8": "fp8", "kivi2": "kivi2"}
+KV_FORMAT = {"hack": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8", "fp8": "fp8", "kivi2": "kivi2",
+             "int4": "int4", "turbo3": "turbo3", "turbo4": "turbo4"}
 PREFILL_FORMATS = ("hack", "bf16")
 LINK_GBPS = (10, 25, 100)
 MESH = None          # --tp N > 1: the tensor-parallel mesh (models/sharding.py), set by main()

@@ -24,6 +24,9 @@
 #                                                  decode kernel and of the bf16 one at NCU_SHAPE (b8_32k)
 #                                                  -> OUT_DIR/ncu.txt (NCU_TIMEOUT=150)
 #   PREFILL_BENCH=1 PREFILL_ARGS="--quick"         also run bench_prefill_attention.py (PREFILL_BENCH_TIMEOUT=150)
+#   FOURBIT=1 FOURBIT_ARGS="..."                   tests/test_rotated_caches.py -m gpu, then bench_decode_attention.py
+#                                                  --impls bf16 int8 int4 turbo3 turbo4 -> OUT_DIR/fourbit/
+#                                                  (FOURBIT_TEST_TIMEOUT=150, FOURBIT_TIMEOUT=240)
 #   TEST_TIMEOUT=180, BENCH_TIMEOUT=150 (bf16, jax_gqa, xla), HACK_BENCH_TIMEOUT=150 (hack, dequant),
 #   SWEEP_TIMEOUT=90                               seconds per stage
 #   GENERATE=1 GENERATE_ARGS="..."                 bench/bench_generate.py (end to end, random weights) ->
@@ -151,6 +154,19 @@ if [[ -n "${TRITON:-}" ]]; then
     --impls bf16 hack triton --hack-dots int8 \
     ${TRITON_ARGS:---heads llama3.1-8b --batches 1 8 --kv-lens 1024 32768 131072 --reps 3} 2>&1 | tee "$OUT/triton/bench.log"
   echo "triton bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/triton/bench.log"
+fi
+
+if [[ -n "${FOURBIT:-}" ]]; then
+  # The 4-bit caches (issue 22): their gpu tests first, then int4 / turbo kernel rows beside bf16 and int8.
+  mkdir -p "$OUT/fourbit"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${FOURBIT_TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu \
+    tests/test_rotated_caches.py 2>&1 | tee "$OUT/fourbit/tests.log"
+  echo "4-bit tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/fourbit/tests.log"
+  # shellcheck disable=SC2086
+  timeout -k 5 "${FOURBIT_TIMEOUT:-240}" python3 bench/bench_decode_attention.py --out "$OUT/fourbit" \
+    --impls bf16 int8 int4 turbo3 turbo4 \
+    ${FOURBIT_ARGS:---heads llama3.1-8b --batches 1 8 --kv-lens 4096 32768 --reps 3} 2>&1 | tee "$OUT/fourbit/bench.log"
+  echo "4-bit bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/fourbit/bench.log"
 fi
 
 if [[ -n "${PREFILL_BENCH:-}" ]]; then

@@ -10,8 +10,8 @@ attention, fused into one kernel call on request) (STYLE.md rule 11). `impl` pic
       "Homomorphic attention semantics" (HACK.md §3-§5): sinks, the sealed blocks in order
       (`lax.scan`, each step vmapped over sequences and kv heads), the open block, one online
       softmax. This is the twin the Pallas kernels are tested against, code for code.
-    "bf16" / "float32" / "int8" / "fp8" / "kivi2": dequantize the pages (`kv_cache.dequantize_cache`), then dense
-      float32 attention.
+    "bf16" / "float32" / "int8" / "fp8" / "kivi2" / "int4" / "turbo*": dequantize the pages
+      (`kv_cache.dequantize_cache`), then dense float32 attention.
   "pallas": the GPU kernels, imported lazily from `pallas_kernels` (models never import them);
     NotImplementedError names the missing kernel when a format has none.
   "pallas_dequant": the fused-dequantization baseline kernel on the same hack cache (HACK.md §7:
@@ -29,6 +29,9 @@ Sequences with kv_lens 0 return 0.
 V rotation (QuantConfig.v_rotation, hack_jax.rotation): the cache holds V R; every function here
 returns the output rotated back (out R, R its own inverse), once per call outside the kernels, and
 cached_prefix_state's accumulator likewise, so callers never see the rotated basis.
+K and V rotation (kv_format "int4" / "turbo*", QuantConfig.rotation): the cache holds K M and V M
+(M = kv_cache.kv_rotation(layer), orthogonal); q is multiplied by M before the reference or the
+kernel sees it (qM . kM = q . k) and the output (accumulator) by M^T, outside the kernels.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hack_jax import kv_cache, paging, reference
+from hack_jax import kv_cache, paging, reference, rotation
 from hack_jax.kv_cache import stacked
 from hack_jax.rotation import rotate_v
 from hack_jax.step import Step
@@ -61,6 +64,9 @@ _PALLAS = {
     ("pallas", "decode", "fp8"): ("pallas_kernels.fp8_decode_attention", "fp8_decode_attention"),
     ("pallas", "decode", "int8"): ("pallas_kernels.int8_decode_attention", "int8_decode_attention"),
     ("pallas", "decode", "kivi2"): ("pallas_kernels.kivi2_decode_attention", "kivi2_decode_attention"),
+    ("pallas", "decode", "int4"): ("pallas_kernels.nibble_decode_attention", "int4_decode_attention"),
+    ("pallas", "decode", "turbo3"): ("pallas_kernels.nibble_decode_attention", "turbo_decode_attention"),
+    ("pallas", "decode", "turbo4"): ("pallas_kernels.nibble_decode_attention", "turbo_decode_attention"),
     ("pallas", "prefill", "hack"): ("pallas_kernels.prefill_attention", "hack_prefill_attention"),
     ("pallas", "prefill", "bf16"): ("pallas_kernels.bf16_prefill_attention", "bf16_prefill_attention"),
     ("pallas_dequant", "decode", "hack"): ("pallas_kernels.dequant_decode_attention",
@@ -95,6 +101,7 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
     if q.ndim != 3:
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens = _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
+    q = _rotate_q(q, layer)
     if impl != "reference":
         kernel = _pallas(impl, "decode", layer)  # NotImplementedError first for a layout without kernels
         arrays, static = kernel_args(layer)
@@ -138,6 +145,7 @@ def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q
         raise ValueError(f"q_start must be i32[{kv_lens.shape[0]}], got {q_start.shape=}")
     if not isinstance(q_start, jax.core.Tracer) and q_start.size and int(q_start.min()) < 0:
         raise ValueError(f"q_start must be >= 0: q_start={np.asarray(q_start).tolist()}")
+    q = _rotate_q(q, layer)
     if impl != "reference":
         kernel = _pallas(impl, "prefill", layer)  # NotImplementedError first for a layout without kernels
         arrays, static = kernel_args(layer)
@@ -149,9 +157,21 @@ def prefill_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, q
 
 
 def _unrotate(out, layer):
-    """The attention output (or an unnormalized accumulator) of a layer with config.v_rotation
-    back in V's own basis (module docstring); unchanged without rotation."""
-    return rotate_v(out, layer.config.v_rotation)
+    """The attention output (or an unnormalized accumulator) of a layer with config.v_rotation, or of
+    an int4 / turbo layer, back in V's own basis (module docstring); unchanged without rotation."""
+    m = _kv_matrix(layer)
+    return rotate_v(out, layer.config.v_rotation) if m is None else rotation.apply(out, m.T)
+
+
+def _kv_matrix(layer):
+    """M of an int4 / turbo layer (kv_cache.kv_rotation), else None."""
+    return kv_cache.kv_rotation(layer) if isinstance(layer, (kv_cache.Int4Pages, kv_cache.TurboPages)) else None
+
+
+def _rotate_q(q, layer):
+    """q [..., head_dim] in the basis of an int4 / turbo layer's keys (q M); unchanged otherwise."""
+    m = _kv_matrix(layer)
+    return q if m is None else rotation.apply(q, m)
 
 
 def _check(q, layer, page_indices, kv_lens, impl, kernel_options):
@@ -190,12 +210,14 @@ _KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "
 _FP8_FIELDS = ("k_codes", "k_scale", "v_codes", "v_scale")
 _INT8_FIELDS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
 _KIVI2_FIELDS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min", "open_k", "open_v")
+_TURBO_FIELDS = ("k_codes", "k_scale", "v_codes", "v_scale")
 
 
 def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
     """(arrays, static ints) a kernel takes for a cache layer, decode and prefill alike: the ONE place
     that unpacks a layer (the kernels take arrays and static ints only). bf16 pages: (k, v); fp8 /
-    int8 / kivi2: their arrays (kivi2 with quant_group_size); kivi: the 12 arrays in the kernels' order (k_codes,
+    int8 / int4 / kivi2: their arrays (kivi2 with quant_group_size); turbo: its four arrays and the
+    codebook f32[16 or 8]; kivi: the 12 arrays in the kernels' order (k_codes,
     k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v) with
     partition_size and num_sink_tokens, and v_group / window when the config sets them. Kernels are called as
     fn(q, *arrays, page_indices, kv_lens, **static, **kernel_options) (prefill: also q_start=)."""
@@ -203,8 +225,10 @@ def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
         return (layer.k, layer.v), {}
     if isinstance(layer, kv_cache.Fp8Pages):
         return tuple(getattr(layer, f) for f in _FP8_FIELDS), {}
-    if isinstance(layer, kv_cache.Int8Pages):
+    if isinstance(layer, (kv_cache.Int8Pages, kv_cache.Int4Pages)):
         return tuple(getattr(layer, f) for f in _INT8_FIELDS), {}
+    if isinstance(layer, kv_cache.TurboPages):
+        return tuple(getattr(layer, f) for f in _TURBO_FIELDS) + (jnp.asarray(layer.codebook),), {}
     if isinstance(layer, kv_cache.Kivi2Pages):
         return tuple(getattr(layer, f) for f in _KIVI2_FIELDS), dict(quant_group_size=kv_cache.kivi2.GROUP)
     if not isinstance(layer, kv_cache.KiviPages):
@@ -292,7 +316,7 @@ def cached_prefix_state(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens
     if q.ndim != 4:
         raise ValueError(f"prefill q must be [max_seqs, T, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens = _check(q, layer, page_indices, kv_lens, "reference", {})
-    state = _prefix_reference(q, layer, page_indices, kv_lens)
+    state = _prefix_reference(_rotate_q(q, layer), layer, page_indices, kv_lens)
     return state._replace(acc=_unrotate(state.acc, layer))
 
 

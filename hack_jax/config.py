@@ -5,7 +5,8 @@ from typing import ClassVar, Literal, get_args
 
 import jax.numpy as jnp
 
-KVFormat = Literal["hack", "bf16", "float32", "int8", "fp8", "kivi2"]
+KVFormat = Literal["hack", "bf16", "float32", "int8", "fp8", "kivi2", "int4", "turbo3", "turbo4"]
+ROTATED_FORMATS = ("int4", "turbo3", "turbo4")  # K and V rotated by QuantConfig.rotation
 Layout = Literal["kivi", "seed"]
 Rounding = Literal["nearest", "stochastic"]
 
@@ -19,7 +20,11 @@ class QuantConfig:
         (token, kv head) asymmetric baseline, HACK.md §8), "fp8" (float8 e4m3 with a float32 scale
         per (token, kv head), vLLM's fp8), "kivi2" (KIVI-2: 2-bit K per channel over 32-token
         groups, V per token over 32-channel groups, a 16-bit residual of the newest tokens;
-        hack_jax.kv_cache.kivi2; partition_size, num_sink_tokens and rounding do not apply).
+        hack_jax.kv_cache.kivi2; partition_size, num_sink_tokens and rounding do not apply),
+        "int4" (SAW-INT4 style: K and V Hadamard-rotated, then asymmetric 4-bit per (token, kv head),
+        hack_jax.kv_cache.int4), "turbo3" / "turbo4" (TurboQuant style: K and V rotated with random
+        signs, then a 3- / 4-bit Lloyd-Max codebook per coordinate and one 16-bit scale per (token,
+        kv head), hack_jax.kv_cache.turbo). These three: round to nearest, no sinks, no v_rotation.
       layout: "kivi" (K per channel, V per token; default, HACK.md §4) or "seed" (K per token,
         V per channel, as the paper describes).
       partition_size: P, tokens or channels per quantization partition; a power of two >= 16.
@@ -39,6 +44,10 @@ class QuantConfig:
         divides page_size. The newest u % W tokens after the sinks stay in residual_dtype; when the
         window fills, its W // P blocks are sealed at once (same P-token blocks in the pages).
         `open_window` is the value in effect.
+      rotation: int4 / turbo only: block size B of the block-diagonal normalized Hadamard matrix
+        both K and V are multiplied by before they are quantized (q by the same matrix, the output
+        by its transpose: hack_jax.rotation); 0 = one block over the whole head_dim (a power of
+        two), 1 = no Hadamard (turbo keeps its random signs); else a power of two dividing head_dim.
       meta_dtype: dtype of scale and minimum (class constant).
       residual_dtype: dtype of the open block and the sinks (class constant).
 
@@ -55,6 +64,7 @@ class QuantConfig:
     v_rotation: int = 0
     v_group: int = 0
     window: int = 0
+    rotation: int = 0
 
     meta_dtype: ClassVar = jnp.float16
     residual_dtype: ClassVar = jnp.bfloat16
@@ -64,7 +74,8 @@ class QuantConfig:
             value = getattr(self, name)
             if value not in get_args(literal):
                 raise ValueError(f"{name} must be one of {get_args(literal)}, got {value!r}")
-        for name in ("partition_size", "page_size", "num_sink_tokens", "v_rotation", "v_group", "window"):
+        for name in ("partition_size", "page_size", "num_sink_tokens", "v_rotation", "v_group", "window",
+                     "rotation"):
             value = getattr(self, name)
             # bool is an int subclass; True as a size is always a bug.
             if not isinstance(value, int) or isinstance(value, bool):
@@ -95,6 +106,15 @@ class QuantConfig:
         b = self.v_rotation
         if b and (b < 2 or b & (b - 1)):
             raise ValueError(f"v_rotation must be 0 (off) or a power of two >= 2, got v_rotation={b}")
+        r = self.rotation
+        if r < 0 or r & (r - 1):
+            raise ValueError(f"rotation must be 0 (= head_dim) or a power of two >= 1, got rotation={r}")
+        if r and self.kv_format not in ROTATED_FORMATS:
+            raise ValueError(f"rotation applies to kv_format in {ROTATED_FORMATS} only, got "
+                             f"kv_format={self.kv_format!r}, rotation={r}")
+        if self.kv_format in ROTATED_FORMATS and (b or self.rounding != "nearest"):
+            raise ValueError(f"kv_format={self.kv_format!r} rotates K and V itself (rotation=) and rounds to "
+                             f"nearest: got v_rotation={b}, rounding={self.rounding!r}")
 
     @property
     def channel_group(self) -> int:

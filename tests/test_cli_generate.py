@@ -66,7 +66,7 @@ def test_help_shows_defaults_and_version(capsys):
     cli.main(["generate", "--help"])
   out = " ".join(capsys.readouterr().out.split())
   for text in ("--max-new-tokens MAX_NEW_TOKENS tokens to generate per sequence (default: 64)",
-               "--kv-format {hack,bf16,float32,int8,fp8,kivi2}", "(default: hack)", "--no-stream",
+               "--kv-format {hack,bf16,float32,int8,fp8,kivi2,int4,turbo3,turbo4}", "(default: hack)", "--no-stream",
                "--partition-size", "(default: 64)"):
     assert text in out, text
   with pytest.raises(SystemExit) as exit_info:
@@ -137,3 +137,12 @@ def test_perplexity_of_an_empty_or_one_token_text(capsys, tmp_path, monkeypatch)
   monkeypatch.setattr(cli, "_load", lambda args: tiny_llama.checkpoint_and_model())
   line = _error(capsys, ["perplexity", "--text", str(one)])
   assert "holds 1 token(s): perplexity needs at least 2" in line, line
+
+
+def test_rotation_flag_reaches_the_config(capsys):
+  from models.cli import _parser
+  from models.cli_generate import quant_config
+  args = _parser().parse_args(["generate", "--prompt", "hi", "--kv-format", "turbo3", "--rotation", "32"])
+  assert quant_config(args).rotation == 32 and quant_config(args).kv_format == "turbo3"
+  line = _error(capsys, ["generate", "--prompt", "hi", "--kv-format", "int8", "--rotation", "32"])
+  assert line.startswith("hack-jax generate: error: ") and "rotation=32" in line, line

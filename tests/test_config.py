@@ -47,7 +47,7 @@ def test_valid(kwargs):
         ({"page_size": 320}, "page_size=320"),
         ({"page_size": 0}, "page_size=0"),
         ({"num_sink_tokens": -1}, "-1"),
-        ({"kv_format": "int4"}, "'int4'"),
+        ({"kv_format": "int3"}, "'int3'"),
         ({"layout": "channel"}, "'channel'"),
         ({"rounding": "floor"}, "'floor'"),
         ({"v_rotation": 1}, "v_rotation=1"),

@@ -8,6 +8,8 @@ formats with the config alone:
     seed.py  kv_format="hack", layout="seed": the paper's 2-bit layout, reference path only
     dense.py kv_format="bf16" | "float32"       int8.py  kv_format="int8"
     fp8.py   kv_format="fp8" (e4m3, vLLM's fp8)  kivi2.py kv_format="kivi2" (the KIVI-2 baseline)
+    int4.py  kv_format="int4" (SAW-INT4: Hadamard-rotated K/V, asymmetric 4-bit per token)
+    turbo.py kv_format="turbo3" | "turbo4" (TurboQuant: rotated K/V, Lloyd-Max codebook per coordinate)
     hack.py  what the two 2-bit layouts share   common.py  page helpers, checks, the registry record
 
     init_cache / init_layer -> write_prefill -> append (every decode step) -> hack_jax.attention.
@@ -26,7 +28,8 @@ Page layout (DESIGN.md "Paged cache layout"; axes [num_pages, num_kv_heads, ...]
   incomplete block is the 16-bit open block, sealed (quantized into its page slot with its code
   sums) when it holds P tokens; with QuantConfig.window = W (kivi), the open region holds the newest
   u % W tokens and its W // P blocks are sealed together when it holds W.
-- bf16 / float32 / int8 / fp8 / kivi2 have no sinks and no open block: token t is in page column t // page_size
+- bf16 / float32 / int8 / fp8 / kivi2 / int4 / turbo have no sinks and no open block: token t is in
+  page column t // page_size
   (kivi2 keeps its own 16-bit residual per sequence, kivi2.py)
   (`sink_tokens(config)` is 0 for them).
 - Unassigned page_indices entries hold the null page 0 (hack_jax.paging), never handed out. Reads
@@ -64,30 +67,33 @@ import numpy as np
 
 from hack_jax import paging
 from hack_jax.config import QuantConfig
-from hack_jax.kv_cache import dense, fp8, int8, kivi, kivi2, seed
+from hack_jax.kv_cache import dense, fp8, int4, int8, kivi, kivi2, seed, turbo
 from hack_jax.rotation import rotate_v
 from hack_jax.kv_cache.common import (STATIC, Format, FormatOps, Seal, check_finite, check_kv,
                                       format_of, is_traced, pytree_dataclass)
 from hack_jax.kv_cache.dense import DensePages
 from hack_jax.kv_cache.hack import HackBlocks
 from hack_jax.kv_cache.fp8 import Fp8Pages
+from hack_jax.kv_cache.int4 import Int4Pages
 from hack_jax.kv_cache.int8 import Int8Pages
 from hack_jax.kv_cache.kivi import KiviPages
 from hack_jax.kv_cache.kivi2 import Kivi2Pages
 from hack_jax.kv_cache.seed import SeedPages
+from hack_jax.kv_cache.turbo import TurboPages
 
 FORMATS: dict[Format, FormatOps] = {
     "kivi": kivi.OPS, "seed": seed.OPS, "bf16": dense.OPS, "float32": dense.OPS, "int8": int8.OPS,
-    "fp8": fp8.OPS, "kivi2": kivi2.OPS}
+    "fp8": fp8.OPS, "kivi2": kivi2.OPS, "int4": int4.OPS, "turbo3": turbo.OPS, "turbo4": turbo.OPS}
 SEAL_MODES = get_args(Seal)
 
-LayerCache = Union[KiviPages, SeedPages, DensePages, Int8Pages, Fp8Pages, Kivi2Pages]
+LayerCache = Union[KiviPages, SeedPages, DensePages, Int8Pages, Fp8Pages, Kivi2Pages, Int4Pages, TurboPages]
 
 __all__ = [
     "FORMATS", "SEAL_MODES", "DensePages", "Format", "FormatOps", "Fp8Pages", "HackBlocks",
-    "Int8Pages", "KVCache", "Kivi2Pages", "KiviPages", "LayerCache", "Seal", "SeedPages", "append", "bytes_per_token",
+    "Int4Pages", "Int8Pages", "KVCache", "Kivi2Pages", "KiviPages", "LayerCache", "Seal", "SeedPages",
+    "TurboPages", "append", "bytes_per_token",
     "cache_bytes_report", "dequantize_cache", "format_of", "init_cache", "init_layer",
-    "read_blocks", "seal_filled", "seals_block", "sink_tokens", "write_prefill",
+    "kv_rotation", "read_blocks", "seal_filled", "seals_block", "sink_tokens", "write_prefill",
 ]
 
 
@@ -149,6 +155,14 @@ class KVCache:
     def capacity(self) -> int:
         """Most tokens one sequence can hold."""
         return self.num_sink_tokens + self.pages_per_seq * self.config.page_size
+
+
+def kv_rotation(layer) -> np.ndarray | None:
+    """The orthogonal f32[head_dim, head_dim] M whose product x M the layer stores for every K and V
+    row (int4 / turbo: hack_jax.rotation.kv_rotation), or None for the formats that store x itself.
+    Attention over such a layer multiplies q by M and its output by M^T (hack_jax.attention)."""
+    ops = _ops(layer)
+    return None if ops.rotation is None else ops.rotation(layer.config, layer.head_dim)
 
 
 # ----------------------------------------------------------------------------- sizes and init
@@ -468,7 +482,8 @@ def dequantize_cache(layer: LayerCache, page_indices, kv_lens, *, return_step: b
     with return_step, also (k_step, v_step) of the same shape: the quantization scale of each
     element (|x - x_hat| <= step / 2 for nearest rounding), 0 for elements stored in 16 bits or
     unquantized. With config.v_rotation, v (and v_step) are in the rotated basis, as stored:
-    hack_jax.rotation.rotate_v(v, config.v_rotation) gives V back.
+    hack_jax.rotation.rotate_v(v, config.v_rotation) gives V back; int4 / turbo: k and v are the
+    stored x M (M = kv_rotation(layer)), times M^T gives K / V back.
     """
     ops = _ops(layer)
     kv_lens = jnp.asarray(kv_lens, jnp.int32)

@@ -16,7 +16,7 @@ from hack_jax.quantization import quantize, saturation_bound
 STATIC = dict(static=True)
 ALL = slice(None)
 
-Format = Literal["kivi", "seed", "bf16", "float32", "int8", "fp8", "kivi2"]
+Format = Literal["kivi", "seed", "bf16", "float32", "int8", "fp8", "kivi2", "int4", "turbo3", "turbo4"]
 Seal = Literal["always", "never", "after"]
 
 
@@ -66,6 +66,8 @@ class FormatOps:
       seal: (layer, kv_lens, active, page_indices, key) -> layer, the sealing half of append(seal="always")
         after an append(seal="after") (kv_lens: the new token's position, as append's), for the formats
         that can defer it (kivi), else None.
+      rotation: (config, head_dim) -> the orthogonal f32[D, D] K and V rows are multiplied by before
+        they are stored (int4, turbo: hack_jax.rotation.kv_rotation), or None (no rotation).
     """
 
     pages: type
@@ -76,6 +78,7 @@ class FormatOps:
     dequantize: Callable
     read_blocks: Callable | None = None
     seal: Callable | None = None
+    rotation: Callable | None = None
 
 
 def geometry(config: QuantConfig, head_dim: int):
@@ -192,7 +195,8 @@ def check_kv(layer, k, v, ndim, what):
                          f"({layer.num_kv_heads}, {layer.head_dim}): {k.shape=}")
 
 
-F16_META_FORMATS = ("hack", "int8", "kivi2")  # kv_formats whose scale / min are config.meta_dtype
+# kv_formats whose scale / min are config.meta_dtype
+F16_META_FORMATS = ("hack", "int8", "kivi2", "int4", "turbo3", "turbo4")
 
 
 def check_finite(k, v, what, config=None):
