@@ -5,6 +5,7 @@ models.config.PRESETS in bf16, random weights: the KV path's speed does not depe
 runs the same jitted steps as models.generate.Generator (models.stepper.forward_step with its SampleHead), for
 Llama-3.1-8B and Qwen2.5-7B shapes, per cache "format":
   hack      kv_format="hack" (kivi, P=64, pages of 256, 4 sinks) + our Pallas kernels (impl=pallas)
+  hack4     the same with 4-bit codes (QuantConfig.bits=4; not in the default --formats)
   bf16      kv_format="bf16" paged + our bf16 Pallas kernels
   bf16_xla  kv_format="bf16" paged, decode attention by plain jnp/XLA (this file's adapter
             `xla_paged_decode`: the dispatch has no jax-native impl; the model receives it as its
@@ -122,7 +123,10 @@ CONTEXTS = (4096, 16384, 65536)
 BATCHES = (1, 8, 32)
 FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
-KV_FORMAT = {"hack": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8", "fp8": "fp8", "kivi2": "kivi2"}
+EXTRA_FORMATS = ("hack4",)  # --formats choices outside the default run
+KV_FORMAT = {"hack": "hack", "hack4": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8", "fp8": "fp8",
+             "kivi2": "kivi2"}
+CODE_BITS = {"hack4": 4}  # QuantConfig.bits of a format (default 2)
 PREFILL_FORMATS = ("hack", "bf16")
 LINK_GBPS = (10, 25, 100)
 MESH = None          # --tp N > 1: the tensor-parallel mesh (models/sharding.py), set by main()
@@ -247,7 +251,7 @@ def random_state(cfg: ModelConfig, seed=0, init="llama"):
 
 
 def quant_config(fmt):
-    return QuantConfig(kv_format=KV_FORMAT[fmt])
+    return QuantConfig(kv_format=KV_FORMAT[fmt], bits=CODE_BITS.get(fmt, 2))
 
 
 def _hash_u32(shape, seed):
@@ -423,8 +427,9 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
     # knows that no slot fills its open block (kv_cache.seals_block), and the step that seals
     # (models.stepper.full_seal_mode: "after" = one seal of every layer after the last one, where the
     # backend defers); else one mode for every step
+    hack = KV_FORMAT[fmt] == "hack"
     full = mstep.full_seal_mode(cfg.attention, quant)
-    modes = [full, "never"] if args.seal == "host" and fmt == "hack" else [
+    modes = [full, "never"] if args.seal == "host" and hack else [
         full if args.seal == "host" else args.seal]
     lowered = {mode: mstep.forward_step.lower(
         state, tokens, step_record(1, mode), cache, None, targets, graphdef=graphdef,
@@ -465,9 +470,9 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
                    compile_s=round(compile_s, 3), compile_each=compile_each, fill_s=round(fill_s, 3),
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
                    kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps,
-                   seal=args.seal if fmt == "hack" else None,
+                   seal=args.seal if hack else None,
                    seal_steps=sum(kv_cache.seals_block(quant, np.full(batch, ctx + 1 + i), np.ones(batch, bool))
-                                  for i in range(args.steps)) if fmt == "hack" else None)
+                                  for i in range(args.steps)) if hack else None)
         try:
             row["warmup_s"] = round(run(args.warmup, ctx), 4)  # first one: incl. any lazy kernel compile
             for mode, exe in compiled.items():  # --seal host: both loaded before the timed regions
@@ -750,8 +755,8 @@ def parse_args(argv):
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=sorted(PRESETS) + sorted(TOY))
     ap.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
-    ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS,
-                    help="decode formats (none: prefill items only)")
+    ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS + EXTRA_FORMATS,
+                    help="decode formats (none: prefill items only); hack4: the hack cache with 4-bit codes")
     ap.add_argument("--prefill-contexts", nargs="*", type=int, default=None,
                     help="default: --contexts (batch 1); >= 64K runs once, last")
     ap.add_argument("--prefill-batches", nargs="*", type=int, default=[1])

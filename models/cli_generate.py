@@ -124,7 +124,8 @@ def quant_config(args) -> QuantConfig:
   return QuantConfig(kv_format=args.kv_format, partition_size=p, page_size=max(256, 4 * p, args.window),
                      window=args.window,
                      num_sink_tokens=args.num_sink_tokens, rounding=args.rounding,
-                     layout=args.layout, v_rotation=args.v_rotation, v_group=args.v_group)
+                     layout=args.layout, v_rotation=args.v_rotation, v_group=args.v_group,
+                     bits=getattr(args, "bits", 2))
 
 
 def encode(tokenizer, prompt: str, *, system: str | None, chat: bool) -> list[int]:
