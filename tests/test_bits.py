@@ -281,6 +281,22 @@ def test_quantization_error_vs_2bit():
     assert errs[4] < errs[2] / 3
 
 
+@pytest.mark.parametrize("dot_dtype", ["int8", "folded_f16", "folded_bf16"])
+def test_decode_kernel_lowers_to_triton_for_cuda(dot_dtype):
+    """The 4-bit kernel's GPU forms (the inline-PTX nibble planes, which interpret mode does not run) have
+    a Pallas-Triton lowering: what can be checked without a GPU. Llama-3.1-8B heads, P 64, pages of 256."""
+    config = QuantConfig(bits=4)
+    layer = jax.eval_shape(lambda: kv_cache.init_layer(config, num_kv_heads=8, head_dim=128, num_pages=9,
+                                                       max_seqs=2))
+    q = jax.ShapeDtypeStruct((2, 32, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    fn = lambda q, layer, table, lens: attention.decode_attention(  # noqa: E731
+        q, layer, page_indices=table, kv_lens=lens, impl="pallas", dot_dtype=dot_dtype)
+    text = jax.jit(fn).trace(q, layer, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
 # ----------------------------------------------------------------------------- dispatch and errors
 
 
