@@ -297,6 +297,26 @@ def test_decode_kernel_lowers_to_triton_for_cuda(dot_dtype):
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_deferred_seal_4bit(impl):
+    """Deferred sealing (tests/test_deferred_seal.py's cases, 4-bit pages of 128): append(seal="after")
+    then seal_filled stores the bytes of append(seal="always"), and decode_step(seal="after") attends as the
+    twin says over the cache before the step plus the new token in 16 bits."""
+    import test_deferred_seal as ds
+    config = QuantConfig(partition_size=P, page_size=4 * P, bits=4)
+    cache, k, v = ds._setup(config)
+    args = dict(kv_lens=ds.BEFORE + ds.ACTIVE, active=ds.ACTIVE, page_indices=cache.table)
+    assert kv_cache.seals_block(config, args["kv_lens"], ds.ACTIVE)
+    rows_only = kv_cache.append(cache.layer, k, v, **args, seal="after")
+    if impl == "reference":
+        ds._assert_same_bytes(kv_cache.seal_filled(rows_only, **args),
+                              kv_cache.append(cache.layer, k, v, **args, seal="always"))
+    q = make_q((len(ds.BEFORE), NUM_Q_HEADS, HEAD_DIM))
+    layer, out = attention.decode_step(q, k, v, cache.layer, seal="after", **args, **_impl(impl))
+    check(np.asarray(out)[ds.ACTIVE], ds._oracle(cache, q, k, v)[ds.ACTIVE], cache, impl, "kivi")
+    ds._assert_same_bytes(layer, rows_only)
+
+
 # ----------------------------------------------------------------------------- dispatch and errors
 
 
