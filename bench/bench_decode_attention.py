@@ -68,6 +68,8 @@ QUICK = [("llama3.1-8b", 8, 32768), ("llama3.1-8b", 1, 32768), ("llama3.1-8b", 3
          ("llama3.1-8b", 8, 8192), ("llama3.1-8b", 8, 131072), ("smollm2", 8, 32768)]
 SMOKE = [("tiny", 2, 256), ("tiny", 1, 100)]
 IMPLS = ("hack", "dequant", "bf16", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4", "jax_gqa", "xla", "triton")
+# Not in the default run: hack4 = the HACK kernel on a 4-bit cache (QuantConfig.bits=4), rows hack4_<mode>
+EXTRA_IMPLS = ("hack4",)
 PAGE_SIZE = 256  # QuantConfig's default
 UNROLL = 8
 ROTATE_BYTES = 256 << 20  # >= 4x the H200's 60 MB L2
@@ -206,11 +208,11 @@ def _cache_bytes(layer_shapes, shape, config, pps, skip_fields=()):
     return int(total * shape.batch + shape.batch * pps * 4)
 
 
-def _layer_prep(shape, key, kv_format, skip_fields=(), partition_size=64):
+def _layer_prep(shape, key, kv_format, skip_fields=(), partition_size=64, bits=2):
     from hack_jax import kv_cache, paging
     from hack_jax.config import QuantConfig
     page_size = max(PAGE_SIZE, 4 * partition_size)  # one page holds at least one packing group
-    config = QuantConfig(kv_format=kv_format, page_size=page_size, partition_size=partition_size)
+    config = QuantConfig(kv_format=kv_format, page_size=page_size, partition_size=partition_size, bits=bits)
     pps = paging.pages_needed(shape.kv_len, page_size=page_size, num_sink_tokens=kv_cache.sink_tokens(config))
     one = jax.eval_shape(lambda: kv_cache.init_layer(config, num_kv_heads=shape.num_kv_heads,
                                                      head_dim=shape.head_dim, num_pages=2, max_seqs=1))
@@ -271,8 +273,10 @@ def hack_variants(dots=("int8", "folded_f16"), p128=False, splits=()):
 def kivi_call_args(layer):
     """A kivi LayerCache -> (its arrays in the kernels' order, their static ints) for the Pallas kernels,
     which take arrays only (hack_jax.attention unpacks a layer the same way)."""
-    return ([getattr(layer, f) for f in KIVI_FIELDS],
-            dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens))
+    static = dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens)
+    if layer.config.bits != 2:
+        static["bits"] = layer.config.bits
+    return [getattr(layer, f) for f in KIVI_FIELDS], static
 
 
 def prep_triton(shape, key, *, interpret):
@@ -301,7 +305,8 @@ def prep_hack(shape, key, *, interpret, variant_kwargs=None):
     from pallas_kernels import decode_attention as mod
     kwargs = dict(variant_kwargs or {})
     P = kwargs.pop("partition_size", 64)
-    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", partition_size=P)
+    bits = kwargs.pop("bits", 2)
+    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", partition_size=P, bits=bits)
     arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
     per_copy = shape.batch * pps
 
@@ -310,8 +315,8 @@ def prep_hack(shape, key, *, interpret, variant_kwargs=None):
         cache, static = kivi_call_args(_slots(a["layer"], shape, i, n))
         return mod.hack_decode_attention(q, *cache, table, a["lens"], interpret=interpret, **static, **kwargs)
 
-    return Prepared(call, arrays, nbytes, f"kivi P={P} page_size={config.page_size} ns=4 default_config {kwargs}", n,
-                    append=("open_k", "open_v"))
+    return Prepared(call, arrays, nbytes, f"kivi P={P} bits={bits} page_size={config.page_size} ns=4 default_config "
+                    f"{kwargs}", n, append=("open_k", "open_v"))
 
 
 def prep_fp8(shape, key, *, interpret):
@@ -655,7 +660,8 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} shapes (GPU.md's anchors)")
     ap.add_argument("--smoke", action="store_true", help="CPU check: interpret=True, tiny shapes")
-    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + EXTRA_IMPLS,
+                    help="hack4 (not in the default): the HACK kernel on a 4-bit cache, each --hack-dots mode")
     ap.add_argument("--heads", nargs="+", choices=sorted(HEADS), help="restrict head configs")
     ap.add_argument("--batches", nargs="+", type=int)
     ap.add_argument("--kv-lens", nargs="+", type=int)
@@ -714,6 +720,10 @@ def main(argv=None):
             except Exception as e:  # the module itself is missing or broken: one row per shape says so
                 err = f"{type(e).__name__}: {e}"
                 impls.append(("hack", lambda s, k, err=err: (_ for _ in ()).throw(RuntimeError(err))))
+        elif name == "hack4":
+            impls += [("hack4" + v[len("hack"):], lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret,
+                                                                               variant_kwargs={**kw, "bits": 4}))
+                      for v, kw in hack_variants(args.hack_dots)]
         elif name == "bf16":
             impls.append(("bf16", lambda s, k: prep_bf16(s, k, interpret=interpret)))
             for cname, fields in parse_bf16_configs(args.bf16_configs):

@@ -5,6 +5,7 @@ models.config.PRESETS in bf16, random weights: the KV path's speed does not depe
 runs the same jitted steps as models.generate.Generator (models.stepper.forward_step with its SampleHead), for
 Llama-3.1-8B and Qwen2.5-7B shapes, per cache "format":
   hack      kv_format="hack" (kivi, P=64, pages of 256, 4 sinks) + our Pallas kernels (impl=pallas)
+  hack4     the same with 4-bit codes (QuantConfig.bits=4; not in the default --formats)
   bf16      kv_format="bf16" paged + our bf16 Pallas kernels
   bf16_xla  kv_format="bf16" paged, decode attention by plain jnp/XLA (this file's adapter
             `xla_paged_decode`: the dispatch has no jax-native impl; the model receives it as its
@@ -126,8 +127,10 @@ CONTEXTS = (4096, 16384, 65536)
 BATCHES = (1, 8, 32)
 FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
-KV_FORMAT = {"hack": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8", "fp8": "fp8", "kivi2": "kivi2",
-             "int4": "int4", "turbo3": "turbo3", "turbo4": "turbo4"}
+EXTRA_FORMATS = ("hack4",)  # --formats choices outside the default run
+KV_FORMAT = {"hack": "hack", "hack4": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8", "fp8": "fp8",
+             "kivi2": "kivi2", "int4": "int4", "turbo3": "turbo3", "turbo4": "turbo4"}
+CODE_BITS = {"hack4": 4}  # QuantConfig.bits of a format (default 2)
 PREFILL_FORMATS = ("hack", "bf16")
 LINK_GBPS = (10, 25, 100)
 MESH = None          # --tp N > 1: the tensor-parallel mesh (models/sharding.py), set by main()
@@ -252,7 +255,7 @@ def random_state(cfg: ModelConfig, seed=0, init="llama"):
 
 
 def quant_config(fmt):
-    return QuantConfig(kv_format=KV_FORMAT[fmt])
+    return QuantConfig(kv_format=KV_FORMAT[fmt], bits=CODE_BITS.get(fmt, 2))
 
 
 def _hash_u32(shape, seed):
@@ -429,8 +432,9 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
     # layer after the steps that fill a region (models.stepper.seal_step); else the step without the
     # sealing path wherever no slot fills its open block (kv_cache.seals_block) and the one that seals
     # in every layer ("always"). Otherwise one mode for every step.
-    deferred = fmt == "hack" and args.seal in ("host", "after") and mstep.defers_seal(cfg.attention, quant)
-    modes = (["after"] if deferred else ["always", "never"] if args.seal == "host" and fmt == "hack"
+    hack = KV_FORMAT[fmt] == "hack"
+    deferred = hack and args.seal in ("host", "after") and mstep.defers_seal(cfg.attention, quant)
+    modes = (["after"] if deferred else ["always", "never"] if args.seal == "host" and hack
              else ["always" if args.seal == "host" else args.seal])
     lowered = {mode: mstep.forward_step.lower(
         state, tokens, step_record(1, mode), cache, None, targets, graphdef=graphdef,
@@ -476,9 +480,9 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
                    compile_s=round(compile_s, 3), compile_each=compile_each, fill_s=round(fill_s, 3),
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
                    kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps,
-                   seal=args.seal if fmt == "hack" else None,
+                   seal=args.seal if hack else None,
                    seal_steps=sum(kv_cache.seals_block(quant, np.full(batch, ctx + 1 + i), np.ones(batch, bool))
-                                  for i in range(args.steps)) if fmt == "hack" else None)
+                                  for i in range(args.steps)) if hack else None)
         try:
             row["warmup_s"] = round(run(args.warmup, ctx), 4)  # first one: incl. any lazy kernel compile
             for mode, exe in compiled.items():  # --seal host: every executable loaded before the timed regions
@@ -763,8 +767,8 @@ def parse_args(argv):
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=sorted(PRESETS) + sorted(TOY))
     ap.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
-    ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS,
-                    help="decode formats (none: prefill items only)")
+    ap.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS + EXTRA_FORMATS,
+                    help="decode formats (none: prefill items only); hack4: the hack cache with 4-bit codes")
     ap.add_argument("--prefill-contexts", nargs="*", type=int, default=None,
                     help="default: --contexts (batch 1); >= 64K runs once, last")
     ap.add_argument("--prefill-batches", nargs="*", type=int, default=[1])

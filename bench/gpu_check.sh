@@ -29,6 +29,9 @@
 #                                                  (FOURBIT_TEST_TIMEOUT=150, FOURBIT_TIMEOUT=240)
 #   TEST_TIMEOUT=180, BENCH_TIMEOUT=150 (bf16, jax_gqa, xla), HACK_BENCH_TIMEOUT=150 (hack, dequant),
 #   SWEEP_TIMEOUT=90                               seconds per stage
+#   HACK4=1 HACK4_ARGS="..."                       4-bit HACK cache (QuantConfig.bits=4): tests/test_bits.py's gpu
+#                                                  tests, then bench_decode_attention.py --impls bf16 hack hack4
+#                                                  -> OUT_DIR/hack4/ (HACK4_TIMEOUT=300)
 #   GENERATE=1 GENERATE_ARGS="..."                 bench/bench_generate.py (end to end, random weights) ->
 #                                                  OUT_DIR/generate/ (GENERATE_TIMEOUT=200)
 #   SCAN=1 SCAN_ARGS="..."                         layer scan vs unrolled, end to end: first the gpu tests of the
@@ -182,6 +185,18 @@ if [[ -n "${BF16_SWEEP:-}" ]]; then
     --impls bf16 ${SWEEP_ARGS:---heads llama3.1-8b --batches 8 --kv-lens 32768} --reps 3 --target-ms 30 \
     --bf16-configs $BF16_SWEEP 2>&1 | tee -a "$OUT/bench.log"
   echo "sweep exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+fi
+
+if [[ -n "${HACK4:-}" ]]; then
+  mkdir -p "$OUT/hack4"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${TEST_TIMEOUT:-180}" python3 -m pytest -q -m gpu \
+    tests/test_bits.py 2>&1 | tee "$OUT/hack4/tests.log"
+  echo "hack4 tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/hack4/tests.log"
+  # shellcheck disable=SC2086
+  timeout -k 5 "${HACK4_TIMEOUT:-300}" python3 bench/bench_decode_attention.py --out "$OUT/hack4" \
+    --impls bf16 hack hack4 --hack-dots folded_f16 int8 \
+    ${HACK4_ARGS:---heads llama3.1-8b --batches 1 8 --kv-lens 1024 32768 131072 --reps 3} 2>&1 | tee "$OUT/hack4/bench.log"
+  echo "hack4 bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/hack4/bench.log"
 fi
 
 if [[ -n "${GENERATE:-}" ]]; then

@@ -75,6 +75,7 @@ _PALLAS = {
     ("triton", "decode", "hack"): ("pallas_kernels.triton_decode_attention", "hack_triton_decode_attention"),
 }
 _WINDOW_KERNELS = {("pallas", "decode")}  # the (impl, kind) whose kivi kernels take QuantConfig.window
+_BITS_KERNELS = {("pallas", "decode")}  # ... and 4-bit codes (QuantConfig.bits); the fused kernel too
 
 
 def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, impl="reference",
@@ -219,7 +220,8 @@ def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
     int8 / int4 / kivi2: their arrays (kivi2 with quant_group_size); turbo: its four arrays and the
     codebook f32[16 or 8]; kivi: the 12 arrays in the kernels' order (k_codes,
     k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v) with
-    partition_size and num_sink_tokens, and v_group / window when the config sets them. Kernels are called as
+    partition_size and num_sink_tokens, and v_group / window / bits when the config sets them (bits when
+    not 2). Kernels are called as
     fn(q, *arrays, page_indices, kv_lens, **static, **kernel_options) (prefill: also q_start=)."""
     if isinstance(layer, kv_cache.DensePages):
         return (layer.k, layer.v), {}
@@ -238,6 +240,8 @@ def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
         static["v_group"] = layer.config.v_group
     if layer.config.window:
         static["window"] = layer.config.window
+    if layer.config.bits != 2:
+        static["bits"] = layer.config.bits
     return tuple(getattr(layer, f) for f in _KIVI_FIELDS), static
 
 
@@ -263,6 +267,10 @@ def _pallas(impl, kind, layer):
         raise NotImplementedError(f"impl={impl!r} has no {kind} kernel for a 16-bit window longer than the open "
                                   f"block (window={layer.config.window}); decode with impl='pallas', prefill "
                                   f"with impl='reference'")
+    if layer.config.bits != 2 and (impl, kind) not in _BITS_KERNELS:
+        raise NotImplementedError(f"impl={impl!r} has no {kind} kernel for {layer.config.bits}-bit codes "
+                                  f"(bits={layer.config.bits}); decode with impl='pallas', prefill with "
+                                  f"impl='reference'")
     module, name = _PALLAS[impl, kind, fmt]
     try:
         kernel = getattr(importlib.import_module(module), name)

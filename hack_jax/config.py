@@ -9,6 +9,7 @@ KVFormat = Literal["hack", "bf16", "float32", "int8", "fp8", "kivi2", "int4", "t
 ROTATED_FORMATS = ("int4", "turbo3", "turbo4")  # K and V rotated by QuantConfig.rotation
 Layout = Literal["kivi", "seed"]
 Rounding = Literal["nearest", "stochastic"]
+CODE_BITS = (2, 4)  # QuantConfig.bits: code widths whose codes fill a byte exactly
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class QuantConfig:
     """Frozen, hashable (usable as a static jit argument) description of the KV cache format.
 
     Attributes:
-      kv_format: "hack" (2-bit codes, HACK.md), "bf16" / "float32" (unquantized), "int8" (per
+      kv_format: "hack" (2-bit codes, or `bits`-bit, HACK.md), "bf16" / "float32" (unquantized), "int8" (per
         (token, kv head) asymmetric baseline, HACK.md §8), "fp8" (float8 e4m3 with a float32 scale
         per (token, kv head), vLLM's fp8), "kivi2" (KIVI-2: 2-bit K per channel over 32-token
         groups, V per token over 32-channel groups, a 16-bit residual of the newest tokens;
@@ -33,7 +34,13 @@ class QuantConfig:
       v_group: kivi only: channels per V quantization group (also the INT8 query group and the K
         code sums' channel group), min(v_group, head_dim) in effect; 0 = partition_size (the
         coupled default); else a power of two >= 16. `channel_group` is the value in effect.
-      page_size: tokens per cache page; a multiple of 4 * partition_size (one packing group).
+      bits: kv_format="hack": the code width b of K and V, 2 (default) or 4; codes in [0, 2**b - 1],
+        scale = (max - min) / (2**b - 1). A byte holds 8 // b codes, one per block of a packing
+        group ("planes", hack_jax.packing). 3 is refused: 3-bit codes pack 2 per byte (the
+        planar layout keeps whole codes of one block per plane, and 8 is no multiple of 3), so
+        they would cost 4-bit bytes for 3-bit precision. `codes_per_byte` = 8 // bits.
+      page_size: tokens per cache page; a multiple of codes_per_byte * partition_size (one packing
+        group: 4 blocks at 2 bits, 2 at 4 bits).
       num_sink_tokens: leading tokens kept in residual_dtype (>= 0).
       rounding: "nearest" or "stochastic" (HACK.md §2).
       v_rotation: 0 (off) or B, a power of two >= 2 dividing head_dim: V is multiplied by the
@@ -65,6 +72,7 @@ class QuantConfig:
     v_group: int = 0
     window: int = 0
     rotation: int = 0
+    bits: int = 2
 
     meta_dtype: ClassVar = jnp.float16
     residual_dtype: ClassVar = jnp.bfloat16
@@ -75,18 +83,25 @@ class QuantConfig:
             if value not in get_args(literal):
                 raise ValueError(f"{name} must be one of {get_args(literal)}, got {value!r}")
         for name in ("partition_size", "page_size", "num_sink_tokens", "v_rotation", "v_group", "window",
-                     "rotation"):
+                     "rotation", "bits"):
             value = getattr(self, name)
             # bool is an int subclass; True as a size is always a bug.
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an int, got {value!r}")
+        if self.bits not in CODE_BITS:
+            why = " (3-bit codes would pack 2 per byte: 4-bit bytes for 3-bit precision)" if self.bits == 3 else ""
+            raise ValueError(f"bits must be one of {CODE_BITS}, got bits={self.bits}{why}")
+        if self.bits != 2 and self.kv_format != "hack":
+            raise ValueError(f"bits applies to kv_format='hack' only, got kv_format={self.kv_format!r}, "
+                             f"bits={self.bits}")
         p = self.partition_size
         if p < 16 or p & (p - 1):
             raise ValueError(f"partition_size must be a power of two >= 16, got {p=}")
-        if self.page_size <= 0 or self.page_size % (4 * p):
+        group = self.codes_per_byte * p
+        if self.page_size <= 0 or self.page_size % group:
             raise ValueError(
-                f"page_size must be a positive multiple of 4 * partition_size = {4 * p}, "
-                f"got page_size={self.page_size}"
+                f"page_size must be a positive multiple of codes_per_byte * partition_size = {group} "
+                f"(bits={self.bits}), got page_size={self.page_size}"
             )
         if self.num_sink_tokens < 0:
             raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
@@ -115,6 +130,11 @@ class QuantConfig:
         if self.kv_format in ROTATED_FORMATS and (b or self.rounding != "nearest"):
             raise ValueError(f"kv_format={self.kv_format!r} rotates K and V itself (rotation=) and rounds to "
                              f"nearest: got v_rotation={b}, rounding={self.rounding!r}")
+
+    @property
+    def codes_per_byte(self) -> int:
+        """Codes per packed byte = blocks per packing group: 8 // bits (4 at 2 bits, 2 at 4 bits)."""
+        return 8 // self.bits
 
     @property
     def channel_group(self) -> int:

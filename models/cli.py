@@ -11,7 +11,7 @@
                    [--haystack T] [--out FILE.jsonl]   (passkey retrieval, models/passkey.py)
   model and cache options of generate / perplexity: [--model PATH] [--kv-format FMT] [--dtype D]
   [--impl I] [--interpret] [--partition-size P] [--num-sink-tokens N] [--rounding R] [--layout L]
-  [--v-group G] [--v-rotation B] [--window W] [--prefill-attention A]
+  [--v-group G] [--v-rotation B] [--window W] [--bits B] [--prefill-attention A]
 
 Errors (empty prompt, prompt beyond the cache, bad option values) print
 `hack-jax SUBCOMMAND: error: ...` naming the flag and value on stderr and exit with status 2
@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="hack kivi: the newest tokens kept in 16 bits (KIVI's residual, e.g. 128), "
                       "a multiple of --partition-size; when full, its blocks are sealed together; "
                       "0 = one open block of --partition-size tokens (QuantConfig.window)")
+  common.add_argument("--bits", type=int, default=2, choices=(2, 4),
+                      help="hack: code width of K and V (QuantConfig.bits): 2, or 4 (two codes per byte, "
+                      "~4.75 bits per element at P=64; decode kernels: --impl pallas)")
   common.add_argument("--v-rotation", type=int, default=0,
                       help="V multiplied by a block-diagonal Hadamard matrix of this block size "
                       "(a power of two dividing head_dim) before it is cached, undone on the "

@@ -125,7 +125,7 @@ def quant_config(args) -> QuantConfig:
                      window=args.window,
                      num_sink_tokens=args.num_sink_tokens, rounding=args.rounding,
                      layout=args.layout, v_rotation=args.v_rotation, v_group=args.v_group,
-                     rotation=args.rotation)
+                     rotation=args.rotation, bits=getattr(args, "bits", 2))
 
 
 def encode(tokenizer, prompt: str, *, system: str | None, chat: bool) -> list[int]:

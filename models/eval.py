@@ -51,6 +51,8 @@ HACK.md §4 variants (VARIANT_FORMATS, `--formats variants`):
                                  64 (QuantConfig(partition_size=32, v_group=64)), without / with
                                  v_rotation=64.
   hack-p64-sink64                the real cache with 64 bf16 sink tokens instead of 4.
+  hack4-p64, hack4-p128          the real cache with 4-bit codes (QuantConfig(bits=4): two blocks
+                                 per byte, scale = (max - min) / 15); also `hack:bits=4,...`.
   hack-p64-w128, hack-k32v64-vhad-w128  the real cache with a 16-bit recent window of 128 tokens
                                  (QuantConfig(window=128): the newest 0..127 tokens after the sinks
                                  in bf16, the window's blocks sealed together when it fills; KIVI's
@@ -208,6 +210,8 @@ FORMATS = {f.name: f for f in [
                note="kivi layout K32/V64 + Hadamard(64) on V (real cache)"),
     EvalFormat("hack-p64-sink64", _hack(64, num_sink_tokens=64),
                note="kivi layout P64, 64 bf16 sinks (real cache)"),
+    EvalFormat("hack4-p64", _hack(64, bits=4), note="kivi layout P64, 4-bit codes (real cache, 4.75 bits)"),
+    EvalFormat("hack4-p128", _hack(128, bits=4), note="kivi layout P128, 4-bit codes (real cache)"),
     EvalFormat("hack-p64-w128", _hack(64, window=128),
                note="kivi layout P64, 16-bit window of 0..127 newest tokens (real cache)"),
     EvalFormat("hack-k32v64-vhad-w128", _hack(32, v_group=64, v_rotation=64, window=128),

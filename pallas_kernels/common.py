@@ -7,9 +7,9 @@
   jax >= 0.11, emitted while lowering) filtered. The warning is raised when the enclosing jit is lowered,
   which can happen outside any call of ours, so the same single filter is also installed once at import.
 - `quiet(fn)`: decorator for public entry points (same filter around eager calls).
-- In-kernel 2-bit plane unpacking for DESIGN.md's planar packing (plane j = bits 2j..2j+1): `plane`
-  (u8 codes), `plane_int8_masked` (int8 dot operands code * 4**e, inline PTX on the GPU),
-  `folded_plane` (exact 16-bit float operands, inline PTX on the GPU); `select_rows`; exact integer
+- In-kernel plane unpacking for DESIGN.md's planar packing (b-bit codes, b = 2 or 4: plane j = bits
+  bj..bj+b-1): `plane` (u8 codes), `plane_int8_masked` (int8 dot operands code * 2**e, inline PTX on
+  the GPU), `folded_plane` (exact 16-bit float operands, inline PTX on the GPU); `select_rows`; exact integer
   dots `int_dot`; float32-accurate dots on bf16 tensor cores `f32_bf16_dot`.
 - The INT8 quantizer of the transient operands (`quantize_rows_int8`, `round_half_even`), repeating
   hack_jax.quantization.quantize's float32 arithmetic; `quantize_rows_int8_codes` gives int8 dot
@@ -97,19 +97,27 @@ def plane(tile: jax.Array, j: int) -> jax.Array:
     return x & jnp.uint8(3)
 
 
-# "int8" masked planes: plane j as code * 4**MASKED_PLANE_EXP[j] <= 48 (int8-safe), the weight 4**-e undone on
-# the dot result (`masked_plane_weights`); plane 3 needs one shift (code * 64 = 192 > 127).
-_MASKED_PLANE = {0: (0, 0x03), 1: (0, 0x0C), 2: (0, 0x30), 3: (2, 0x30)}  # j -> (right shift, byte mask)
-MASKED_PLANE_EXP = (0, 1, 2, 2)  # plane j holds code_j * 4**MASKED_PLANE_EXP[j]
+def num_planes(bits: int) -> int:
+    """Code planes per byte = blocks per packing group: 8 // bits (NUM_PLANES at 2 bits)."""
+    return 8 // bits
 
 
-def plane_int8_masked(tile: jax.Array, j: int, *, asm: bool) -> jax.Array:
-    """"int8" plane j of a u8 code tile as code_j * 4**MASKED_PLANE_EXP[j] (values <= 48): planes 0-2 are
-    `byte & (3 << 2j)` (one AND per 4 codes with inline PTX, no shift), plane 3 `(byte >> 2) & 0x30`;
-    the dot results are exact integers (|dot| <= 127 * 48 * inner dim < 2**24) and the caller
-    multiplies them by 4**-MASKED_PLANE_EXP[j] (`masked_plane_weights`, exact). asm (GPU only): on 4 packed
-    bytes per 32-bit register by `elementwise_inline_asm`, else jnp (interpret mode; same bits)."""
-    shift, mask = _MASKED_PLANE[j]
+# "int8" masked planes, per code width: plane j as code_j * 2**MASKED_PLANE_EXP[bits][j] (int8-safe), the
+# weight 2**-e undone on the dot result (`masked_plane_weights`). 2 bits: values <= 48, plane 3 needs one
+# shift (code * 64 = 192 > 127); 4 bits: the low nibble masked, the high one shifted down (code * 16 > 127).
+_MASKED_PLANE = {2: {0: (0, 0x03), 1: (0, 0x0C), 2: (0, 0x30), 3: (2, 0x30)},  # j -> (right shift, byte mask)
+                 4: {0: (0, 0x0F), 1: (4, 0x0F)}}
+MASKED_PLANE_EXP = {2: (0, 2, 4, 4), 4: (0, 0)}  # plane j holds code_j * 2**MASKED_PLANE_EXP[bits][j]
+
+
+def plane_int8_masked(tile: jax.Array, j: int, *, asm: bool, bits: int = 2) -> jax.Array:
+    """"int8" plane j of a u8 code tile as code_j * 2**MASKED_PLANE_EXP[bits][j]. 2 bits (values <= 48):
+    planes 0-2 are `byte & (3 << 2j)` (one AND per 4 codes with inline PTX, no shift), plane 3
+    `(byte >> 2) & 0x30`; 4 bits (values <= 15): `byte & 0x0F`, `(byte >> 4) & 0x0F`. The dot results
+    are exact integers (|dot| <= 127 * 48 * inner dim < 2**24) and the caller multiplies them by
+    2**-MASKED_PLANE_EXP[bits][j] (`masked_plane_weights`, exact). asm (GPU only): on 4 packed bytes per
+    32-bit register by `elementwise_inline_asm`, else jnp (interpret mode; same bits)."""
+    shift, mask = _MASKED_PLANE[bits][j]
     if not asm:
         x = tile >> jnp.uint8(shift) if shift else tile
         return (x & jnp.uint8(mask)).astype(jnp.int8)
@@ -121,30 +129,35 @@ def plane_int8_masked(tile: jax.Array, j: int, *, asm: bool) -> jax.Array:
     return out
 
 
-# Scale-folded 16-bit planes: dtype, magic exponent bits, mantissa bit of the code's low bit. Plane j of a
-# byte, moved to bits TOP..TOP+1 and OR-ed into the magic's mantissa, reads as MAGIC + code * 2**TOP
-# exactly (f16 1024 + 64 c, ulp 1 there; bf16 128 + 32 c): no integer-to-float convert, and the offset
-# is only MAGIC / (2**TOP * 1.5) ~ 11 (f16) / 2.7 (bf16) times the mean code, so the float32 sums of the
-# dot keep all but ~3.5 / 1.5 bits (a 1024 + code operand would lose ~9.4).
-FOLDED_PLANES = {"folded_f16": (jnp.float16, 0x6400, 1024.0, 6), "folded_bf16": (jnp.bfloat16, 0x4300, 128.0, 5)}
+# Scale-folded 16-bit planes: dtype, magic exponent bits, magic value, END = the bit above the code field.
+# Plane j of a byte, moved to bits TOP..END-1 (TOP = END - bits) and OR-ed into the magic's mantissa, reads
+# as MAGIC + code * 2**TOP exactly (2 bits: f16 1024 + 64 c, ulp 1 there, bf16 128 + 32 c; 4 bits: f16
+# 1024 + 16 c, bf16 128 + 8 c): no integer-to-float convert. END keeps the field in the low byte (the
+# PRMT below) and in the mantissa (bf16: 7 bits). The offset is only MAGIC / (2**TOP * mean code) ~ 11
+# (f16) / 2.7 (bf16) times the mean code at 2 bits, ~8.5 / 2.1 at 4 bits, so the float32 sums of the dot
+# keep all but ~3.5 / 1.5 bits (a 1024 + code operand would lose ~9.4).
+FOLDED_PLANES = {"folded_f16": (jnp.float16, 0x6400, 1024.0, 8), "folded_bf16": (jnp.bfloat16, 0x4300, 128.0, 7)}
 
 
-def folded_plane_constants(dot_dtype: str):
+def folded_plane_constants(dot_dtype: str, bits: int = 2):
     """(weight, offset) of `folded_plane`: dot(a, plane) * weight - offset * sum(a) = dot(a, codes)."""
-    _, _, value, top = FOLDED_PLANES[dot_dtype]
+    _, _, value, end = FOLDED_PLANES[dot_dtype]
+    top = end - bits
     return 2.0 ** -top, value * 2.0 ** -top
 
 
-def folded_plane(tile: jax.Array, j: int, dot_dtype: str, *, asm: bool) -> jax.Array:
-    """Plane j of a u8 code tile as 16-bit floats MAGIC + code_j * 2**TOP (FOLDED_PLANES), exact.
+def folded_plane(tile: jax.Array, j: int, dot_dtype: str, *, asm: bool, bits: int = 2) -> jax.Array:
+    """Plane j of a u8 code tile of `bits`-bit codes as 16-bit floats MAGIC + code_j * 2**TOP
+    (FOLDED_PLANES, TOP = END - bits), exact.
 
-    jnp (interpret mode): shift the byte so the code lands at bits TOP..TOP+1, mask, widen, OR the magic
+    jnp (interpret mode): shift the byte so the code lands at bits TOP..END-1, mask, widen, OR the magic
     exponent, bitcast. asm (GPU only): the same bits on 4 packed bytes per 32-bit register, one shift
-    (none for f16 plane 3) + one AND per 4 codes and two PRMTs that interleave the bytes with the
-    magic's high byte into two f16x2 / bf16x2 registers."""
-    dtype, magic, _, top = FOLDED_PLANES[dot_dtype]
-    shift = top - 2 * j  # > 0: left
-    mask = 3 << top
+    (none for f16 plane 3 at 2 bits, plane 1 at 4 bits) + one AND per 4 codes and two PRMTs that interleave
+    the bytes with the magic's high byte into two f16x2 / bf16x2 registers."""
+    dtype, magic, _, end = FOLDED_PLANES[dot_dtype]
+    top = end - bits
+    shift = top - bits * j  # > 0: left
+    mask = ((1 << bits) - 1) << top
     if not asm:
         x = tile << jnp.uint8(shift) if shift > 0 else tile >> jnp.uint8(-shift) if shift < 0 else tile
         bits = (x & jnp.uint8(mask)).astype(jnp.uint16) | jnp.uint16(magic)
@@ -312,11 +325,12 @@ def select_rows(row_plane: jax.Array, parts) -> jax.Array:
     return out
 
 
-def masked_plane_weights(row_plane: jax.Array) -> jax.Array:
-    """f32[rows]: 4**-MASKED_PLANE_EXP[row_plane], undoing `plane_int8_masked`'s scaling on the dot."""
+def masked_plane_weights(row_plane: jax.Array, bits: int = 2) -> jax.Array:
+    """f32[rows]: 2**-MASKED_PLANE_EXP[bits][row_plane], undoing `plane_int8_masked`'s scaling on the dot."""
     w = jnp.full(row_plane.shape, 1.0, jnp.float32)
-    for j in range(1, 4):
-        w = jnp.where(row_plane == j, 4.0 ** (-MASKED_PLANE_EXP[j]), w)
+    for j, e in enumerate(MASKED_PLANE_EXP[bits]):
+        if e:
+            w = jnp.where(row_plane == j, 2.0 ** -e, w)
     return w
 
 
@@ -482,19 +496,27 @@ def check_paged_bf16(head_dim: int, num_q_heads: int, batch: int, k, v, page_ind
     return k.shape
 
 
-def check_kivi_geometry(partition_size: int, head_dim: int, page_size: int) -> None:
+def check_kivi_geometry(partition_size: int, head_dim: int, page_size: int, planes: int = 4) -> None:
     """Validates the kivi page geometry the HACK kernels support (DESIGN.md packing).
 
     Raises ValueError naming the value: partition_size or head_dim not a power of two >= 32 (the int8
-    dot's inner dim), page_size not a multiple of 4 * partition_size (one packing group of 4 blocks).
+    dot's inner dim), page_size not a multiple of planes * partition_size (one packing group: 4 blocks
+    of 2-bit codes, 2 of 4-bit codes).
     """
     if not is_pow2(partition_size) or partition_size < 32:
         raise ValueError(f"partition_size must be a power of two >= 32, got {partition_size=}")
     if not is_pow2(head_dim) or head_dim < 32:
         raise ValueError(f"head_dim must be a power of two >= 32, got {head_dim=}")
-    if page_size % (4 * partition_size):
-        raise ValueError(f"page_size must be a multiple of 4 * partition_size, got {page_size=}, "
+    if page_size % (planes * partition_size):
+        raise ValueError(f"page_size must be a multiple of {planes} * partition_size, got {page_size=}, "
                          f"{partition_size=}")
+
+
+def require_2bit(kernel: str, bits) -> None:
+    """NotImplementedError for a kernel that reads 2-bit codes only, given bits != 2 (QuantConfig.bits)."""
+    if bits != 2:
+        raise NotImplementedError(f"{kernel} reads 2-bit codes only, got {bits=}; decode a {bits}-bit cache with "
+                                  f"decode_attention.hack_decode_attention (hack_jax.attention impl='pallas')")
 
 
 def check_channel_group(v_group) -> None:
@@ -583,10 +605,10 @@ def split_range(split, num_packing_groups, num_splits):
     return split * num_packing_groups // num_splits, (split + 1) * num_packing_groups // num_splits
 
 
-def load_q_rows(q_ref, b, h, *, q_per_kv, q_per_kv_pad, num_channel_groups, sm_scale):
-    """NP x f32[R, Pc]: q * sm_scale in the (plane j, head g) row layout, gathered from q_ref
-    float[S, Hq, D] (row (j, g) = query head h * q_per_kv + g; rows g >= q_per_kv are 0)."""
-    R = NUM_PLANES * q_per_kv_pad
+def load_q_rows(q_ref, b, h, *, q_per_kv, q_per_kv_pad, num_channel_groups, sm_scale, planes=NUM_PLANES):
+    """NP x f32[R, Pc]: q * sm_scale in the (plane j, head g) row layout, R = planes * q_per_kv_pad rows,
+    gathered from q_ref float[S, Hq, D] (row (j, g) = query head h * q_per_kv + g; rows g >= q_per_kv are 0)."""
+    R = planes * q_per_kv_pad
     Pc = q_ref.shape[-1] // num_channel_groups
     g = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) % q_per_kv_pad
     head = h * q_per_kv + jnp.minimum(g, q_per_kv - 1)  # [R]
@@ -662,10 +684,12 @@ def sinks_and_open_block_state(q, open_k_ref, open_v_ref, sink_refs, b, h, kv_le
 
 def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                       sink_k, sink_v, page_indices, kv_lens, *, partition_size, num_sink_tokens, v_group=None,
-                      window=None):
+                      window=None, bits=2):
     """Trace-time checks of shapes and dtypes against DESIGN.md's kivi layout; raises ValueError.
     v_group: channels per V / query group (None: partition_size), clamped to head_dim. window: the open
-    region's tokens W (None: partition_size), a power-of-two multiple of it dividing page_size."""
+    region's tokens W (None: partition_size), a power-of-two multiple of it dividing page_size. bits: the
+    code width (QuantConfig.bits, 2 or 4): k_codes has page_size // (8 // bits) rows per page, page_size
+    read from k_sums."""
     P, ns = partition_size, num_sink_tokens
     for name, x in (("q", q), ("k_codes", k_codes), ("page_indices", page_indices), ("kv_lens", kv_lens)):
         if not hasattr(x, "shape"):
@@ -674,11 +698,18 @@ def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_mi
     if q.ndim != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be float[batch, num_q_heads, head_dim], got {q.shape=}, {q.dtype=}")
     batch, num_q_heads, head_dim = q.shape
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 2 or 4 (QuantConfig.bits), got {bits=}")
+    C = num_planes(bits)
     if k_codes.ndim != 4:
-        raise ValueError(f"k_codes must be u8[num_pages, num_kv_heads, page_size // 4, head_dim], got {k_codes.shape=}")
-    num_pages, num_kv_heads, quarter, _ = k_codes.shape
-    page_size = 4 * quarter
-    check_kivi_geometry(P, head_dim, page_size)
+        raise ValueError(f"k_codes must be u8[num_pages, num_kv_heads, page_size // {C}, head_dim], got {k_codes.shape=}")
+    num_pages, num_kv_heads, code_rows, _ = k_codes.shape
+    page_size = C * code_rows
+    if getattr(k_sums, "ndim", 0) == 4 and k_sums.shape[2] != page_size and k_sums.shape[2] % code_rows == 0:
+        held = 8 // (k_sums.shape[2] // code_rows)
+        raise ValueError(f"k_codes has {code_rows} rows per page of page_size={k_sums.shape[2]} (k_sums): a "
+                         f"{held}-bit cache (QuantConfig.bits={held}), but {bits=} was given")
+    check_kivi_geometry(P, head_dim, page_size, planes=C)
     if not isinstance(ns, int) or ns < 0:
         raise ValueError(f"num_sink_tokens must be an int >= 0, got {num_sink_tokens=}")
     if num_q_heads % num_kv_heads:
@@ -691,8 +722,8 @@ def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_mi
     bpp, Pc = page_size // P, min(v_group or P, head_dim)
     NP = head_dim // Pc
     expect = {
-        "k_codes": ((num_pages, num_kv_heads, page_size // 4, head_dim), (jnp.uint8,)),
-        "v_codes": ((num_pages, num_kv_heads, head_dim, page_size // 4), (jnp.uint8,)),  # token-major
+        "k_codes": ((num_pages, num_kv_heads, page_size // C, head_dim), (jnp.uint8,)),
+        "v_codes": ((num_pages, num_kv_heads, head_dim, page_size // C), (jnp.uint8,)),  # token-major
         "k_scale": ((num_pages, num_kv_heads, bpp, head_dim), None),
         "k_min": ((num_pages, num_kv_heads, bpp, head_dim), None),
         "k_sums": ((num_pages, num_kv_heads, page_size, NP), (jnp.uint8, jnp.uint16)),

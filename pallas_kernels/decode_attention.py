@@ -15,7 +15,9 @@ after the sinks; then (u // W) * (W // P) blocks are sealed): float32 attention.
 is applied here.
 
 Shapes (P = partition_size, Pc = min(P, head_dim), NP = head_dim // Pc, bpp = page_size // P,
-S = batch, ns = num_sink_tokens; DESIGN.md "Paged cache layout"):
+S = batch, ns = num_sink_tokens; DESIGN.md "Paged cache layout"), shown for 2-bit codes (`bits` = 2, the
+default); with bits = 4 (QuantConfig.bits) the code arrays hold page_size // 2 rows (2 blocks per byte,
+two nibble planes) and everything below that says 4 blocks / planes says C = 8 // bits:
   q          float[S, num_q_heads, head_dim]          -> out f32[S, num_q_heads, head_dim]
   k_codes    u8[num_pages, num_kv_heads, page_size // 4, head_dim]   (planar per packing group of 4 blocks)
   k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]
@@ -29,7 +31,8 @@ S = batch, ns = num_sink_tokens; DESIGN.md "Paged cache layout"):
 Structure. Grid (batch, num_kv_heads, programs): one program serves the q_per_kv query heads of a kv
 head over a contiguous range of packing groups (4 blocks: one u8[P, Pc] K tile and one u8[Pc, P] V tile
 per channel group; `common.split_range` balances the groups over the splits). Its R = 4 * q_per_kv_pad
-rows (q_per_kv_pad = max(4, next_pow2(q_per_kv)), so R >= 16, the dot's M) are (plane j, head g): row
+rows (q_per_kv_pad = max(4, next_pow2(q_per_kv)), so R >= 16, the dot's M; 4 bits: R = 2 * q_per_kv_pad
+with q_per_kv_pad = max(8, ...)) are (plane j, head g): row
 (j, g) handles block j of every group and carries its own online softmax; the 4 dots per tile (one per
 2-bit plane) keep each row's own plane. Block metadata are read once per group as [4, X] tiles and
 broadcast to the rows. The 4 row streams merge at the end of the program, the splits by log-sum-exp outside the kernel. Sinks and
@@ -73,7 +76,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.common import NUM_PLANES
 
 DotDtype = Literal["int8", "folded_f16", "folded_bf16"]
 DOT_DTYPES = ("int8", "folded_f16", "folded_bf16")
@@ -95,16 +97,16 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_channel_groups, q_per_kv, q_per_kv_pad,
                         packing_groups_per_page, num_sink_tokens, num_pages, max_blocks, num_splits, open_split,
-                        sm_scale, dot_dtype, interpret, open_full=False, open_state=common.sinks_and_open_block_state):
+                        sm_scale, dot_dtype, interpret, open_full=False, bits=2, open_state=common.sinks_and_open_block_state):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]   layer-local page ids
     # offsets_ref       i32[2]: (first page, first sequence row) of the layer read, in the arrays below
     #                   (0, 0) for one layer's own arrays; (i N, i S) for layer i of a stacked cache seen flat
     # q_ref             float[S, Hq, D]
-    # k_codes_ref       u8[N, H, page_size // 4, D]
+    # k_codes_ref       u8[N, H, page_size // C, D]   C = 8 // bits planes (blocks) per packing group
     # k_scale_ref, k_min_ref  f16[N, H, bpp, D]
     # k_sums_ref        u8|u16[N, H, bpp, P, NP]   (the wrapper's free reshape of [N, H, page_size, NP])
-    # v_codes_ref       u8[N, H, D, page_size // 4]   (token-major)
+    # v_codes_ref       u8[N, H, D, page_size // C]   (token-major)
     # v_scale_ref, v_min_ref  f16[N, H, bpp, P, NP]   (reshaped likewise)
     # v_sums_ref        u8|u16[N, H, bpp, D]
     # open_k_ref, open_v_ref  bf16[S, H, W, D]   the open region (W = window, or P)
@@ -116,7 +118,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     ns, P, NP = num_sink_tokens, partition_size, num_channel_groups
     acc_ref, m_ref, l_ref = refs[-3:]
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    R = NUM_PLANES * q_per_kv_pad
+    C = common.num_planes(bits)  # blocks per packing group = rows streams per program
+    R = C * q_per_kv_pad
     Pc = q_ref.shape[-1] // NP
 
     kv_len = kv_lens_ref[b]
@@ -127,7 +130,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     # 16-bit rows read: kv_cache.append(seal="after") sealed nothing yet), so it holds 1..W tokens
     num_blocks = ((jnp.maximum(after_sinks - 1, 0) if open_full else after_sinks) // W) * (W // P)
     num_open = after_sinks - num_blocks * P
-    num_packing_groups = (num_blocks + NUM_PLANES - 1) // NUM_PLANES
+    num_packing_groups = (num_blocks + C - 1) // C
     # open_split: programs 0..num_splits-1 take the sealed blocks, program num_splits the sinks and the
     # open block alone; otherwise split 0 takes them besides its (fewest) groups
     prologue_split = num_splits if open_split else 0
@@ -137,30 +140,31 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
 
     row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // q_per_kv_pad  # [R] block j of the row
     q = common.load_q_rows(q_ref, b, h, q_per_kv=q_per_kv, q_per_kv_pad=q_per_kv_pad, num_channel_groups=NP,
-                           sm_scale=sm_scale)
+                           sm_scale=sm_scale, planes=C)
     asm = not interpret  # inline PTX has no interpret-mode rule; the jnp forms give the same values
     exp = functools.partial(common.exp, fast=True)
     int8 = dot_dtype == "int8"
     if int8:
-        plane_w = common.masked_plane_weights(row_plane)  # [R]
+        plane_w = common.masked_plane_weights(row_plane, bits)  # [R]
     else:
         fold_dtype = common.FOLDED_PLANES[dot_dtype][0]
-        fold_w, fold_off = common.folded_plane_constants(dot_dtype)
+        fold_w, fold_off = common.folded_plane_constants(dot_dtype, bits)
 
     def int8_dot(x, tile):
         """x f32[R, n] quantized INT8 per row, dotted with each row's own plane of the u8 tile [m, n]
         (the inner dim n is the tile's contiguous axis) -> (f32[R, m] integer dot, scale [R], min [R])."""
         xc, xs, xm = common.quantize_rows_int8_codes(x, interpret=interpret, fast=True, fast_div=True)
-        dots = [jnp.dot(xc, common.plane_int8_masked(tile, j, asm=asm).T, preferred_element_type=jnp.int32)
-                for j in range(NUM_PLANES)]
+        dots = [jnp.dot(xc, common.plane_int8_masked(tile, j, asm=asm, bits=bits).T, preferred_element_type=jnp.int32)
+                for j in range(C)]
         return common.select_rows(row_plane, dots).astype(jnp.float32), xs, xm
 
     def fold_dot(x, tile):
         """x f32[R, n] rounded to 16 bits, dotted with each row's own plane of the u8 tile [m, n] ->
         (f32[R, m] = dot of the rounded x with the codes up to the plane offset, the rounded x f32[R, n])."""
         xr = x.astype(fold_dtype)
-        dots = [jnp.dot(xr, common.folded_plane(tile, j, dot_dtype, asm=asm).T, preferred_element_type=jnp.float32)
-                for j in range(NUM_PLANES)]
+        dots = [jnp.dot(xr, common.folded_plane(tile, j, dot_dtype, asm=asm, bits=bits).T,
+                        preferred_element_type=jnp.float32)
+                for j in range(C)]
         return fold_w * common.select_rows(row_plane, dots), xr.astype(jnp.float32)
 
     init = jax.lax.cond(
@@ -170,7 +174,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         lambda: common.empty_state(R, Pc, NP))
 
     def body(packing_group, carry):
-        # One packing group g4 = packing_group: blocks 4 g4 + j (j = 0..3), row (j, g) handles block 4 g4 + j.
+        # One packing group gc = packing_group: blocks C gc + j (j < C), row (j, g) handles block C gc + j.
         m, l, accs = carry
         page, packing_group_in_page = ((packing_group, 0) if packing_groups_per_page == 1 else
                                        (packing_group // packing_groups_per_page,
@@ -178,18 +182,18 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         pid = page_indices_ref[b, page]
         pid = first_page + jnp.where((pid >= 0) & (pid < num_pages), pid, 0)  # outside the layer: its null page
         code_row0 = packing_group_in_page * P
-        slot0 = packing_group_in_page * NUM_PLANES  # block slot of plane 0 in the page
-        valid = NUM_PLANES * packing_group + row_plane < num_blocks  # [R]
+        slot0 = packing_group_in_page * C  # block slot of plane 0 in the page
+        valid = C * packing_group + row_plane < num_blocks  # [R]
 
-        def rows(x4):  # [4, X] per block of the group -> f32[R, X], row (j, g) = x4[j]
-            x4 = x4.astype(jnp.float32)
-            return jnp.broadcast_to(x4[:, None, :], (NUM_PLANES, q_per_kv_pad, x4.shape[1])).reshape(R, x4.shape[1])
+        def rows(xc):  # [C, X] per block of the group -> f32[R, X], row (j, g) = xc[j]
+            xc = xc.astype(jnp.float32)
+            return jnp.broadcast_to(xc[:, None, :], (C, q_per_kv_pad, xc.shape[1])).reshape(R, xc.shape[1])
 
-        def per_channel(ref, channels):  # [4, Pc] block metadata (sigma, mu, omega) -> [R, Pc]
-            return rows(ref[pid, h, pl.ds(slot0, NUM_PLANES), channels])
+        def per_channel(ref, channels):  # [C, Pc] block metadata (sigma, mu, omega) -> [R, Pc]
+            return rows(ref[pid, h, pl.ds(slot0, C), channels])
 
-        def per_token(ref, p):  # [4, P] per-token metadata (kappa, tau, nu), one strided tile -> [R, P]
-            return rows(ref[pid, h, pl.ds(slot0, NUM_PLANES), :, p])
+        def per_token(ref, p):  # [C, P] per-token metadata (kappa, tau, nu), one strided tile -> [R, P]
+            return rows(ref[pid, h, pl.ds(slot0, C), :, p])
 
         # QK^T. int8: logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu;
         # folded: logit_j = sum_c r(q_c sigma_c) k_jc + q . mu (the plane offset folded into the constant)
@@ -234,7 +238,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         return m_new, l_new, tuple(new_accs)
 
     m, l, accs = jax.lax.fori_loop(g_lo, g_hi, body, init)
-    m, l, accs = common.merge_streams(m, l, accs, NUM_PLANES)  # [q_per_kv_pad], [q_per_kv_pad], NP x [q_per_kv_pad, Pc]
+    m, l, accs = common.merge_streams(m, l, accs, C)  # [q_per_kv_pad], [q_per_kv_pad], NP x [q_per_kv_pad, Pc]
     for p in range(NP):
         acc_ref[:, pl.ds(p * Pc, Pc)] = accs[p]
     m_ref[...] = m
@@ -264,14 +268,15 @@ class KernelConfig:
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
-                   partition_size: int, dot_dtype: DotDtype = "int8", num_sms: int = H200_NUM_SMS) -> KernelConfig:
+                   partition_size: int, dot_dtype: DotDtype = "int8", num_sms: int = H200_NUM_SMS,
+                   bits: int = 2) -> KernelConfig:
     """Splits from the H200 runs (bench/NOTES_decode.md): the kernel is latency-bound and a program's
     time is ~linear in its packing groups, so the time is ~ waves x groups per program, with
     RESIDENT_PROGRAMS_PER_SM[dot_dtype] x num_sms programs per wave (set by the register count);
     `choose_num_splits` minimizes that (a partial last wave costs a whole one)."""
     if dot_dtype not in DOT_DTYPES:
         raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {dot_dtype=}")
-    groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
+    groups = max(1, pages_per_seq * page_size // (common.num_planes(bits) * partition_size))
     slots = RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms
     splits, open_split = choose_num_splits(batch * num_kv_heads, groups, slots)
     return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
@@ -307,10 +312,10 @@ def split_cost(num_pairs: int, num_packing_groups: int, slots: int, splits: int,
 
 
 @functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "num_layers", "config",
-                                             "open_full", "interpret"))
+                                             "open_full", "interpret", "bits"))
 def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                  sink_k, sink_v, page_indices, kv_lens, offsets, *, partition_size, num_sink_tokens, num_layers,
-                 config, open_full, interpret):
+                 config, open_full, interpret, bits):
     # the cache arrays of num_layers layers seen flat ([num_layers * N, ...], [num_layers * S, ...]);
     # offsets i32[2] picks the layer (the kernel's offsets_ref)
     batch, num_q_heads, head_dim = q.shape
@@ -318,7 +323,8 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     page_size = k_sums.shape[2]
     num_channel_groups = k_sums.shape[3]
     pages_per_seq = page_indices.shape[1]
-    pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=4)
+    planes = common.num_planes(bits)
+    pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=16 // planes)  # R = planes * pad >= 16
     splits = config.num_splits
     programs = splits + config.open_split
     # per-token metadata as [N, H, bpp, P, NP] (a free reshape): the kernel reads a block group's [4, P]
@@ -332,10 +338,10 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     kernel = functools.partial(
         _hack_decode_kernel, partition_size=partition_size, num_channel_groups=num_channel_groups,
         q_per_kv=num_q_heads // num_kv_heads, q_per_kv_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
-        packing_groups_per_page=page_size // (NUM_PLANES * partition_size), num_sink_tokens=num_sink_tokens,
+        packing_groups_per_page=page_size // (planes * partition_size), num_sink_tokens=num_sink_tokens,
         num_pages=num_pages // num_layers, max_blocks=pages_per_seq * (page_size // partition_size),
         num_splits=splits, open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret,
-        open_full=open_full)
+        open_full=open_full, bits=bits)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
@@ -358,10 +364,11 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
 @common.quiet
 def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                           sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
-                          v_group: int | None = None, window: int | None = None, dot_dtype: DotDtype = "int8",
-                          num_splits: int | None = None, config: KernelConfig | None = None, layer_index=None,
-                          open_full: bool = False, interpret: bool = False):
-    """HACK decode attention over the paged INT2 kivi cache (module docstring; shapes there).
+                          v_group: int | None = None, window: int | None = None, bits: int = 2,
+                          dot_dtype: DotDtype = "int8", num_splits: int | None = None,
+                          config: KernelConfig | None = None, layer_index=None, open_full: bool = False,
+                          interpret: bool = False):
+    """HACK decode attention over the paged INT2 (or INT4) kivi cache (module docstring; shapes there).
 
     Args:
       q: float[batch, num_q_heads, head_dim], one query token per sequence.
@@ -373,6 +380,8 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
         it from k_sums' shape, this checks the arrays against it.
       window: the 16-bit open region's length W (None: P; QuantConfig.window), a power-of-two multiple
         of P dividing page_size; the kernel reads it from open_k's shape, this checks it.
+      bits: the code width (QuantConfig.bits): 2 (4 blocks per packing group) or 4 (2 blocks, the
+        code arrays [.., page_size // 2, ..]); checked against the arrays.
       dot_dtype: "int8" | "folded_f16" | "folded_bf16", the operand mode (ignored if config is given).
       num_splits: split-K programs per (sequence, kv head); overrides the config's.
       config: KernelConfig; None picks default_config(...).
@@ -397,24 +406,24 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
     cache = (k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)
     view = common.stacked_view(cache, layer_index, batch=q.shape[0])
     common.check_kivi_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
-                             num_sink_tokens=num_sink_tokens, v_group=v_group, window=window)
+                             num_sink_tokens=num_sink_tokens, v_group=v_group, window=window, bits=bits)
     config = resolve_config(q, view.layer[0], view.layer[3], page_indices, partition_size=partition_size,
-                            dot_dtype=dot_dtype, num_splits=num_splits, config=config)
+                            dot_dtype=dot_dtype, num_splits=num_splits, config=config, bits=bits)
     if not isinstance(open_full, bool):
         raise ValueError(f"open_full must be a bool, got {open_full=}")
     return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, partition_size=partition_size,
                         num_sink_tokens=num_sink_tokens, num_layers=view.num_layers, config=config,
-                        open_full=open_full, interpret=interpret)
+                        open_full=open_full, interpret=interpret, bits=bits)
 
 
 def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtype="int8", num_splits=None,
-                   config=None) -> KernelConfig:
+                   config=None, bits=2) -> KernelConfig:
     """The KernelConfig to launch (inputs already validated): `config` or default_config(...),
     num_splits overriding; ValueError on a bad dot_dtype, config or num_splits."""
     if config is None:
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1],
                                 pages_per_seq=page_indices.shape[1], page_size=k_sums.shape[2],
-                                partition_size=partition_size, dot_dtype=dot_dtype)
+                                partition_size=partition_size, dot_dtype=dot_dtype, bits=bits)
     elif not isinstance(config, KernelConfig):
         raise ValueError(f"config must be a decode_attention.KernelConfig, got {type(config).__name__}")
     elif config.dot_dtype not in DOT_DTYPES:

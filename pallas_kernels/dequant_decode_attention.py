@@ -177,14 +177,15 @@ def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k,
 def dequant_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                              sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
                              v_group: int | None = None, num_splits: int | None = None, config: KernelConfig | None = None,
-                             interpret: bool = False):
+                             interpret: bool = False, bits: int = 2):
     """Fused-dequant decode attention over the paged INT2 kivi cache (module docstring).
 
     Same arguments as pallas_kernels.decode_attention.hack_decode_attention (the code sums k_sums /
     v_sums are validated but not read; config.dot_dtype and config.open_split are ignored: the math
     is bf16 operands with float32 accumulation, the splits as the "int8" kernel's).
-    Returns f32[batch, num_q_heads, head_dim]; ValueError as there.
+    Returns f32[batch, num_q_heads, head_dim]; ValueError as there; NotImplementedError for bits != 2.
     """
+    common.require_2bit("dequant_decode_attention", bits)
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
     common.check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
                              open_v, sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,

@@ -52,7 +52,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.common import NUM_PLANES
 from pallas_kernels.decode_attention import (DOT_DTYPES, H200_NUM_SMS, DotDtype, KernelConfig, _hack_decode_kernel,
                                              choose_num_splits, resolve_config)
 from pallas_kernels import decode_attention
@@ -107,16 +106,17 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_r
 
 
 @functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "num_layers", "config",
-                                             "interpret"))
+                                             "interpret", "bits"))
 def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                   sink_k, sink_v, page_indices, kv_lens, active, offsets, *, partition_size, num_sink_tokens,
-                  num_layers, config, interpret):
+                  num_layers, config, interpret, bits):
     # the arrays of num_layers layers seen flat, offsets picking the layer (decode_attention._hack_decode)
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
     page_size = k_sums.shape[2]
     num_channel_groups = k_sums.shape[3]
-    pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=4)
+    planes = common.num_planes(bits)
+    pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=16 // planes)
     programs = config.num_splits + config.open_split
     prev = kv_lens.astype(jnp.int32)
     after = prev + active.astype(jnp.int32)  # what the attention sees: append's kv_lens + active
@@ -133,10 +133,10 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         _fused_kernel, partition_size=partition_size, num_channel_groups=num_channel_groups,
         q_per_kv=num_q_heads // num_kv_heads,
         q_per_kv_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
-        packing_groups_per_page=page_size // (NUM_PLANES * partition_size), num_sink_tokens=num_sink_tokens,
+        packing_groups_per_page=page_size // (planes * partition_size), num_sink_tokens=num_sink_tokens,
         num_pages=num_pages // num_layers, max_blocks=page_indices.shape[1] * (page_size // partition_size),
         num_splits=config.num_splits, open_split=config.open_split, dot_dtype=config.dot_dtype,
-        interpret=interpret)
+        interpret=interpret, bits=bits)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
@@ -155,11 +155,11 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int, partition_size: int,
-                   dot_dtype: DotDtype = "int8", num_sms: int = H200_NUM_SMS) -> KernelConfig:
+                   dot_dtype: DotDtype = "int8", num_sms: int = H200_NUM_SMS, bits: int = 2) -> KernelConfig:
     """decode_attention.default_config's split choice with this kernel's RESIDENT_PROGRAMS_PER_SM."""
     if dot_dtype not in DOT_DTYPES:
         raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {dot_dtype=}")
-    groups = max(1, pages_per_seq * page_size // (NUM_PLANES * partition_size))
+    groups = max(1, pages_per_seq * page_size // (common.num_planes(bits) * partition_size))
     splits, open_split = choose_num_splits(batch * num_kv_heads, groups, RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms)
     return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
 
@@ -168,7 +168,7 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
 def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums,
                                 open_k, open_v, sink_k, sink_v, page_indices, kv_lens, active, *,
                                 partition_size: int, num_sink_tokens: int, v_group: int | None = None,
-                                window: int | None = None, dot_dtype: DotDtype = "int8",
+                                window: int | None = None, bits: int = 2, dot_dtype: DotDtype = "int8",
                                 num_splits: int | None = None, config: KernelConfig | None = None,
                                 layer_index=None, interpret: bool = False):
     """Append one token per active slot and attend (module docstring; shapes there).
@@ -179,7 +179,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
         when num_sink_tokens == 0.
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held before this token;
         active: bool[batch].
-      partition_size, num_sink_tokens, v_group, window, dot_dtype, num_splits, config, layer_index, interpret: as
+      partition_size, num_sink_tokens, v_group, window, bits, dot_dtype, num_splits, config, layer_index, interpret: as
         decode_attention.hack_decode_attention; config None: `default_config` (this kernel's occupancy).
         With layer_index i (a stacked cache) the token is written into layer i's rows of the stacked
         open_k ... sink_v, in place when the caller donates them.
@@ -196,7 +196,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
     cache = (k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)
     view = common.stacked_view(cache, layer_index, batch=q.shape[0])
     common.check_kivi_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
-                             num_sink_tokens=num_sink_tokens, v_group=v_group, window=window)
+                             num_sink_tokens=num_sink_tokens, v_group=v_group, window=window, bits=bits)
     k_codes, k_sums = view.layer[0], view.layer[3]
     want = (q.shape[0], k_codes.shape[1], q.shape[2])
     for name, x in (("k", k), ("v", v)):
@@ -207,11 +207,12 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
         raise ValueError(f"active must be bool[{q.shape[0]}], got {active.shape=} {active.dtype=}")
     if config is None:
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1], pages_per_seq=page_indices.shape[1],
-                                page_size=k_sums.shape[2], partition_size=partition_size, dot_dtype=dot_dtype)
+                                page_size=k_sums.shape[2], partition_size=partition_size, dot_dtype=dot_dtype,
+                                bits=bits)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, num_splits=num_splits,
-                            config=config)
+                            config=config, bits=bits)
     out, *written = _fused_decode(q, k, v, *view.flat, page_indices, kv_lens, active, view.offsets,
                                   partition_size=partition_size, num_sink_tokens=num_sink_tokens,
-                                  num_layers=view.num_layers, config=config, interpret=interpret)
+                                  num_layers=view.num_layers, config=config, interpret=interpret, bits=bits)
     return (out,) + tuple(x if x is None or x.shape == y.shape else x.reshape(y.shape)
                           for x, y in zip(written, cache[8:]))

@@ -360,7 +360,7 @@ def _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v
 def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                            sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
                            v_group: int | None = None, q_start=None, dot_dtype: DotDtype = "bf16",
-                           config: KernelConfig | None = None, interpret: bool = False):
+                           config: KernelConfig | None = None, interpret: bool = False, bits: int = 2):
     """HACK causal prefill attention over the paged INT2 kivi cache (module docstring; shapes there).
 
     The argument order of hack_decode_attention, plus q_start; hack_jax.attention.prefill_attention(...,
@@ -379,6 +379,7 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
       dot_dtype: "bf16" | "int8" operands of the integer dots (ignored if config is given).
       config: KernelConfig; None picks default_config(...).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
+      bits: the cache's code width (QuantConfig.bits); only 2 (NotImplementedError otherwise).
 
     Returns:
       f32[batch, T, num_q_heads, head_dim]; rows with q_start + t >= kv_lens are 0.
@@ -388,6 +389,7 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
       ValueError: shapes/dtypes off the layout, unsupported sizes, a negative q_start (when
         concrete), a bad dot_dtype, config or block_q.
     """
+    common.require_2bit("hack_prefill_attention", bits)
     page_indices, kv_lens, q_start = common.as_index_arrays(page_indices, kv_lens, q_start)
     if not hasattr(q, "shape"):
         raise TypeError(f"q must be an array, got {type(q).__name__}")

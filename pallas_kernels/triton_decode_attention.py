@@ -194,7 +194,7 @@ def hack_triton_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=No
                                  v_scale=None, v_min=None, v_sums=None, open_k=None, open_v=None,
                                  sink_k=None, sink_v=None, page_indices=None, kv_lens=None, *,
                                  partition_size: int | None = None, num_sink_tokens: int | None = None,
-                                 num_splits: int | None = None, config: KernelConfig | None = None):
+                                 num_splits: int | None = None, config: KernelConfig | None = None, bits: int = 2):
     """Scale-folded HACK decode attention over the paged INT2 kivi cache (module docstring).
 
     Arrays and static ints only, as pallas_kernels.decode_attention.hack_decode_attention (the one place
@@ -210,6 +210,7 @@ def hack_triton_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=No
       partition_size: P; num_sink_tokens: ns.
       num_splits: split-K programs per (sequence, kv head); overrides the config's.
       config: KernelConfig; None picks default_config(...).
+      bits: the cache's code width (QuantConfig.bits); only 2 (NotImplementedError otherwise).
 
     Returns:
       f32[batch, num_q_heads, head_dim]; rows with kv_lens = 0 are 0.
@@ -218,6 +219,7 @@ def hack_triton_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=No
       ValueError: shapes/dtypes off the layout, unsupported sizes (head_dim > 2 * partition_size),
         bad num_splits or config.
     """
+    common.require_2bit("hack_triton_decode_attention", bits)
     if partition_size is None or num_sink_tokens is None:
         raise ValueError(f"partition_size and num_sink_tokens are required, got {partition_size=}, "
                          f"{num_sink_tokens=}")

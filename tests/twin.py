@@ -128,11 +128,12 @@ def _held(cache, s):
     return n_u, (n_u // w) * (w // cfg.partition_size)
 
 
-def _plane(codes, rows, j, token_major):
-    """2-bit plane j of packed rows `rows` of one page's codes [H, ps//4, D] (token_major
-    [H, D, ps//4]) -> [H, len(rows), D]."""
+def _plane(codes, rows, j, token_major, bits):
+    """b-bit plane j of packed rows `rows` of one page's codes [H, ps//C, D] (token_major
+    [H, D, ps//C]), C = 8 // b codes per byte, plane j in bits [b j, b j + b - 1] (DESIGN.md packing)
+    -> [H, len(rows), D]."""
     x = codes[:, :, rows] if token_major else codes[:, rows, :]
-    x = (x.astype(np.int64) >> (2 * j)) & 3
+    x = (x.astype(np.int64) // 2 ** (bits * j)) % 2**bits
     return np.swapaxes(x, 1, 2) if token_major else x
 
 
@@ -155,14 +156,14 @@ def poison(cache) -> Cache:
                     x[cache.table[s, col], :, rows] = junk(x)
         return dataclasses.replace(cache, layer=dataclasses.replace(layer, **a))
     p, _, _, bpp = _geometry(cfg, layer.head_dim)
-    seed = cfg.layout == "seed"
+    seed, bits = cfg.layout == "seed", cfg.bits
     for s, n in enumerate(cache.lengths):
         n_u, sealed = _held(cache, s)
         for col in range(_pages_of(cache, s)):
             page = cache.table[s, col]
             for slot in range(bpp):
                 blk = col * bpp + slot
-                g, j = divmod(slot, 4)
+                g, j = divmod(slot, 8 // bits)
                 tok = slot * p + np.arange(p)  # page rows of the block
                 tok_dead = col * ps + tok >= (n_u if seed else sealed * p)  # seed K: per token
                 blk_dead = blk >= sealed
@@ -173,9 +174,9 @@ def poison(cache) -> Cache:
                     dead_rows = tok_dead if (seed and k_side) else np.full(p, blk_dead)
                     if not dead_rows.any():
                         continue
-                    if name.endswith("codes"):  # set the block's plane to code 3 in dead rows
+                    if name.endswith("codes"):  # set the block's plane to its largest code in dead rows
                         rows = g * p + np.flatnonzero(dead_rows)
-                        mask = np.uint8(3 << (2 * j))
+                        mask = np.uint8((2**bits - 1) << (bits * j))
                         if name == "v_codes" and not seed:
                             x[page, :, :, rows] |= mask
                         else:
@@ -237,13 +238,13 @@ def read(cache) -> list:
 
         def block(blk, rows=slice(None)):
             page, slot = cache.table[s, blk // bpp], blk % bpp
-            g, j = divmod(slot, 4)
+            g, j = divmod(slot, 8 // cfg.bits)
             prow = np.arange(g * p, (g + 1) * p)[rows]
             trow = np.arange(slot * p, (slot + 1) * p)[rows]
             per_block = lambda name: f64(f[name][page, :, slot])
             per_token = lambda name: f64(f[name][page][:, trow])
-            b = dict(k_codes=f64(_plane(f["k_codes"][page], prow, j, False)),
-                     v_codes=f64(_plane(f["v_codes"][page], prow, j, not seed)))
+            b = dict(k_codes=f64(_plane(f["k_codes"][page], prow, j, False, cfg.bits)),
+                     v_codes=f64(_plane(f["v_codes"][page], prow, j, not seed, cfg.bits)))
             kmeta, vmeta = (per_token, per_block) if seed else (per_block, per_token)
             b.update(k_scale=kmeta("k_scale"), k_min=kmeta("k_min"),
                      v_scale=vmeta("v_scale"), v_min=vmeta("v_min"))
@@ -369,14 +370,16 @@ class _Softmax:
         return np.where(self.l[:, None] > 0, self.acc / np.where(self.l > 0, self.l, 1)[:, None], 0)
 
 
-def np_hack_attention(q, seg: Segments, config, q_pos, *, transient_int8=True):
+def np_hack_attention(q, seg: Segments, config, q_pos, *, transient_int8=True, round_to=None):
     """DESIGN.md "Homomorphic attention semantics" in float64 for one sequence of a 2-bit cache.
 
     q [T, Hq, D] at positions q_pos int[T] (sees keys j <= q_pos[t]); seg from read(). The sinks,
     each sealed block (kivi: Q scaled by the K channel scales and the softmax weights times the V
     scales, quantized INT8 per (row, channel group) / (row, block); seed: Q per (row, channel group)
     once, W per (row, block)), then the open block, merged by one online softmax. transient_int8
-    False: the transients unquantized (plain dequantize-then-attend, merged per block).
+    False: the transients unquantized (plain dequantize-then-attend, merged per block). round_to: a
+    16-bit dtype (np.float16, ml_dtypes.bfloat16): the transients rounded to it from float32 instead
+    (the folded decode math done naively, kivi).
     """
     q = np.asarray(q, np.float64)
     t_len, hq, d = q.shape
@@ -385,6 +388,8 @@ def np_hack_attention(q, seg: Segments, config, q_pos, *, transient_int8=True):
     p = config.partition_size
     pc, ns = _geometry(config, d)[1], config.num_sink_tokens
     image = np_int8_image if transient_int8 else (lambda x, axis, group: x)
+    if round_to is not None:
+        image = lambda x, axis, group: np.asarray(np.asarray(x, np.float32).astype(round_to), np.float64)  # noqa: E731
     q_pos = np.repeat(np.asarray(q_pos), g)  # rows r = t * G + g
     vis = lambda first, count: np.arange(first, first + count)[None, :] <= q_pos[:, None]
     out = np.zeros((t_len, hq, d))
@@ -426,7 +431,7 @@ def np_hack_attention(q, seg: Segments, config, q_pos, *, transient_int8=True):
     return out
 
 
-def np_cache_attention(q, cache, q_pos, *, transient_int8=True):
+def np_cache_attention(q, cache, q_pos, *, transient_int8=True, round_to=None):
     """Float64 twin of hack_jax.attention over a Cache: q f[S, T, Hq, D], q_pos int[S, T] (a query
     at or past its sequence's length sees nothing) -> f64[S, T, Hq, D]. 2-bit formats:
     np_hack_attention on the pages' codes; the others: np_attention over the dequantized pages."""
@@ -434,7 +439,8 @@ def np_cache_attention(q, cache, q_pos, *, transient_int8=True):
     out = np.zeros(q.shape)
     if cache.config.kv_format in BLOCKED:
         for s, seg in enumerate(read(cache)):
-            out[s] = np_hack_attention(q[s], seg, cache.config, q_pos[s], transient_int8=transient_int8)
+            out[s] = np_hack_attention(q[s], seg, cache.config, q_pos[s], transient_int8=transient_int8,
+                                       round_to=round_to)
     else:
         for s, (k, v) in enumerate(dequantized(cache)):
             out[s] = np_attention(q[s], k, v, q_pos[s])

@@ -89,9 +89,9 @@ def geometry(config: QuantConfig, head_dim: int):
     return p, pc, head_dim // pc, config.page_size // p
 
 
-def sums_dtype(num_summed: int):
-    """Dtype of sums of num_summed 2-bit codes: u8 while 3 * num_summed fits, else u16."""
-    return jnp.uint8 if 3 * num_summed <= 255 else jnp.uint16
+def sums_dtype(num_summed: int, bits: int = 2):
+    """Dtype of sums of num_summed `bits`-bit codes: u8 while (2**bits - 1) * num_summed fits, else u16."""
+    return jnp.uint8 if ((1 << bits) - 1) * num_summed <= 255 else jnp.uint16
 
 
 def safe_ids(page_indices, num_pages):
@@ -166,7 +166,7 @@ def quant_blocks_over_tokens(blocks, config, noise):
     """Per (block, channel): blocks f32[..., NB, P, D] -> codes u8[..., NB, P, D],
     scale/min f16[..., NB, D], sums i32[..., NB, D] (sum over the block's tokens). noise: blocks'
     shape (token_noise), or None for nearest rounding."""
-    q = quantize(blocks, bits=2, axis=blocks.ndim - 2, partition_size=config.partition_size,
+    q = quantize(blocks, bits=config.bits, axis=blocks.ndim - 2, partition_size=config.partition_size,
                  rounding=config.rounding, noise=noise, meta_dtype=config.meta_dtype)
     return q.codes, q.scale[..., 0, :], q.minimum[..., 0, :], q.code_sums[..., 0, :]
 
@@ -174,7 +174,7 @@ def quant_blocks_over_tokens(blocks, config, noise):
 def quant_tokens_over_channels(x, config, pc, noise):
     """Per (token, channel group): x f32[..., D] -> codes u8[..., D], scale/min f16[..., NP],
     sums i32[..., NP]. noise: x's shape (token_noise), or None for nearest rounding."""
-    q = quantize(x, bits=2, axis=x.ndim - 1, partition_size=pc, rounding=config.rounding,
+    q = quantize(x, bits=config.bits, axis=x.ndim - 1, partition_size=pc, rounding=config.rounding,
                  noise=noise, meta_dtype=config.meta_dtype)
     return q.codes, q.scale, q.minimum, q.code_sums
 

@@ -6,7 +6,8 @@ block position u = t - ns: page column u // page_size, row u % page_size, block 
 u % W tokens (W = config.open_window: partition_size, or the kivi `window`, a multiple of P) are the
 16-bit open region ("open block" when W = P); when it holds W tokens its W // P blocks are sealed
 (quantized into their page slots with their code sums), so config.sealed_blocks(u) =
-(u // W) * (W // P) blocks are sealed. Packed code bytes hold 4 blocks (a packing group, one plane per block).
+(u // W) * (W // P) blocks are sealed. Packed code bytes hold C = config.codes_per_byte blocks (a packing
+group, one plane per block: 4 at 2 bits, 2 at 4 bits; hack_jax.packing).
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ from hack_jax.kv_cache.common import ALL, geometry, page_ids, put, safe_ids
 
 def code_index(pages, rows, token_major):
     """Index of packed code rows `rows` (int, broadcast with `pages`) of pages `pages` in a code array:
-    channel-major u8[N, H, page_size // 4, D] or token-major u8[N, H, D, page_size // 4] (kivi V).
+    channel-major u8[N, H, page_size // C, D] or token-major u8[N, H, D, page_size // C] (kivi V).
     Either way a[index] is [*broadcast(pages, rows).shape, H, D] (the advanced axes first) and
     put(a, index, x) takes x of that shape: one in-place scatter, no transpose of the pool."""
     return (pages, ALL, ALL, rows) if token_major else (pages, ALL, rows)
 
 
-def set_plane(old, codes, plane):
-    """Clears plane `plane` (int, broadcastable) of packed bytes `old` and ORs in 2-bit `codes`."""
-    shift = packing.plane_shift(plane).astype(jnp.uint8)
-    mask = packing.plane_mask(plane).astype(jnp.uint8)
+def set_plane(old, codes, plane, bits):
+    """Clears plane `plane` (int, broadcastable) of packed bytes `old` and ORs in `bits`-bit `codes`."""
+    shift = packing.plane_shift(plane, bits).astype(jnp.uint8)
+    mask = packing.plane_mask(plane, bits).astype(jnp.uint8)
     return (old & ~mask) | (codes.astype(jnp.uint8) << shift)
 
 
@@ -59,7 +60,8 @@ class PrefillStream:
         cfg = layer.config
         self.p, self.pc, self.np_, self.bpp = geometry(cfg, layer.head_dim)
         self.ps, self.ns, self.n = cfg.page_size, cfg.num_sink_tokens, layer.num_pages
-        p, ps, ns = self.p, self.ps, self.ns
+        self.bits, self.c = cfg.bits, cfg.codes_per_byte  # C blocks per packing group
+        p, ps, ns, c = self.p, self.ps, self.ns, self.c
         self.s, self.t_len, self.h, self.d = k.shape
         self.page_indices, self.lengths = page_indices, lengths
         self.chunked = chunked = start is not None
@@ -73,13 +75,13 @@ class PrefillStream:
         self.w = w = cfg.open_window
         self.b0 = b0 = cfg.sealed_blocks(u_old)  # the old open region's first block: the first this write can seal
         self.sealed_new = sealed_new = cfg.sealed_blocks(u_new)
-        if chunked:  # (b0 % 4) P + (u_old - b0 P) + T <= T + 3P + W - 1 stream positions
-            ng = -(-(self.t_len + 3 * p + w - 1) // (4 * p))
-            self.ustart = (b0 // 4) * (4 * p)
+        if chunked:  # (b0 % C) P + (u_old - b0 P) + T <= T + (C - 1) P + W - 1 stream positions
+            ng = -(-(self.t_len + (c - 1) * p + w - 1) // (c * p))
+            self.ustart = (b0 // c) * (c * p)
         else:
-            ng = max(1, -(-(self.t_len - ns) // (4 * p)))  # packing groups covering the prompt (>= 1: shapes)
+            ng = max(1, -(-(self.t_len - ns) // (c * p)))  # packing groups covering the prompt (>= 1: shapes)
             self.ustart = jnp.zeros_like(lengths)
-        self.ng, self.nb, self.nu = ng, 4 * ng, 4 * ng * p
+        self.ng, self.nb, self.nu = ng, c * ng, c * ng * p
         self.u = u = self.ustart[:, None] + jnp.arange(self.nu)[None, :]  # [S, NU]
         self.gb = gb = (self.ustart // p)[:, None] + jnp.arange(self.nb)[None, :]  # [S, NB] block index
         in_new_blocks = (u >= (b0 * p)[:, None]) & (u < (sealed_new * p)[:, None])
@@ -119,18 +121,18 @@ class PrefillStream:
         holding an ok token into `a` (token_major: kivi v_codes, else channel-major); planes of
         tokens u < u_keep (stored before) are kept (None: the slot was empty, no old plane needs
         keeping)."""
-        s, h, ng, p, d, n, bpp = self.s, self.h, self.ng, self.p, self.d, self.n, self.bpp
-        codes = jnp.where(ok[:, None, :, None], codes, 0).reshape(s, h, ng, 4 * p, d)
-        packed = jnp.moveaxis(packing.pack_2bit(codes, axis=3), 1, 3)  # [S, NG, P, H, D]
-        gg = (self.ustart // (4 * p))[:, None] + jnp.arange(ng)[None, :]  # [S, NG] packing group in the seq
-        g_ok = ok.reshape(s, ng, 4 * p).any(-1)
-        pages = page_ids(self.page_indices, gg // (bpp // 4), g_ok, n)
-        rows = (gg % (bpp // 4))[:, :, None] * p + jnp.arange(p)  # [S, NG, P]
+        s, h, ng, p, d, n, bpp, c = self.s, self.h, self.ng, self.p, self.d, self.n, self.bpp, self.c
+        codes = jnp.where(ok[:, None, :, None], codes, 0).reshape(s, h, ng, c * p, d)
+        packed = jnp.moveaxis(packing.pack_codes(codes, 3, self.bits), 1, 3)  # [S, NG, P, H, D]
+        gg = (self.ustart // (c * p))[:, None] + jnp.arange(ng)[None, :]  # [S, NG] packing group in the seq
+        g_ok = ok.reshape(s, ng, c * p).any(-1)
+        pages = page_ids(self.page_indices, gg // (bpp // c), g_ok, n)
+        rows = (gg % (bpp // c))[:, :, None] * p + jnp.arange(p)  # [S, NG, P]
         if u_keep is not None:
-            j = jnp.arange(4)[:, None]  # [4, 1] plane = block of the packing group
-            uu = (gg * 4 * p)[:, :, None, None] + j * p + jnp.arange(p)  # [S, NG, 4, P]
+            j = jnp.arange(c)[:, None]  # [C, 1] plane = block of the packing group
+            uu = (gg * c * p)[:, :, None, None] + j * p + jnp.arange(p)  # [S, NG, C, P]
             keep = uu < u_keep[:, None, None, None]
-            mask = jnp.sum(jnp.where(keep, packing.plane_mask(j), 0), axis=2).astype(jnp.uint8)
+            mask = jnp.sum(jnp.where(keep, packing.plane_mask(j, self.bits), 0), axis=2).astype(jnp.uint8)
             old = a[code_index(jnp.minimum(pages, n - 1)[:, :, None], rows, token_major)]  # [S, NG, P, H, D]
             packed = (old & mask[..., None, None]) | packed
         return put(a, code_index(pages[:, :, None], rows, token_major), packed)
@@ -171,6 +173,7 @@ class AppendStep:
         cfg = layer.config
         self.p, self.pc, self.np_, self.bpp = geometry(cfg, layer.head_dim)
         self.ps, self.n = cfg.page_size, layer.num_pages
+        self.bits, self.c = cfg.bits, cfg.codes_per_byte  # C blocks per packing group
         p, bpp, ps, n, ns = self.p, self.bpp, self.ps, self.n, cfg.num_sink_tokens
         self.page_indices = page_indices
         self.is_sink = active & (kv_lens < ns)
@@ -199,7 +202,7 @@ class AppendStep:
         self.slot = slot = blk % bpp
         self.seal_pages = page_ids(self.page_indices, blk // bpp, self.seal, n)  # [S]
         i = jnp.arange(p)
-        self.blk_rows = (slot // 4)[:, None] * p + i[None, :]  # [S, P] packed rows of the block
+        self.blk_rows = (slot // self.c)[:, None] * p + i[None, :]  # [S, P] packed rows of the block
         self.tok_rows = slot[:, None] * p + i[None, :]  # [S, P] token rows of the block
         self.block_positions = self._ns + blk[:, None] * p + i[None, :]  # [S, P] its tokens' positions
 
@@ -221,7 +224,7 @@ class AppendStep:
         (token_major: kivi v_codes, else channel-major)."""
         n = self.n
         old = a[code_index(jnp.minimum(self.seal_pages, n - 1)[:, None], self.blk_rows, token_major)]
-        new_bytes = set_plane(old, jnp.swapaxes(codes, 1, 2), (self.slot % 4)[:, None, None, None])
+        new_bytes = set_plane(old, jnp.swapaxes(codes, 1, 2), (self.slot % self.c)[:, None, None, None], self.bits)
         return put(a, code_index(self.seal_pages[:, None], self.blk_rows, token_major), new_bytes)
 
     def put_block(self, a, x):
@@ -250,7 +253,7 @@ class HackBlocks(NamedTuple):
       kivi: k_scale/k_min [S, NB, H, D], k_sums [S, NB, H, P, NP],
             v_scale/v_min [S, NB, H, P, NP], v_sums [S, NB, H, D]
       seed: k_scale/k_min/k_sums [S, NB, H, P, NP], v_scale/v_min/v_sums [S, NB, H, D]
-      k_codes, v_codes u8[S, NB, H, P, D] in [0, 3].
+      k_codes, v_codes u8[S, NB, H, P, D] in [0, 2**config.bits - 1].
     seed: K of the tokens in the open block is in block num_sealed (valid rows < num_open).
     """
 
@@ -275,6 +278,7 @@ class BlockReader:
     def __init__(self, layer, page_indices, kv_lens):
         cfg = layer.config
         self.p, _, _, self.bpp = geometry(cfg, layer.head_dim)
+        self.bits, self.c = cfg.bits, cfg.codes_per_byte
         p, bpp = self.p, self.bpp
         ns = cfg.num_sink_tokens
         self.kv_lens = kv_lens = jnp.asarray(kv_lens, jnp.int32)
@@ -289,13 +293,13 @@ class BlockReader:
         self.tok_ok = (jnp.arange(nb * p) < n_u[:, None]).reshape(s, nb, p)  # [S, NB, P]
 
     def codes(self, a, token_major=False):
-        """u8[N, H, ps//4, D] (token_major [N, H, D, ps//4]) -> u8[S, NB, H, P, D]."""
-        s, pps, bpp, p, nb = self.s, self.pps, self.bpp, self.p, self.nb
-        g = a[self.ids]  # [S, pps, H, ps//4, D] (token_major: [S, pps, H, D, ps//4])
+        """u8[N, H, ps//C, D] (token_major [N, H, D, ps//C]) -> u8[S, NB, H, P, D]."""
+        s, pps, bpp, p, nb, c = self.s, self.pps, self.bpp, self.p, self.nb, self.c
+        g = a[self.ids]  # [S, pps, H, ps//C, D] (token_major: [S, pps, H, D, ps//C])
         if token_major:
             g = jnp.swapaxes(g, 3, 4)  # the gathered pages only, never the pool
-        g = g.reshape(s, pps, g.shape[2], bpp // 4, p, g.shape[-1])
-        g = packing.unpack_2bit(g, axis=4).reshape(s, pps, g.shape[2], bpp // 4, 4, p, g.shape[-1])
+        g = g.reshape(s, pps, g.shape[2], bpp // c, p, g.shape[-1])
+        g = packing.unpack_codes(g, 4, self.bits).reshape(s, pps, g.shape[2], bpp // c, c, p, g.shape[-1])
         return jnp.moveaxis(g, 2, 4).reshape(s, nb, g.shape[2], p, g.shape[-1])
 
     def per_block(self, a):  # [N, H, bpp, X] -> [S, NB, H, X]

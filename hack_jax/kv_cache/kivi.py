@@ -18,14 +18,15 @@ from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, geometry, pytree
 @pytree_dataclass
 class KiviPages(Pages):
     """P = partition_size, Pc = min(config.channel_group, head_dim) (v_group, default P),
-    NP = head_dim // Pc, bpp = page_size // P,
-    S = max_seqs, ns = num_sink_tokens, sums u8 when 3 * (codes summed: Pc or P) <= 255 else u16:
-      k_codes  u8[num_pages, num_kv_heads, page_size // 4, head_dim]  packed per packing group of 4 blocks
+    NP = head_dim // Pc, bpp = page_size // P, b = config.bits, C = 8 // b (codes per byte),
+    S = max_seqs, ns = num_sink_tokens, sums u8 when (2**b - 1) * (codes summed: Pc or P) <= 255
+    else u16 (shown for b = 2, C = 4):
+      k_codes  u8[num_pages, num_kv_heads, page_size // 4, head_dim]  packed per packing group of C blocks
       k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]      per (block, channel)
       k_sums   u8[num_pages, num_kv_heads, page_size, NP]              kappa, per (token, channel group)
-      v_codes  u8[num_pages, num_kv_heads, head_dim, page_size // 4]  token-major: bits 2j..2j+1
-               of byte [page, h, c, g * P + r] hold the code of page row (4g + j) P + r (in-block
-               token r of block slot 4g + j: block j of packing group g), channel c, j = 0..3
+      v_codes  u8[num_pages, num_kv_heads, head_dim, page_size // 4]  token-major: bits bj..bj+b-1
+               of byte [page, h, c, g * P + r] hold the code of page row (Cg + j) P + r (in-block
+               token r of block slot Cg + j: block j of packing group g), channel c, j = 0..C-1
       v_scale, v_min  f16[num_pages, num_kv_heads, page_size, NP]      per (token, channel group)
       v_sums   u8[num_pages, num_kv_heads, bpp, head_dim]              omega, per (block, channel)
       open_k, open_v  bf16[S, num_kv_heads, W, head_dim]               open region, per sequence
@@ -51,12 +52,12 @@ class KiviPages(Pages):
 def init(config, n, h, d, s):
     p, pc, np_, bpp = geometry(config, d)
     ps, meta, res, ns = config.page_size, config.meta_dtype, config.residual_dtype, config.num_sink_tokens
-    z = jnp.zeros
+    z, c = jnp.zeros, config.codes_per_byte
     return KiviPages(
-        k_codes=z((n, h, ps // 4, d), jnp.uint8), k_scale=z((n, h, bpp, d), meta),
-        k_min=z((n, h, bpp, d), meta), k_sums=z((n, h, ps, np_), sums_dtype(pc)),
-        v_codes=z((n, h, d, ps // 4), jnp.uint8), v_scale=z((n, h, ps, np_), meta),
-        v_min=z((n, h, ps, np_), meta), v_sums=z((n, h, bpp, d), sums_dtype(p)),
+        k_codes=z((n, h, ps // c, d), jnp.uint8), k_scale=z((n, h, bpp, d), meta),
+        k_min=z((n, h, bpp, d), meta), k_sums=z((n, h, ps, np_), sums_dtype(pc, config.bits)),
+        v_codes=z((n, h, d, ps // c), jnp.uint8), v_scale=z((n, h, ps, np_), meta),
+        v_min=z((n, h, ps, np_), meta), v_sums=z((n, h, bpp, d), sums_dtype(p, config.bits)),
         open_k=z((s, h, config.open_window, d), res), open_v=z((s, h, config.open_window, d), res),
         sink_k=z((s, h, ns, d), res), sink_v=z((s, h, ns, d), res), config=config)
 

@@ -19,7 +19,8 @@ from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, geometry, page_i
 
 @pytree_dataclass
 class SeedPages(Pages):
-    """Names as in KiviPages, but both code arrays channel-major ([.., page_size // 4, head_dim],
+    """Names as in KiviPages (shown for 2 bits: page_size // C code rows in general), but both code
+    arrays channel-major ([.., page_size // 4, head_dim],
     as KiviPages.k_codes) and no open_k:
       k_codes  u8[num_pages, num_kv_heads, page_size // 4, head_dim]
       k_scale, k_min  f16[num_pages, num_kv_heads, page_size, NP]
@@ -48,12 +49,12 @@ class SeedPages(Pages):
 def init(config, n, h, d, s):
     p, pc, np_, bpp = geometry(config, d)
     ps, meta, res, ns = config.page_size, config.meta_dtype, config.residual_dtype, config.num_sink_tokens
-    z = jnp.zeros
+    z, c = jnp.zeros, config.codes_per_byte
     return SeedPages(
-        k_codes=z((n, h, ps // 4, d), jnp.uint8), k_scale=z((n, h, ps, np_), meta),
-        k_min=z((n, h, ps, np_), meta), k_sums=z((n, h, ps, np_), sums_dtype(pc)),
-        v_codes=z((n, h, ps // 4, d), jnp.uint8), v_scale=z((n, h, bpp, d), meta),
-        v_min=z((n, h, bpp, d), meta), v_sums=z((n, h, bpp, d), sums_dtype(p)),
+        k_codes=z((n, h, ps // c, d), jnp.uint8), k_scale=z((n, h, ps, np_), meta),
+        k_min=z((n, h, ps, np_), meta), k_sums=z((n, h, ps, np_), sums_dtype(pc, config.bits)),
+        v_codes=z((n, h, ps // c, d), jnp.uint8), v_scale=z((n, h, bpp, d), meta),
+        v_min=z((n, h, bpp, d), meta), v_sums=z((n, h, bpp, d), sums_dtype(p, config.bits)),
         open_v=z((s, h, p, d), res), sink_k=z((s, h, ns, d), res), sink_v=z((s, h, ns, d), res),
         config=config)
 
@@ -94,9 +95,9 @@ def append(layer, k, v, kv_lens, active, page_indices, key, seal):
     kc, ksc, kmn, ksum = quant_tokens_over_channels(k.astype(jnp.float32), cfg, step.pc,
                                                     None if noise_k is None else noise_k[:, :, 0])
     tok_pages = page_ids(page_indices, step.u // step.ps, step.in_pages, n)  # [S]
-    prow = (step.slot // 4) * step.p + step.pos
+    prow = (step.slot // step.c) * step.p + step.pos
     old = layer.k_codes[jnp.minimum(tok_pages, n - 1), :, prow]  # [S, H, D]
-    kbytes = hack.set_plane(old, kc, (step.slot % 4)[:, None, None])
+    kbytes = hack.set_plane(old, kc, (step.slot % step.c)[:, None, None], step.bits)
     put_tok = lambda a, x: put(a, (tok_pages, slice(None), step.u % step.ps), x)
     out = dict(step.sinks(layer, k, v),
                k_codes=put(layer.k_codes, (tok_pages, slice(None), prow), kbytes),
