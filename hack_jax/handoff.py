@@ -258,12 +258,15 @@ def read_header(payload, *, check_digest: bool = True) -> Header:
     return header
 
 
-def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices,
+def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices, donate: bool = False,
                     host_memory: str | None = None, timings: dict | None = None) -> kv_cache.KVCache:
     """A new KVCache with the payload's sequence in slot `slot`, at that slot's page ids in
     `page_indices` (the receiving allocator's table, after `admit(slot, header.kv_len)`).
 
-    Returns the new cache (kv_lens[slot] = header.kv_len); `cache` itself is not modified.
+    Returns the new cache (kv_lens[slot] = header.kv_len); `cache` itself is not modified, unless
+    donate=True: then its layers' buffers become the result's (no second pool on the device; `cache`
+    must not be used afterwards). Every check runs before that, so a rejected payload leaves `cache`
+    as it was either way.
     host_memory: None, or the memory kind the host -> device copy goes through first
       ("pinned_host": see export_sequence).
     timings: a dict that receives the seconds of each phase (check: header and digest,
@@ -311,12 +314,12 @@ def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices
     per_layer = jax.block_until_ready(jax.device_put(per_layer, device))
     t = _tick(timings, "host_to_device", t)
     ids_dev = jnp.asarray(ids, jnp.int32)
+    put = _put_sequence_donated if donate else _put_sequence
     if cache.stacked:
         stacked = {name: tuple(f[name] for f in per_layer) for name in names}
-        layers = _put_sequence(cache.layers, stacked, ids_dev, slot, 1)
+        layers = put(cache.layers, stacked, ids_dev, slot, 1)
     else:
-        layers = tuple(_put_sequence(layer, fields, ids_dev, slot, 0)
-                       for layer, fields in zip(cache.layers, per_layer))
+        layers = tuple(put(layer, fields, ids_dev, slot, 0) for layer, fields in zip(cache.layers, per_layer))
     out = dataclasses.replace(cache, layers=layers,
                               kv_lens=jnp.asarray(cache.kv_lens, jnp.int32).at[slot].set(header.kv_len),
                               page_indices=jnp.asarray(page_indices, jnp.int32))
@@ -342,7 +345,6 @@ def _take_sequence(layer, ids, slot, axis):
     return {name: getattr(layer, name)[_index(name, ids, slot, axis)] for name in _array_fields(layer)}
 
 
-@functools.partial(jax.jit, static_argnums=4)
 def _put_sequence(layer, fields, ids, slot, axis):
     """The layer with `fields` written at pages `ids` (distinct) / at `slot`. Pages as a gather from
     the payload's pages under a mask, not a scatter: XLA's CPU scatter runs ~3x slower, and on a GPU
@@ -358,6 +360,10 @@ def _put_sequence(layer, fields, ids, slot, axis):
         hit = (src >= 0).reshape((1,) * axis + (-1,) + (1,) * (pool.ndim - axis - 1))
         out[name] = jnp.where(hit, jnp.take(x, jnp.maximum(src, 0), axis=axis), pool)
     return dataclasses.replace(layer, **out)
+
+
+_put_sequence_donated = jax.jit(_put_sequence, static_argnums=4, donate_argnums=0)
+_put_sequence = jax.jit(_put_sequence, static_argnums=4)
 
 
 # ------------------------------------------------------------------------------ transport

@@ -523,7 +523,7 @@ class Engine:
       self.allocator.admit(slot, kv_len)
       try:
         self.cache = self.stepper.placed(handoff.import_sequence(
-            self.cache, payload, slot=slot, page_indices=self.allocator.page_indices))
+            self.cache, payload, slot=slot, page_indices=self.allocator.page_indices, donate=True))
       except ValueError:
         self.allocator.release(slot)
         raise

@@ -114,8 +114,9 @@ def test_damaged_or_mismatched_payloads_are_rejected():
     messages = {"digest": "digest", "truncated": "truncated", "header": "truncated", "magic": "not a hack-jax",
                 "version": "version"}
     for name, bad in cases.items():
-        with pytest.raises(ValueError, match=messages[name]):
-            handoff.import_sequence(dst, bad, slot=0, page_indices=dst_alloc.page_indices)
+        for donate in (False, True):  # every check runs before the cache is donated
+            with pytest.raises(ValueError, match=messages[name]):
+                handoff.import_sequence(dst, bad, slot=0, page_indices=dst_alloc.page_indices, donate=donate)
     other = kv_cache.init_cache(QuantConfig(kv_format="hack", page_size=64, partition_size=16, num_sink_tokens=2), num_pages=14,
                                 max_seqs=2, pages_per_seq=4, **GEOM)
     with pytest.raises(ValueError, match="does not match the receiving cache: config"):
@@ -167,8 +168,8 @@ def test_payload_layout_and_piecewise_digest(monkeypatch):
 
 
 def test_version_1_payloads_are_still_read():
-    """A version-1 payload (digest: SHA-256 of everything before it) imports to the same cache;
-    one carrying a version-2 digest is rejected."""
+    """A version-1 payload (digest: SHA-256 of everything before it) imports to the same cache (and
+    into a donated cache as into a kept one); one carrying a version-2 digest is rejected."""
     config = FORMATS[2]
     src, alloc, kv_lens = filled(config)
     payload = handoff.export_sequence(src, slot=0, page_indices=alloc.page_indices, kv_len=int(kv_lens[0]))
@@ -177,7 +178,7 @@ def test_version_1_payloads_are_still_read():
     v1[-32:] = hashlib.sha256(bytes(v1[:-32])).digest()
     dst, dst_alloc = receiver(config, payload, 0)
     want = handoff.import_sequence(dst, payload, slot=0, page_indices=dst_alloc.page_indices)
-    got = handoff.import_sequence(dst, bytes(v1), slot=0, page_indices=dst_alloc.page_indices)
+    got = handoff.import_sequence(dst, bytes(v1), slot=0, page_indices=dst_alloc.page_indices, donate=True)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     v1[-32:] = payload[-32:]
