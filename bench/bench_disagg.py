@@ -107,7 +107,8 @@ def main(argv=None):
         print(f"workers up in {time.monotonic() - t0:.1f} s (model init included)", flush=True)
         for context, fmt in [(c, f) for c in args.contexts for f in args.formats]:
             base = dict(model=args.model, format=fmt, context=context, output_tokens=args.output_tokens,
-                        reps=args.reps, impl=args.impl, max_len=max_len)
+                        reps=args.reps, impl=args.impl, max_len=max_len,
+                        glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""))
             timed, compile_s = [], 0.0
             try:
                 for rep in range(args.warmup + args.reps):

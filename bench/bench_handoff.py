@@ -88,6 +88,16 @@ def host_rates(mib):
     return rates
 
 
+def host_memory_setup():
+    """The host settings that decide what a fresh page costs: transparent huge pages, glibc's."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().strip()
+    except OSError:
+        thp = "?"
+    return dict(thp=thp, glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""))
+
+
 def receiving_cache(cache, kv_len):
     """An empty cache like `cache` with 2 slots whose slot 1 gets pages after a slot-0 sequence."""
     alloc = paging.PageAllocator(cache.num_pages + cache.pages_per_seq, 2, cache.pages_per_seq,
@@ -168,7 +178,7 @@ def main(argv=None):
                     times.clear()
             row = dict(model=args.model, format=fmt, context=context, bytes=size, device=device,
                        jax=jax.__version__, reps=args.reps, host_memory=args.host_memory, threads=handoff._threads(),
-                       host_rates=rates,
+                       host_rates=rates, **host_memory_setup(),
                        **{f"{k}_s": float(np.median(v)) for k, v in times.items()})
             row["send_gbps"] = 8 * row["bytes"] / row["send_s"] / 1e9
             for k in ("serialize", "send", "restore"):
@@ -194,7 +204,8 @@ def write(rows, args, argv, device):
              f"{args.host_memory or 'default'}. send = a local socket to a second process (handoff.send_payload / "
              f"recv_payload), until it has the bytes; peer check = its digest check after that.", "",
              f"Host reference rates, GB/s ({args.rates_mib} MiB, {rows[0]['threads'] if rows else '?'} threads): "
-             + ", ".join(f"{k} {v}" for k, v in (rows[0]["host_rates"] if rows else {}).items() if not k.endswith("_cpu")), "",
+             + ", ".join(f"{k} {v}" for k, v in (rows[0]["host_rates"] if rows else {}).items() if not k.endswith("_cpu"))
+             + f"; THP {host_memory_setup()['thp']}, GLIBC_TUNABLES={host_memory_setup()['glibc_tunables'] or '-'}", "",
              "| format | context | payload MiB | vs bf16 | serialize s (GB/s) | gather / d2h / pack+digest s "
              "| send s (Gb/s) | peer check s | restore s (GB/s) | check / h2d / scatter s |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -313,16 +313,20 @@ def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices
         per_layer = jax.device_put(per_layer, jax.sharding.SingleDeviceSharding(device, memory_kind=host_memory))
     per_layer = jax.block_until_ready(jax.device_put(per_layer, device))
     t = _tick(timings, "host_to_device", t)
-    ids_dev = jnp.asarray(ids, jnp.int32)
+    ids_dev = jax.device_put(np.asarray(ids, np.int32), device)
+    # every argument committed to the device: a fresh (uncommitted) cache and one a compiled step
+    # returned (committed) would otherwise compile the write twice
+    src = cache.layers if device is None else jax.device_put(cache.layers, device)
     put = _put_sequence_donated if donate else _put_sequence
     if cache.stacked:
         stacked = {name: tuple(f[name] for f in per_layer) for name in names}
-        layers = put(cache.layers, stacked, ids_dev, slot, 1)
+        layers = put(src, stacked, ids_dev, slot, 1)
     else:
-        layers = tuple(put(layer, fields, ids_dev, slot, 0) for layer, fields in zip(cache.layers, per_layer))
-    out = dataclasses.replace(cache, layers=layers,
-                              kv_lens=jnp.asarray(cache.kv_lens, jnp.int32).at[slot].set(header.kv_len),
-                              page_indices=jnp.asarray(page_indices, jnp.int32))
+        layers = tuple(put(layer, fields, ids_dev, slot, 0) for layer, fields in zip(src, per_layer))
+    kv_lens = np.array(cache.kv_lens, np.int32)  # on the host: an eager update would compile per placement
+    kv_lens[slot] = header.kv_len
+    out = dataclasses.replace(cache, layers=layers, kv_lens=jax.device_put(kv_lens, device),
+                              page_indices=jax.device_put(np.asarray(page_indices, np.int32), device))
     if timings is not None:
         jax.block_until_ready(out)
     _tick(timings, "scatter", t)
