@@ -311,6 +311,7 @@ def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices
     if host_memory is not None:
         device = device or jax.devices()[0]
         per_layer = jax.device_put(per_layer, jax.sharding.SingleDeviceSharding(device, memory_kind=host_memory))
+        device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")  # a bare Device keeps the kind
     per_layer = jax.block_until_ready(jax.device_put(per_layer, device))
     t = _tick(timings, "host_to_device", t)
     ids_dev = jax.device_put(np.asarray(ids, np.int32), device)

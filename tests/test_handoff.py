@@ -243,3 +243,19 @@ def test_send_and_recv_payload_speak_connection_framing():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_pinned_host_staging_gives_the_same_bytes():
+    """host_memory="pinned_host" (copies staged in jax's pinned host memory kind) changes the route,
+    not the payload or the imported cache."""
+    config = FORMATS[1]
+    src, alloc, kv_lens = filled(config)
+    plain = handoff.export_sequence(src, slot=0, page_indices=alloc.page_indices, kv_len=int(kv_lens[0]))
+    pinned = handoff.export_sequence(src, slot=0, page_indices=alloc.page_indices, kv_len=int(kv_lens[0]),
+                                     host_memory="pinned_host")
+    assert bytes(pinned) == bytes(plain)
+    dst, dst_alloc = receiver(config, plain, 0)
+    want = handoff.import_sequence(dst, plain, slot=0, page_indices=dst_alloc.page_indices)
+    got = handoff.import_sequence(dst, pinned, slot=0, page_indices=dst_alloc.page_indices, host_memory="pinned_host")
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
