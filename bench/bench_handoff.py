@@ -204,7 +204,8 @@ def write(rows, args, argv, device):
              f"{args.host_memory or 'default'}. send = a local socket to a second process (handoff.send_payload / "
              f"recv_payload), until it has the bytes; peer check = its digest check after that.", "",
              f"Host reference rates, GB/s ({args.rates_mib} MiB, {rows[0]['threads'] if rows else '?'} threads): "
-             + ", ".join(f"{k} {v}" for k, v in (rows[0]["host_rates"] if rows else {}).items() if not k.endswith("_cpu"))
+             + ", ".join(f"{k} {v}" for k, v in (rows[0]["host_rates"] if rows else {}).items()
+                         if not k.endswith("_cpu"))
              + f"; THP {host_memory_setup()['thp']}, GLIBC_TUNABLES={host_memory_setup()['glibc_tunables'] or '-'}", "",
              "| format | context | payload MiB | vs bf16 | serialize s (GB/s) | gather / d2h / pack+digest s "
              "| send s (Gb/s) | peer check s | restore s (GB/s) | check / h2d / scatter s |",

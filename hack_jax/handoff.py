@@ -213,7 +213,8 @@ def export_sequence(cache: kv_cache.KVCache, *, slot: int, page_indices, kv_len:
 
 
 def _bytes_view(payload) -> np.ndarray:
-    """payload's bytes as a read-only-or-not u8 array without a copy; TypeError if not bytes-like."""
+    """payload's bytes as a u8 array (writable if the payload is), without a copy; TypeError if the
+    payload is not bytes-like."""
     if isinstance(payload, str):
         raise TypeError("payload must be bytes-like (bytes, bytearray, memoryview, mmap), got str")
     try:
@@ -385,7 +386,8 @@ def _socket_of(conn):
     except (TypeError, OSError) as e:
         if fd is not None:
             os.close(fd)
-        raise TypeError(f"conn must be a socket or a socket-backed Connection, got {type(conn).__name__}: {e}") from None
+        raise TypeError(f"conn must be a socket or a socket-backed Connection, got "
+                        f"{type(conn).__name__}: {e}") from None
     with sock:
         sock.settimeout(None)  # the Connection expects a blocking fd (the flag is shared with the dup)
         yield sock
