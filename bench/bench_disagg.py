@@ -1,6 +1,6 @@
 """Job completion time of disaggregated serving, measured: prefill worker -> cache hand-off -> decode worker.
 
-Per cache format (hack, bf16) and prompt length C: one request of C random prompt tokens and
+Per cache format (hack, int8, bf16) and prompt length C: one request of C random prompt tokens and
 --output-tokens greedy tokens (no stop) through models.disagg.Pipeline: a prefill worker and a
 decode worker, two spawned processes holding the same random-weight model at real shapes
 (Llama-3.1-8B by default), both on this machine's first device (each process limited to
@@ -9,14 +9,16 @@ payload on a loopback socket. Per (format, C): --warmup untimed requests first (
 prefill bucket, the decode steps, the hand-off's gather / scatter for that page count), then --reps
 timed ones. From the workers' time.monotonic() stamps (one clock for the processes of a machine):
   prefill  the prompt prefilled and the first token sampled (Engine.step on the prefill worker);
-  export   Engine.hand_off: the live pages of every layer copied to the host, packed, SHA-256;
-  send     the payload on the socket until the decode worker has read it;
-  import   Engine.adopt: parsed, checked, copied to the device, scattered at the decode worker's pages;
+  export   Engine.hand_off: the live pages of every layer copied to the host, packed, digest;
+  send     the payload on the socket (handoff.send_payload / recv_payload) until the decode worker
+           has read it;
+  import   Engine.adopt: parsed, digest checked, copied to the device, written at the decode
+           worker's pages;
   decode   output_tokens - 1 decode steps on the decode worker (batch 1);
   jct      prefill start to the last token (the sum), and router_s: the router's submit -> result.
 Rows: --out/disagg.{jsonl,md}, rewritten after every row (a run cut short keeps what it measured).
 
-  python bench/bench_disagg.py                                      # GPU: hack, bf16 at 16K, 64K
+  python bench/bench_disagg.py                                      # GPU: hack, int8, bf16 at 16K, 64K
   python bench/bench_disagg.py --model toy --impl reference --contexts 256 --output-tokens 8 --reps 1
                                                                     # CPU check of the script
 """
@@ -45,7 +47,7 @@ PHASES = (("prefill", "prefill_start", "prefilled"), ("export", "prefilled", "ex
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(bg.PRESETS) + sorted(bg.TOY))
-    ap.add_argument("--formats", nargs="+", default=["hack", "bf16"], choices=("hack", "int8", "bf16"))
+    ap.add_argument("--formats", nargs="+", default=["hack", "int8", "bf16"], choices=("hack", "int8", "bf16"))
     ap.add_argument("--contexts", nargs="+", type=int, default=[16384, 65536], help="prompt tokens")
     ap.add_argument("--output-tokens", type=int, default=128, help="tokens generated per request")
     ap.add_argument("--reps", type=int, default=2, help="timed requests per row (median)")
@@ -105,7 +107,8 @@ def main(argv=None):
         print(f"workers up in {time.monotonic() - t0:.1f} s (model init included)", flush=True)
         for context, fmt in [(c, f) for c in args.contexts for f in args.formats]:
             base = dict(model=args.model, format=fmt, context=context, output_tokens=args.output_tokens,
-                        reps=args.reps, impl=args.impl, max_len=max_len)
+                        reps=args.reps, impl=args.impl, max_len=max_len,
+                        glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""))
             timed, compile_s = [], 0.0
             try:
                 for rep in range(args.warmup + args.reps):

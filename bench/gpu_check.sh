@@ -48,10 +48,12 @@
 #                                                  Default contexts 4096 16384: at batch 8 and 32K the hack u8 pools of
 #                                                  the flat form fall in the Pallas 32-bit offset window and the scan
 #                                                  keeps per-layer slices there (rows say layers=scan-sliced)
-#   HANDOFF=1 HANDOFF_ARGS="--contexts 4096 16384 65536"
+#   HANDOFF=1 HANDOFF_ARGS="--formats hack int8 bf16 --contexts 4096 16384 65536 --reps 2"
 #                                                  bench/bench_handoff.py (one sequence's cache: bytes,
-#                                                  serialize / send / restore) -> OUT_DIR/handoff/ (HANDOFF_TIMEOUT=150)
-#   DISAGG=1 DISAGG_ARGS="--formats hack bf16 --contexts 16384 65536"
+#                                                  serialize / send / restore, each phase's seconds, the host's
+#                                                  memcpy / SHA-256 rates) -> OUT_DIR/handoff/ (HANDOFF_TIMEOUT=270;
+#                                                  "--host-memory pinned_host" stages the copies in pinned memory)
+#   DISAGG=1 DISAGG_ARGS="--formats hack int8 bf16 --contexts 16384 65536 --reps 1 --output-tokens 64"
 #                                                  bench/bench_disagg.py (prefill worker -> hand-off -> decode
 #                                                  worker, both processes on the GPU: job completion time) ->
 #                                                  OUT_DIR/disagg/ (DISAGG_TIMEOUT=420)
@@ -236,7 +238,7 @@ fi
 
 if [[ -n "${HANDOFF:-}" ]]; then
   # shellcheck disable=SC2086
-  timeout -k 5 "${HANDOFF_TIMEOUT:-150}" python3 bench/bench_handoff.py --out "$OUT/handoff" ${HANDOFF_ARGS:-} 2>&1 \
+  timeout -k 5 "${HANDOFF_TIMEOUT:-270}" python3 bench/bench_handoff.py --out "$OUT/handoff" ${HANDOFF_ARGS:-} 2>&1 \
     | tee "$OUT/handoff.log"
   echo "handoff bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/handoff.log"
 fi

@@ -18,7 +18,8 @@ With greedy sampling the tokens and log-probs equal a single-process Engine of t
 max_seqs / max_len (tests/test_disagg.py), for rounding="nearest"; stochastic rounding draws
 per engine step, so there it is not bit-identical.
 
-Messages (pickled tuples; the payload follows its "handoff" tuple as raw bytes, send_bytes):
+Messages (pickled tuples; the payload follows its "handoff" tuple as one bytes message,
+hack_jax.handoff.send_payload / recv_payload: Connection.send_bytes' framing without its copies):
   ("request", rid, kv_format, Request)
   ("handoff", rid, kv_format, Request, first_token, first_logprob, info)  + payload
   ("result",  rid, kv_format, result)   result: tokens, logprobs, text, finish_reason, info
@@ -42,6 +43,7 @@ import time
 from multiprocessing.connection import Client, Listener
 from typing import Any
 
+from hack_jax import handoff
 from hack_jax.config import QuantConfig
 from models.config import ModelConfig
 from models.engine import Request
@@ -155,7 +157,7 @@ def serve_prefill(spec: WorkerSpec, up, down) -> None:
       continue
     info.update(exported=time.monotonic(), payload_bytes=len(payload), prefill_pages=pages)
     down.send(("handoff", rid, fmt, req, events[0].token_id, events[0].logprob, info))
-    down.send_bytes(payload)
+    handoff.send_payload(down, payload)
 
 
 def serve_decode(spec: WorkerSpec, up, down) -> None:
@@ -174,7 +176,7 @@ def serve_decode(spec: WorkerSpec, up, down) -> None:
       if msg[0] == "stop":
         stopping = True
       elif msg[0] == "handoff":
-        _adopt(engines, running, msg, up.recv_bytes(), down)
+        _adopt(engines, running, msg, handoff.recv_payload(up), down)
       else:  # results and errors from upstream pass through
         down.send(msg)
       busy = any(e.has_work for e in engines.values())

@@ -489,11 +489,11 @@ class Engine:
 
   # ------------------------------------------- hand-off between engines (models/disagg.py)
 
-  def hand_off(self, request_id: int) -> tuple[bytes, list[int]]:
+  def hand_off(self, request_id: int):
     """Exports running request `request_id` right after the step that prefilled it (its first
     token is in that step's Events) as a hack_jax.handoff payload of its prompt's cache, then
-    removes it from this engine (pages freed, no final Event). Returns (payload, the live page
-    ids it had here). Raises ValueError if the request is not running or has decoded already."""
+    removes it from this engine (pages freed, no final Event). Returns (payload, a bytes-like
+    buffer; the live page ids it had here). Raises ValueError if the request is not running or has decoded already."""
     seq = next((s for s in self._slots if s is not None and s.rid == request_id), None)
     if seq is None or len(seq.tokens) != 1:
       raise ValueError(f"request {request_id} is not running right after its prefill")
@@ -512,7 +512,7 @@ class Engine:
     payload that is damaged or does not fit this cache (hack_jax.handoff), a cache length other
     than the prompt's, a first token outside the vocabulary, or no free slot / pages now."""
     self.check(request)
-    kv_len = handoff.read_header(payload).kv_len
+    kv_len = handoff.read_header(payload, check_digest=False).kv_len  # import_sequence checks it
     if kv_len != len(request.prompt_ids):
       raise ValueError(f"hand-off holds {kv_len} tokens, the request's prompt {len(request.prompt_ids)}")
     if not 0 <= paging.require_int("first_token", first_token) < self.config.vocab_size:
@@ -526,7 +526,7 @@ class Engine:
       self.allocator.admit(slot, kv_len)
       try:
         self.cache = self.stepper.placed(handoff.import_sequence(
-            self.cache, payload, slot=slot, page_indices=self.allocator.page_indices))
+            self.cache, payload, slot=slot, page_indices=self.allocator.page_indices, donate=True))
       except ValueError:
         self.allocator.release(slot)
         raise
