@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from hack_jax import kv_cache
+from hack_jax.kv_cache import mixed
 from hack_jax.config import QuantConfig
 from hack_jax.paging import PageAllocator
 from hack_jax.step import Step
@@ -186,7 +187,7 @@ def take_rows(cache, rows):
   def take(layer):
     return dataclasses.replace(layer, **{f: jnp.take(getattr(layer, f), rows, axis=axis)
                                          for f in _PER_SEQUENCE if hasattr(layer, f)})
-  layers = take(cache.layers) if cache.stacked else tuple(take(l) for l in cache.layers)
+  layers = mixed.map_groups(take, cache.layers) if cache.stacked else tuple(map(take, cache.layers))
   return dataclasses.replace(cache, layers=layers)
 
 
@@ -196,7 +197,7 @@ def put_rows(cache, sub, rows):
     at = (lambda a: a.at[:, rows]) if cache.stacked else (lambda a: a.at[rows])
     return dataclasses.replace(new, **{f: at(getattr(layer, f)).set(getattr(new, f))
                                        for f in _PER_SEQUENCE if hasattr(layer, f)})
-  layers = (put(cache.layers, sub.layers) if cache.stacked
+  layers = (mixed.map_groups(put, cache.layers, sub.layers) if cache.stacked
             else tuple(map(put, cache.layers, sub.layers)))
   return dataclasses.replace(cache, layers=layers)
 
@@ -216,7 +217,8 @@ def decode_record(alloc: PageAllocator, quant: QuantConfig, kv_lens, active, key
 class Stepper:
   """A model split for jit, its attention backend, one cache geometry and the compiled steps.
 
-  Args: model (a Llama), quant (the cache format), max_seqs, max_len (tokens per slot; the cache
+  Args: model (a Llama), quant (the cache format: a QuantConfig, or per-layer formats, a
+  hack_jax.layer_formats.LayerFormats), max_seqs, max_len (tokens per slot; the cache
   holds whole pages), num_pages (None = room for every slot at max_len, plus the null page),
   attention (None = model.config.attention), mesh (None = the model's, for a
   sharding.shard_model model, else one device; or a 1-D "tp" mesh: the weights and the cache are
