@@ -11,7 +11,9 @@ Payload (version 1), all integers little-endian:
   magic   8 bytes  b"HACKKV\\x00\\x01"
   n       u32      length of the header
   header  n bytes  UTF-8 JSON: version, the QuantConfig fields, num_layers, num_kv_heads, head_dim,
-                   kv_len, num_pages (pages carried) and per array: layer, field, dtype, shape, nbytes
+                   kv_len, num_pages (pages carried) and per array: layer, field, dtype, shape, nbytes;
+                   a cache with per-layer formats (hack_jax.layer_formats) adds layer_configs, the
+                   QuantConfig fields of every layer (config: layer 0's)
   body             the arrays' raw bytes, in header order (C order)
   digest  32 bytes SHA-256 of everything before it
 Only a sequence's live pages travel (paging.pages_needed(kv_len)), so the payload's size is the
@@ -36,6 +38,8 @@ import numpy as np
 
 from hack_jax import kv_cache, paging
 from hack_jax.config import QuantConfig
+from hack_jax.kv_cache import mixed
+from hack_jax.layer_formats import LayerFormats
 
 MAGIC = b"HACKKV\x00\x01"
 VERSION = 1
@@ -46,7 +50,8 @@ SEQUENCE_FIELDS = ("open_k", "open_v", "sink_k", "sink_v")
 
 @dataclasses.dataclass(frozen=True)
 class Header:
-    """What a payload holds (read_header). arrays: ((layer, field, dtype, shape, nbytes), ...)."""
+    """What a payload holds (read_header). arrays: ((layer, field, dtype, shape, nbytes), ...);
+    layer_configs: None, or one QuantConfig per layer (a cache with per-layer formats)."""
     config: QuantConfig
     num_layers: int
     num_kv_heads: int
@@ -54,10 +59,16 @@ class Header:
     kv_len: int
     num_pages: int
     arrays: tuple
+    layer_configs: tuple | None = None
 
 
 def _config_dict(config: QuantConfig) -> dict:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _layer_configs(cache):
+    """One QuantConfig per layer for a cache with per-layer formats, else None."""
+    return cache.config.configs(cache.num_layers) if isinstance(cache.config, LayerFormats) else None
 
 
 def _array_fields(layer):
@@ -95,9 +106,10 @@ def export_sequence(cache: kv_cache.KVCache, *, slot: int, page_indices, kv_len:
     slot, ids = _live_pages(cache, slot, page_indices, kv_len)
     chunks, arrays = [], []
     ids_dev = jnp.asarray(ids, jnp.int32)
-    if cache.stacked:  # one gather over all layers, split per layer here
-        taken = {name: np.asarray(x) for name, x in _take_sequence(cache.layers, ids_dev, slot, 1).items()}
-        per_layer = [{name: a[i] for name, a in taken.items()} for i in range(cache.num_layers)]
+    if cache.stacked:  # one gather over all layers (of each format), split per layer here
+        groups, layer_map = mixed.groups_of(cache.layers)
+        taken = [{name: np.asarray(x) for name, x in _take_sequence(g, ids_dev, slot, 1).items()} for g in groups]
+        per_layer = [{name: a[j] for name, a in taken[g].items()} for g, j in layer_map]
     else:
         per_layer = [_take_sequence(layer, ids_dev, slot, 0) for layer in cache.layers]
     for i, fields in enumerate(per_layer):
@@ -105,10 +117,12 @@ def export_sequence(cache: kv_cache.KVCache, *, slot: int, page_indices, kv_len:
             a = np.ascontiguousarray(np.asarray(x))
             chunks.append(a.tobytes())
             arrays.append([i, name, a.dtype.name, list(a.shape), a.nbytes])
-    first = _layer(cache, 0)
-    header = json.dumps(dict(version=VERSION, config=_config_dict(cache.config), num_layers=cache.num_layers,
+    first = _layers(cache)[0]
+    configs = _layer_configs(cache)
+    extra = {} if configs is None else dict(layer_configs=[_config_dict(c) for c in configs])
+    header = json.dumps(dict(version=VERSION, config=_config_dict(first.config), num_layers=cache.num_layers,
                              num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, kv_len=kv_len,
-                             num_pages=int(ids.size), arrays=arrays)).encode()
+                             num_pages=int(ids.size), arrays=arrays, **extra)).encode()
     out = b"".join([MAGIC, struct.pack("<I", len(header)), header, *chunks])
     return out + hashlib.sha256(out).digest()
 
@@ -133,9 +147,11 @@ def read_header(payload: bytes) -> Header:
         arrays = tuple((int(a[0]), str(a[1]), str(a[2]), tuple(int(s) for s in a[3]), int(a[4]))
                        for a in h["arrays"])
         config = QuantConfig(**h["config"])
+        layer_configs = (None if "layer_configs" not in h else
+                         tuple(QuantConfig(**c) for c in h["layer_configs"]))
         header = Header(config=config, num_layers=int(h["num_layers"]), num_kv_heads=int(h["num_kv_heads"]),
                         head_dim=int(h["head_dim"]), kv_len=int(h["kv_len"]), num_pages=int(h["num_pages"]),
-                        arrays=arrays)
+                        arrays=arrays, layer_configs=layer_configs)
     except (ValueError, KeyError, TypeError, IndexError) as e:
         raise ValueError(f"KV payload header is corrupted: {type(e).__name__}: {e}") from None
     body = sum(a[4] for a in arrays)
@@ -157,11 +173,12 @@ def import_sequence(cache: kv_cache.KVCache, payload: bytes, *, slot: int, page_
     """
     header = read_header(payload)
     payload = bytes(payload)
-    first = _layer(cache, 0)
-    want = dict(config=cache.config, num_layers=cache.num_layers, num_kv_heads=first.num_kv_heads,
-                head_dim=first.head_dim)
-    got = dict(config=header.config, num_layers=header.num_layers, num_kv_heads=header.num_kv_heads,
-               head_dim=header.head_dim)
+    layers = _layers(cache)
+    first = layers[0]
+    want = dict(config=first.config, layer_configs=_layer_configs(cache), num_layers=cache.num_layers,
+                num_kv_heads=first.num_kv_heads, head_dim=first.head_dim)
+    got = dict(config=header.config, layer_configs=header.layer_configs, num_layers=header.num_layers,
+               num_kv_heads=header.num_kv_heads, head_dim=header.head_dim)
     for key in want:
         if want[key] != got[key]:
             raise ValueError(f"KV payload does not match the receiving cache: {key} {got[key]} != {want[key]}")
@@ -171,10 +188,10 @@ def import_sequence(cache: kv_cache.KVCache, payload: bytes, *, slot: int, page_
     offset = len(MAGIC) + 4 + struct.unpack_from("<I", payload, len(MAGIC))[0]
     per_layer = [dict() for _ in range(cache.num_layers)]
     for layer_i, name, dtype, shape, nbytes in header.arrays:
-        layer = first if 0 <= layer_i < cache.num_layers else None
+        layer = layers[layer_i] if 0 <= layer_i < cache.num_layers else None
         if layer is None or name not in _array_fields(layer):
             raise ValueError(f"KV payload array {name!r} of layer {layer_i} does not exist in the receiving cache")
-        dst = getattr(layer, name)  # layer 0's shapes: every layer's are the same
+        dst = getattr(layer, name)
         expect = dst.shape[1:] if name in SEQUENCE_FIELDS else (ids.size,) + dst.shape[1:]
         if tuple(shape) != tuple(expect) or np.dtype(dst.dtype).name != dtype:
             raise ValueError(f"KV payload array {name} of layer {layer_i}: {dtype}{list(shape)} does not fit "
@@ -183,12 +200,17 @@ def import_sequence(cache: kv_cache.KVCache, payload: bytes, *, slot: int, page_
                                                  offset=offset).reshape(shape)
         offset += nbytes
     for i, fields in enumerate(per_layer):
-        if set(fields) != set(_array_fields(first)):
-            raise ValueError(f"KV payload lacks arrays of layer {i}: {sorted(set(_array_fields(first)) - set(fields))}")
+        if set(fields) != set(_array_fields(layers[i])):
+            raise ValueError(f"KV payload lacks arrays of layer {i}: "
+                             f"{sorted(set(_array_fields(layers[i])) - set(fields))}")
     ids_dev = jnp.asarray(ids, jnp.int32)
     if cache.stacked:
-        stacked = {name: np.stack([f[name] for f in per_layer]) for name in per_layer[0]}
-        layers = _put_sequence(cache.layers, stacked, ids_dev, slot, 1)
+        groups, layer_map = mixed.groups_of(cache.layers)
+        for g in range(len(groups)):
+            members = [per_layer[i] for i, (gg, _) in enumerate(layer_map) if gg == g]  # in index order
+            stacked = {name: np.stack([f[name] for f in members]) for name in members[0]}
+            groups[g] = _put_sequence(groups[g], stacked, ids_dev, slot, 1)
+        layers = mixed.with_groups(cache.layers, groups)
     else:
         layers = tuple(_put_sequence(layer, fields, ids_dev, slot, 0)
                        for layer, fields in zip(cache.layers, per_layer))
@@ -196,11 +218,11 @@ def import_sequence(cache: kv_cache.KVCache, payload: bytes, *, slot: int, page_
                                page_indices=jnp.asarray(page_indices, jnp.int32))
 
 
-def _layer(cache, i):
-    """Layer i of a KVCache; of a stacked cache its shapes only (a LayerCache of ShapeDtypeStructs)."""
+def _layers(cache):
+    """The layers of a KVCache; of a stacked cache their shapes only (LayerCaches of ShapeDtypeStructs)."""
     if cache.stacked:
-        return jax.eval_shape(lambda layers: jax.tree.map(lambda a: a[i], layers), cache.layers)
-    return cache.layers[i]
+        return jax.eval_shape(mixed.layer_list, cache.layers)
+    return list(cache.layers)
 
 
 def _index(name, ids, slot, axis):  # the sequence's rows: its slot, or its pages, behind `axis` layer axes

@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 
 from hack_jax import kv_cache
 from hack_jax.kv_cache import mixed
+from hack_jax.layer_formats import LayerFormats
 from hack_jax.config import QuantConfig
 from hack_jax.paging import PageAllocator
 from hack_jax.step import Step
@@ -239,6 +240,8 @@ class Stepper:
     self.attention = model.config.attention if attention is None else attention
     if self.mesh is not None and not isinstance(self.attention, sharding.ShardedBackend):
       self.attention = sharding.ShardedBackend(self.attention, self.mesh)
+    if isinstance(quant, LayerFormats):
+      quant.configs(self.config.num_layers)  # ValueError now for a rule the model's depth does not fit
     self.graphdef, self.state = nnx.split(model)
     self.num_sink_tokens = kv_cache.sink_tokens(quant)
     self.pages_per_seq = max(1, math.ceil((max_len - self.num_sink_tokens) / quant.page_size))
