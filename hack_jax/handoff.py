@@ -175,9 +175,9 @@ def import_sequence(cache: kv_cache.KVCache, payload: bytes, *, slot: int, page_
     payload = bytes(payload)
     layers = _layers(cache)
     first = layers[0]
-    want = dict(config=first.config, layer_configs=_layer_configs(cache), num_layers=cache.num_layers,
+    want = dict(layer_configs=_layer_configs(cache), config=first.config, num_layers=cache.num_layers,
                 num_kv_heads=first.num_kv_heads, head_dim=first.head_dim)
-    got = dict(config=header.config, layer_configs=header.layer_configs, num_layers=header.num_layers,
+    got = dict(layer_configs=header.layer_configs, config=header.config, num_layers=header.num_layers,
                num_kv_heads=header.num_kv_heads, head_dim=header.head_dim)
     for key in want:
         if want[key] != got[key]:
