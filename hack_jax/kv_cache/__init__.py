@@ -213,8 +213,14 @@ def init_cache(config: QuantConfig | LayerFormats, *, num_layers: int, num_kv_he
             sizes = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages, max_seqs=max_seqs)
             for c in set(configs):
                 _check_size(c, configs.count(c), **sizes)
-            return KVCache(layers=mixed.init_layers(config, num_layers=num_layers, stacked=stacked, **sizes),
-                           page_indices=jnp.zeros((max_seqs, pages_per_seq), jnp.int32),
+            if stacked:
+                distinct, layer_map = mixed.group_map(configs)
+                layers = LayerGroups(groups=tuple(
+                    jax.tree.map(lambda a, n=configs.count(c): jnp.zeros((n,) + a.shape, a.dtype),
+                                 init_layer(c, **sizes)) for c in distinct), layer_map=layer_map)
+            else:
+                layers = tuple(init_layer(c, **sizes) for c in configs)
+            return KVCache(layers=layers, page_indices=jnp.zeros((max_seqs, pages_per_seq), jnp.int32),
                            kv_lens=jnp.zeros((max_seqs,), jnp.int32), config=config)
     _check_size(config, num_layers, num_kv_heads, head_dim, num_pages, max_seqs)
     layer = init_layer(config, num_kv_heads=num_kv_heads, head_dim=head_dim,

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from hack_jax.kv_cache.common import STATIC, pytree_dataclass
+from hack_jax.kv_cache.stacked import is_paged
 from hack_jax.layer_formats import LayerFormats
 
 
@@ -50,22 +51,6 @@ def group_map(configs) -> tuple[tuple, tuple[tuple[int, int], ...]]:
         layer_map.append((g, seen[g]))
         seen[g] += 1
     return distinct, tuple(layer_map)
-
-
-def init_layers(formats: LayerFormats, *, num_layers: int, stacked: bool, **sizes):
-    """KVCache.layers of an empty mixed cache: a tuple of per-layer LayerCaches, or (stacked)
-    LayerGroups. sizes: num_kv_heads, head_dim, num_pages, max_seqs (kv_cache.init_layer's)."""
-    from hack_jax import kv_cache
-    configs = formats.configs(num_layers)
-    if not stacked:
-        return tuple(kv_cache.init_layer(c, **sizes) for c in configs)
-    distinct, layer_map = group_map(configs)
-    groups = []
-    for g, c in enumerate(distinct):
-        layer = kv_cache.init_layer(c, **sizes)
-        n = sum(1 for gg, _ in layer_map if gg == g)
-        groups.append(jax.tree.map(lambda a, n=n: jnp.zeros((n,) + a.shape, a.dtype), layer))
-    return LayerGroups(groups=tuple(groups), layer_map=layer_map)
 
 
 def groups_of(layers) -> tuple[list, tuple[tuple[int, int], ...]]:
@@ -127,8 +112,6 @@ def array_bits(cache) -> dict:
                           the long-sequence rate;
       per_layer           each layer's (kv_format, page_bits_per_element).
     Works on a tuple of layers, a stacked LayerCache or LayerGroups (arrays or ShapeDtypeStructs)."""
-    from hack_jax import kv_cache
-    from hack_jax.kv_cache import stacked as stacked_cache
     total = paged = paged_elems = elems = 0
     per_layer = []
     for layer in jax.eval_shape(layer_list, cache.layers):
@@ -138,12 +121,13 @@ def array_bits(cache) -> dict:
                 continue
             a = getattr(layer, f.name)
             total += _nbytes(a)
-            if stacked_cache.is_paged(f.name):
+            if is_paged(f.name):
                 layer_paged += _nbytes(a)
         heads, dim = layer.num_kv_heads, layer.head_dim
         ps, num_pages = layer.config.page_size, layer.num_pages
         held = 2 * heads * dim * num_pages * ps
-        capacity = kv_cache.sink_tokens(layer.config) + cache.pages_per_seq * ps
+        sinks = layer.sink_k.shape[2] if hasattr(layer, "sink_k") else 0  # [S, H, ns, D]
+        capacity = sinks + cache.pages_per_seq * ps
         elems += 2 * heads * dim * cache.max_seqs * capacity
         paged += layer_paged
         paged_elems += held
