@@ -52,6 +52,8 @@ import numpy as np
 
 from hack_jax import kv_cache, paging
 from hack_jax.config import QuantConfig
+from hack_jax.kv_cache import mixed
+from hack_jax.layer_formats import LayerFormats
 
 VERSION = 2
 READS = (1, 2)  # versions read_header accepts
@@ -67,7 +69,8 @@ SEQUENCE_FIELDS = ("open_k", "open_v", "sink_k", "sink_v")
 @dataclasses.dataclass(frozen=True)
 class Header:
     """What a payload holds (read_header). arrays: ((layer, field, dtype, shape, nbytes), ...);
-    body_offset: where the first array's bytes start."""
+    body_offset: where the first array's bytes start; layer_configs: None, or one QuantConfig per
+    layer (a cache with per-layer formats, hack_jax.layer_formats; config is then layer 0's)."""
     config: QuantConfig
     num_layers: int
     num_kv_heads: int
@@ -77,6 +80,7 @@ class Header:
     arrays: tuple
     version: int = VERSION
     body_offset: int = 0
+    layer_configs: tuple | None = None
 
 
 def _config_dict(config: QuantConfig) -> dict:
@@ -167,8 +171,9 @@ def export_sequence(cache: kv_cache.KVCache, *, slot: int, page_indices, kv_len:
     slot, ids = _live_pages(cache, slot, page_indices, kv_len)
     t = time.perf_counter()
     ids_dev = jnp.asarray(ids, jnp.int32)
-    if cache.stacked:  # one gather over all layers, split per layer on the host (views)
-        taken = _take_sequence(cache.layers, ids_dev, slot, 1)
+    if cache.stacked:  # one gather over all layers (of each format), split per layer on the host (views)
+        groups, layer_map = mixed.groups_of(cache.layers)
+        taken = [_take_sequence(g, ids_dev, slot, 1) for g in groups]
     else:
         taken = [_take_sequence(layer, ids_dev, slot, 0) for layer in cache.layers]
     if timings is not None:
@@ -179,17 +184,19 @@ def export_sequence(cache: kv_cache.KVCache, *, slot: int, page_indices, kv_len:
     taken = jax.device_get(taken)  # every array's copy starts before the first is waited for
     t = _tick(timings, "device_to_host", t)
     if cache.stacked:
-        taken = [{name: a[i] for name, a in taken.items()} for i in range(cache.num_layers)]
+        taken = [{name: a[j] for name, a in taken[g].items()} for g, j in layer_map]
     sources, arrays = [], []
     for i, fields in enumerate(taken):
         for name, a in fields.items():
             a = np.ascontiguousarray(a)
             sources.append(a.reshape(-1).view(np.uint8))
             arrays.append([i, name, a.dtype.name, list(a.shape), a.nbytes])
-    first = _layer(cache, 0)
-    header = json.dumps(dict(version=VERSION, config=_config_dict(cache.config), num_layers=cache.num_layers,
+    first = _layers(cache)[0]
+    configs = _layer_configs(cache)
+    extra = {} if configs is None else dict(layer_configs=[_config_dict(c) for c in configs])
+    header = json.dumps(dict(version=VERSION, config=_config_dict(first.config), num_layers=cache.num_layers,
                              num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, kv_len=kv_len,
-                             num_pages=int(ids.size), arrays=arrays)).encode()
+                             num_pages=int(ids.size), arrays=arrays, **extra)).encode()
     header += b" " * (-(_PREFIX + len(header)) % _ALIGN)
     prefix = np.frombuffer(MAGIC + struct.pack("<I", len(header)) + header, np.uint8)
     sources.insert(0, prefix)
@@ -245,9 +252,11 @@ def read_header(payload, *, check_digest: bool = True) -> Header:
         arrays = tuple((int(a[0]), str(a[1]), str(a[2]), tuple(int(s) for s in a[3]), int(a[4]))
                        for a in h["arrays"])
         config = QuantConfig(**h["config"])
+        layer_configs = (None if "layer_configs" not in h else
+                         tuple(QuantConfig(**c) for c in h["layer_configs"]))
         header = Header(config=config, num_layers=int(h["num_layers"]), num_kv_heads=int(h["num_kv_heads"]),
                         head_dim=int(h["head_dim"]), kv_len=int(h["kv_len"]), num_pages=int(h["num_pages"]),
-                        arrays=arrays, version=version, body_offset=_PREFIX + n)
+                        arrays=arrays, version=version, body_offset=_PREFIX + n, layer_configs=layer_configs)
     except (ValueError, KeyError, TypeError, IndexError) as e:
         raise ValueError(f"KV payload header is corrupted: {type(e).__name__}: {e}") from None
     body = sum(a[4] for a in arrays)
@@ -278,11 +287,12 @@ def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices
     t = time.perf_counter()
     header = read_header(payload)
     data = _bytes_view(payload)
-    first = _layer(cache, 0)
-    want = dict(config=cache.config, num_layers=cache.num_layers, num_kv_heads=first.num_kv_heads,
-                head_dim=first.head_dim)
-    got = dict(config=header.config, num_layers=header.num_layers, num_kv_heads=header.num_kv_heads,
-               head_dim=header.head_dim)
+    layers = _layers(cache)
+    first = layers[0]
+    want = dict(layer_configs=_layer_configs(cache), config=first.config, num_layers=cache.num_layers,
+                num_kv_heads=first.num_kv_heads, head_dim=first.head_dim)
+    got = dict(layer_configs=header.layer_configs, config=header.config, num_layers=header.num_layers,
+               num_kv_heads=header.num_kv_heads, head_dim=header.head_dim)
     for key in want:
         if want[key] != got[key]:
             raise ValueError(f"KV payload does not match the receiving cache: {key} {got[key]} != {want[key]}")
@@ -291,11 +301,10 @@ def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices
         raise ValueError(f"slot {slot} has {ids.size} pages for kv_len={header.kv_len}, payload {header.num_pages}")
     offset = header.body_offset
     per_layer = [dict() for _ in range(cache.num_layers)]
-    names = _array_fields(first)
     for layer_i, name, dtype, shape, nbytes in header.arrays:
-        if not 0 <= layer_i < cache.num_layers or name not in names:
+        if not 0 <= layer_i < cache.num_layers or name not in _array_fields(layers[layer_i]):
             raise ValueError(f"KV payload array {name!r} of layer {layer_i} does not exist in the receiving cache")
-        dst = getattr(first, name)  # layer 0's shapes: every layer's are the same
+        dst = getattr(layers[layer_i], name)
         expect = dst.shape[1:] if name in SEQUENCE_FIELDS else (ids.size,) + dst.shape[1:]
         if (tuple(shape) != tuple(expect) or np.dtype(dst.dtype).name != dtype
                 or nbytes != np.dtype(dst.dtype).itemsize * int(np.prod(shape))):
@@ -304,6 +313,7 @@ def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices
         per_layer[layer_i][name] = data[offset:offset + nbytes].view(dst.dtype).reshape(shape)
         offset += nbytes
     for i, fields in enumerate(per_layer):
+        names = _array_fields(layers[i])
         if set(fields) != set(names):
             raise ValueError(f"KV payload lacks arrays of layer {i}: {sorted(set(names) - set(fields))}")
     t = _tick(timings, "check", t)
@@ -320,9 +330,13 @@ def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices
     # returned (committed) would otherwise compile the write twice
     src = cache.layers if device is None else jax.device_put(cache.layers, device)
     put = _put_sequence_donated if donate else _put_sequence
-    if cache.stacked:
-        stacked = {name: tuple(f[name] for f in per_layer) for name in names}
-        layers = put(src, stacked, ids_dev, slot, 1)
+    if cache.stacked:  # per format group: its layers' arrays stacked in index order
+        groups, layer_map = mixed.groups_of(src)
+        for g in range(len(groups)):
+            members = [per_layer[i] for i, (gg, _) in enumerate(layer_map) if gg == g]
+            stacked = {name: tuple(f[name] for f in members) for name in members[0]}
+            groups[g] = put(groups[g], stacked, ids_dev, slot, 1)
+        layers = mixed.with_groups(src, groups)
     else:
         layers = tuple(put(layer, fields, ids_dev, slot, 0) for layer, fields in zip(src, per_layer))
     kv_lens = np.array(cache.kv_lens, np.int32)  # on the host: an eager update would compile per placement
@@ -335,11 +349,16 @@ def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices
     return out
 
 
-def _layer(cache, i):
-    """Layer i of a KVCache; of a stacked cache its shapes only (a LayerCache of ShapeDtypeStructs)."""
+def _layers(cache):
+    """The layers of a KVCache; of a stacked cache their shapes only (LayerCaches of ShapeDtypeStructs)."""
     if cache.stacked:
-        return jax.eval_shape(lambda layers: jax.tree.map(lambda a: a[i], layers), cache.layers)
-    return cache.layers[i]
+        return jax.eval_shape(mixed.layer_list, cache.layers)
+    return list(cache.layers)
+
+
+def _layer_configs(cache):
+    """One QuantConfig per layer for a cache with per-layer formats, else None."""
+    return cache.config.configs(cache.num_layers) if isinstance(cache.config, LayerFormats) else None
 
 
 def _index(name, ids, slot, axis):  # the sequence's rows: its slot, or its pages, behind `axis` layer axes

@@ -73,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="int4 / turbo3 / turbo4: block size of the Hadamard matrix K, V and q are "
                       "multiplied by (a power of two dividing head_dim); 0 = head_dim, 1 = none "
                       "(QuantConfig.rotation)")
+  common.add_argument("--layer-formats", default=None, metavar="LAYERS:FMT[;LAYERS:FMT]",
+                      help="per-layer cache formats over --kv-format's: e.g. '0,-1:bf16' (the first and "
+                      "last layer in bf16), 'first2,last2:int8;5:float32'; LAYERS: indices (negative "
+                      "from the end), firstN, lastN (hack_jax.layer_formats)")
+  common.add_argument("--keep-layers", default=None, metavar="N:FMT",
+                      help="the first N and last N layers in FMT, the others in --kv-format: e.g. "
+                      "'2:int8' (= --layer-formats first2,last2:int8)")
   common.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"),
                       help="hack: rounding of the 2-bit codes")
   common.add_argument("--layout", default="kivi", choices=("kivi", "seed"),
@@ -186,7 +193,8 @@ def _serve(args, parser) -> int:
 
 def _perplexity(args, parser) -> int:
   from hack_jax import kv_cache
-  from models.cli_generate import quant_config
+  from hack_jax.layer_formats import LayerFormats
+  from models.cli_generate import array_bits_line, quant_config
   from models.generate import Generator
   try:
     quant = quant_config(args)
@@ -221,13 +229,15 @@ def _perplexity(args, parser) -> int:
     ppl, n = gen.decode_perplexity(ids, progress=True)
   else:
     ppl, n = gen.perplexity(ids)
-  print(f"kv_format: {args.kv_format}, mode: {args.mode}, tokens: {len(ids)}, predictions: {n}")
+  print(f"kv_format: {quant if isinstance(quant, LayerFormats) else args.kv_format}, mode: {args.mode}, "
+        f"tokens: {len(ids)}, predictions: {n}")
   c = ckpt.config
   rep = kv_cache.cache_bytes_report(quant, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                                     head_dim=c.head_dim, seq_len=len(ids))
   print(f"KV cache: {rep['page_bits_per_element']:.3f} bits per K/V element in full pages; this "
         f"{len(ids)}-token run allocates {rep['bits_per_element']:.3f} bits per held element (whole "
         f"pages, open block and sinks; {quant})")
+  print(array_bits_line(gen.stepper))
   print(f"perplexity: {ppl:.4f}")
   return 0
 

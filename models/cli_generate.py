@@ -23,6 +23,8 @@ import time
 
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
+from hack_jax.kv_cache import mixed
+from hack_jax.layer_formats import LayerFormats, keep_layers, with_layer_formats
 
 GGUF_MAGIC = b"GGUF"
 
@@ -117,15 +119,46 @@ def read_prompts(args) -> list[str]:
   return [text for _, text in prompts]
 
 
-def quant_config(args) -> QuantConfig:
+def quant_config(args) -> QuantConfig | LayerFormats:
   """QuantConfig from --kv-format and the cache flags (page_size 256, or 4 partitions or the
-  --window if more)."""
+  --window if more); with --layer-formats / --keep-layers, the LayerFormats over it. ValueError
+  naming a bad flag."""
   p = args.partition_size
-  return QuantConfig(kv_format=args.kv_format, partition_size=p, page_size=max(256, 4 * p, args.window),
-                     window=args.window,
-                     num_sink_tokens=args.num_sink_tokens, rounding=args.rounding,
-                     layout=args.layout, v_rotation=args.v_rotation, v_group=args.v_group,
-                     rotation=args.rotation, bits=getattr(args, "bits", 2))
+  quant = QuantConfig(kv_format=args.kv_format, partition_size=p, page_size=max(256, 4 * p, args.window),
+                      window=args.window,
+                      num_sink_tokens=args.num_sink_tokens, rounding=args.rounding,
+                      layout=args.layout, v_rotation=args.v_rotation, v_group=args.v_group,
+                      rotation=args.rotation, bits=getattr(args, "bits", 2))
+  spec, keep = getattr(args, "layer_formats", None), getattr(args, "keep_layers", None)
+  if spec is not None and keep is not None:
+    raise ValueError(f"give --layer-formats or --keep-layers, not both: {spec=} {keep=}")
+  try:
+    if keep is not None:
+      return keep_layers(keep, quant)
+    return with_layer_formats(quant, spec)
+  except ValueError as e:
+    raise ValueError(f"--{'keep-layers' if keep is not None else 'layer-formats'}: {e}") from None
+
+
+def array_bits_line(stepper) -> str:
+  """One line: bits per K/V element of the cache a Stepper allocates, read from its arrays."""
+  import jax
+  bits = mixed.array_bits(jax.eval_shape(stepper.new_cache))
+  formats = ", ".join(f"{n} x {f} {b:.2f}" for (f, b), n in _runs(bits["per_layer"]))
+  return (f"cache arrays: {bits['page_bits_per_element']:.3f} bits per K/V element in pages "
+          f"({formats}), {bits['bits_per_element']:.3f} for the whole allocation "
+          f"({bits['total_bytes']:,} B: every slot at capacity, open blocks and sinks included)")
+
+
+def _runs(items):
+  """[(item, count)] of consecutive equal items."""
+  out = []
+  for x in items:
+    if out and out[-1][0] == x:
+      out[-1][1] += 1
+    else:
+      out.append([x, 1])
+  return [tuple(r) for r in out]
 
 
 def encode(tokenizer, prompt: str, *, system: str | None, chat: bool) -> list[int]:
@@ -251,11 +284,13 @@ def run(args, load) -> int:
           "(not counted)")
     rep = _cache_report(quant, c, max(len(p) for p in ids) + max(len(x.tokens) for x in comps),
                         max_seqs)
-    print(f"KV cache ({args.kv_format}): {rep['bytes_per_token']:,.0f} B/token "
+    print(f"KV cache ({quant if isinstance(quant, LayerFormats) else args.kv_format}): "
+          f"{rep['bytes_per_token']:,.0f} B/token "
           f"({rep['bits_per_element']:.3f} bits/element in pages) = "
           f"{rep['vs_bf16']:.3f} x bf16 in full pages; this run allocates {rep['total']:,} B vs "
           f"{rep['total_bf16']:,} B for bf16 ({rep['allocated_bits_per_element']:.3f} bits per held K/V "
           f"element: whole pages, open blocks and sinks over the tokens held)")
+    print(array_bits_line(engine.stepper))
   return 0
 
 

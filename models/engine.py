@@ -45,6 +45,8 @@ from jax.sharding import Mesh
 
 from hack_jax import handoff, paging
 from hack_jax.config import QuantConfig
+from hack_jax.kv_cache import mixed
+from hack_jax.layer_formats import LayerFormats, with_layer_formats
 from hack_jax.step import Step
 from models.generate import Sampling
 from models.llama import Llama
@@ -143,6 +145,8 @@ class Engine:
 
   Args:
     model: a Llama. tokenizer: its Tokenizer. quant: the cache format.
+    layer_formats: None, or per-layer formats over `quant` (hack_jax.layer_formats: a spec such as
+      "first2,last2:int8" or a LayerFormats), e.g. the first and last layers in int8.
     max_seqs: slots (requests decoded together). max_len: tokens per request (prompt + generated),
       at most the model's context length.
     num_pages: page pool incl. the null page; None = room for every slot at max_len. With fewer,
@@ -169,8 +173,10 @@ class Engine:
   def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
                max_seqs: int = 8, max_len: int = 2048, num_pages: int | None = None,
                prefill_rows: int = 1, prefill_chunk: int | None = None, attention: Any = None,
-               on_stage: Callable[[str, dict], None] | None = None, mesh: Mesh | None = None):
+               on_stage: Callable[[str, dict], None] | None = None, mesh: Mesh | None = None,
+               layer_formats: str | LayerFormats | None = None):
     c = model.config
+    quant = with_layer_formats(quant, layer_formats)
     if max_seqs < 1 or not 2 <= max_len <= c.max_seq_len or not 1 <= prefill_rows <= max_seqs:
       raise ValueError(f"need max_seqs >= 1, 2 <= max_len <= context length {c.max_seq_len} and "
                        f"1 <= prefill_rows <= max_seqs: {max_seqs=} {max_len=} {prefill_rows=}")
@@ -365,8 +371,8 @@ class Engine:
       calls.append(((state, np.zeros((r, chunk), np.int32), step, self.cache, rows, samp), head,
                     f"prefill, {chunk}-token chunk"))
     samp, _ = self._sampling_arrays([None] * s, greedy)
-    seals = (("after",) if self.stepper.deferred_seal else ("never", "always")) if self.quant.kv_format == "hack" \
-        else ("never",)
+    blocked = any(c.kv_format == "hack" for c in mixed.formats_of(self.quant))
+    seals = (("after",) if self.stepper.deferred_seal else ("never", "always")) if blocked else ("never",)
     for seal in seals:
       step = Step.decode(pages, zeros, np.zeros(s, bool), _round_key(0), seal)
       calls.append(((state, zeros, step, self.cache, None, samp), head, f"decode step ({seal} seals)"))

@@ -18,7 +18,9 @@ Format specs (parse_format): a FORMATS name below, or KV_FORMAT[:FIELD=VALUE,...
 QuantConfig dataclass's fields (read from the dataclass, so new fields and kv_formats need no
 change here) plus the evaluation-only hadamard (K/q rotation), e.g. `hack:partition_size=32`,
 `hack:partition_size=32,v_group=64,v_rotation=64`, `fp8`; in a --formats list a FIELD=VALUE part without ':'
-continues the spec before it.
+continues the spec before it. Per-layer formats (the real mixed cache, hack_jax.layer_formats): a spec,
+'+', then LAYERS:FORMAT rules, e.g. `hack-k32v64-vhad-w128+first2last2:int8`, `hack-p64+0/-1:bf16`
+(layer lists joined by '/' or written together, since ',' separates specs).
 
 Formats (FORMATS; bytes per token from kv_cache.bytes_per_token / cache_bytes_report, or by hand
 for the evaluation-only ones):
@@ -104,6 +106,7 @@ import numpy as np
 from hack_jax.backend import write
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
+from hack_jax.layer_formats import LayerFormats, parse_layer_formats
 from hack_jax.rotation import hadamard
 
 f32 = jnp.float32
@@ -703,6 +706,17 @@ def parse_format(spec: str) -> EvalFormat:
   spec = spec.strip()
   if spec in FORMATS:
     return FORMATS[spec]
+  if "+" in spec:  # SPEC+LAYERS:FORMAT...: per-layer formats over SPEC's cache
+    base_spec, _, rules = spec.partition("+")
+    base = parse_format(base_spec)
+    if base.fake is not None or not isinstance(base.quant, QuantConfig):
+      raise ValueError(f"format {spec!r}: per-layer formats need a real cache format before '+', "
+                       f"got {base_spec!r}")
+    try:
+      quant = parse_layer_formats(rules, base.quant)
+    except ValueError as e:
+      raise ValueError(f"format {spec!r}: {e}") from None
+    return EvalFormat(spec, quant, hadamard=base.hadamard, note=f"{base.name} with {quant.spec} (real cache)")
   kv_format, _, rest = spec.partition(":")
   if not rest:
     try:
@@ -753,7 +767,7 @@ def split_specs(spec: str) -> list[str]:
     for part in (x.strip() for x in group.split(",")):
       if not part:
         continue
-      if "=" in part and ":" not in part and out and ":" in out[-1]:
+      if "=" in part and ":" not in part.split("+")[0] and out and ":" in out[-1]:
         out[-1] += "," + part
       elif part == "all":
         out += BASE_FORMATS
@@ -862,11 +876,11 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
                      context=context, tokens=args.tokens, model=os.path.basename(ckpt.path),
                      batch=min(args.batch or len(prompts), len(prompts)), **r, **timing,
                      **bytes_info(fmt, ckpt.config, context + args.tokens),
-                     quant=_json_safe(dataclasses.asdict(fmt.quant)),
+                     quant=_quant_row(fmt.quant),
                      fake=str(fmt.fake) if fmt.fake else None, hadamard=fmt.hadamard,
                      boot=args.boot, seed=args.seed, command=command,
                      device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M"))
-          row["eff_bits_per_element"] = eff_bits(row)
+          row["eff_bits_per_element"] = eff_bits_layers(fmt, row, ckpt.config)
           with open(out, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
           kl_txt = "" if kl is None else f" KL={r['kl']:.4f} [{r['kl_lo']:.4f}, {r['kl_hi']:.4f}]"
@@ -883,6 +897,25 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
 def _json_safe(d: dict) -> dict:
   return {k: v if isinstance(v, (int, float, str, bool, type(None), list)) else
           list(v) if isinstance(v, tuple) else str(v) for k, v in d.items()}
+
+
+def _quant_row(quant) -> dict:
+  """A row's quant: the QuantConfig's fields; per-layer formats: the base's plus layer_formats (the rules)."""
+  if isinstance(quant, LayerFormats):
+    return _json_safe({**dataclasses.asdict(quant.base), "layer_formats": quant.spec})
+  return _json_safe(dataclasses.asdict(quant))
+
+
+def eff_bits_layers(fmt: EvalFormat, row: dict, config) -> float:
+  """eff_bits of a row; with per-layer formats, each layer counted in its own format (the mean over
+  layers of eff_bits of a whole-model cache of that layer's format)."""
+  if not isinstance(fmt.quant, LayerFormats):
+    return eff_bits(row)
+  configs = fmt.quant.configs(config.num_layers)
+  seq_len = row["context"] + row["tokens"]
+  return sum(configs.count(c) * eff_bits({**row, **bytes_info(EvalFormat(fmt.name, c), config, seq_len),
+                                          "quant": _quant_row(c)})
+             for c in set(configs)) / len(configs)
 
 
 def eff_bits(r: dict) -> float:

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
+from hack_jax.layer_formats import LayerFormats, with_layer_formats
 from hack_jax.step import Step
 from models.llama import Llama
 from models.stepper import (MIN_BUCKET, SampleHead, ScoreHead, Stepper, chunk_length,  # noqa: F401
@@ -97,6 +98,8 @@ class Generator:
   Args:
     model: a Llama. tokenizer: its Tokenizer. quant: the cache format (QuantConfig.kv_format
       picks "hack" | "bf16" | "int8" | "float32").
+    layer_formats: None, or per-layer formats over `quant` (hack_jax.layer_formats: a spec such as
+      "first2,last2:int8" or "0,-1:bf16", or a LayerFormats): those layers cached in that format.
     max_seqs: cache slots = prompts per batch (longer prompt lists are run in chunks).
     max_len: tokens per sequence (prompt + generated): the capacity enforced is min(max_len, the
       model's context length), and the cache's pages are allocated for that capacity (whole pages).
@@ -119,7 +122,9 @@ class Generator:
 
   def __init__(self, model: Llama, tokenizer: Tokenizer, quant: QuantConfig = QuantConfig(), *,
                max_seqs: int = 4, max_len: int = 2048, prefill_chunk: int | None = None,
-               attention: Any = None, mesh: Mesh | None = None):
+               attention: Any = None, mesh: Mesh | None = None,
+               layer_formats: str | LayerFormats | None = None):
+    quant = with_layer_formats(quant, layer_formats)
     for name, value in (("max_seqs", max_seqs), ("max_len", max_len)):
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {value!r}")

@@ -15,6 +15,9 @@ Two ways to run:
                                         unchanged) to the attention backend (config.attention, a
                                         hack_jax.backend.Backend unless overridden), which writes
                                         the K/V and attends.
+Per-layer cache formats (hack_jax.layer_formats.LayerFormats as `quant`): the stacked cache is one
+stacked cache per format (hack_jax.kv_cache.mixed.LayerGroups); the unrolled loop hands layer i the
+slot of its format's stack, the scan runs once per run of consecutive layers of one format.
 Layers: config.scan_layers=True stacks the layer weights (one Block whose parameters carry a leading
 num_layers axis) and runs the layers as one jax.lax.scan (the cache's layers stacked the same way,
 kv_cache.init_cache(stacked=True), its pages read and written in place: hack_jax.kv_cache.stacked);
@@ -37,7 +40,7 @@ from flax import nnx
 
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
-from hack_jax.kv_cache import stacked as stacked_cache
+from hack_jax.kv_cache import mixed, stacked as stacked_cache
 from hack_jax.step import Step
 from models.config import ModelConfig
 
@@ -169,7 +172,7 @@ def stacks_cache(config: ModelConfig, quant: QuantConfig, *, num_pages: int, max
   shapes = jax.eval_shape(lambda: kv_cache.init_cache(
       quant, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
       num_pages=num_pages, max_seqs=max_seqs, pages_per_seq=pages_per_seq, stacked=True))
-  return stacked_cache.pallas_addressable(shapes.layers)
+  return all(map(stacked_cache.pallas_addressable, mixed.groups_of(shapes.layers)[0]))
 
 
 def init_cache(config: ModelConfig, quant: QuantConfig, *, num_pages: int, max_seqs: int,
@@ -257,8 +260,13 @@ class Llama(nnx.Module):
     attention = self.config.attention if attention is None else attention
     x = jnp.take(self.embed[...], tokens, axis=0)
     layers = None if cache is None else cache.layers
-    if self.config.scan_layers:
-      x, layers = self._scan(x, positions, layers, step, attention)
+    if self.config.scan_layers and layers is None:
+      x, _ = self._scan(x, positions, None, step, attention)
+    elif self.config.scan_layers:
+      groups, layer_map = mixed.groups_of(layers)
+      for g, first, stop, offset in mixed.runs(layer_map):
+        x, groups[g] = self._scan(x, positions, groups[g], step, attention, (first, stop, offset))
+      layers = mixed.with_groups(layers, groups)
     elif cache is not None and cache.stacked:
       x, layers = self._unrolled_in_place(x, positions, layers, step, attention)
     else:
@@ -277,28 +285,38 @@ class Llama(nnx.Module):
     kernels read layer i of the stacked arrays); other steps take the layer out in the flat form. Other
     backends get the flat form: layer i reads and scatters into the whole flat pool through its mapped
     page table (no copy of its pages); its open blocks and sinks are sliced out and written back."""
+    groups, layer_map = mixed.groups_of(layers)  # per-layer formats: layer i is groups[g][j]
     if getattr(attention, "takes_stacked_layers", False):
       for i, block in enumerate(self.layers):
-        view, x = block(x, positions, stacked_cache.StackedLayer(layers, i), step, attention, i)
-        layers = view.stacked
-      return x, layers
-    num_pages = stacked_cache.pages_per_layer(layers)
-    flat = stacked_cache.flatten(layers)
+        g, j = layer_map[i]
+        view, x = block(x, positions, stacked_cache.StackedLayer(groups[g], j), step, attention, i)
+        groups[g] = view.stacked
+      return x, mixed.with_groups(layers, groups)
+    num_pages = stacked_cache.pages_per_layer(groups[0])
+    flat = [stacked_cache.flatten(group) for group in groups]
     for i, block in enumerate(self.layers):
+      g, j = layer_map[i]
       layer_step = dataclasses.replace(
-          step, page_indices=stacked_cache.layer_page_indices(step.page_indices, i, num_pages))
-      layer, x = block(x, positions, stacked_cache.layer_of(flat, i), layer_step, attention, i)
-      flat = stacked_cache.put_layer(flat, layer, i)
-    return x, stacked_cache.unflatten(flat, len(self.layers))
+          step, page_indices=stacked_cache.layer_page_indices(step.page_indices, j, num_pages))
+      layer, x = block(x, positions, stacked_cache.layer_of(flat[g], j), layer_step, attention, i)
+      flat[g] = stacked_cache.put_layer(flat[g], layer, j)
+    return x, mixed.with_groups(layers, [stacked_cache.unflatten(f, mixed.num_stacked(group))
+                                         for f, group in zip(flat, groups)])
 
-  def _scan(self, x, positions, layers, step, attention):
-    """The layer loop as one jax.lax.scan over (stacked weights, layer index). The stacked cache
+  def _scan(self, x, positions, layers, step, attention, run=None):
+    """The layer loop as one jax.lax.scan over (stacked weights, layer index). run: None (every
+    layer, `layers` holding them all) or (first, stop, offset): layers first..stop-1, whose caches
+    are `layers`' entries offset.. (one format's stack of a per-layer-format cache). The stacked cache
     rides in the carry in hack_jax.kv_cache.stacked's flat form: each layer's paged arrays are the
     whole flat pool, read and scattered in place through the page table mapped into that layer's
     pages (no copy of a layer's pages); only the per-sequence open blocks and sinks are sliced and
     written back. Where the flat form does not pay (kv_cache.stacked.use_flat: on the CPU, and in
     the Pallas lowering's 32-bit offset window), each layer's slice is copied in and out instead."""
     graphdef, params = nnx.split(self.layers)
+    first, stop, offset = (0, self.config.num_layers, 0) if run is None else run
+    if (first, stop) != (0, self.config.num_layers):  # a static slice of the stacked weights
+      params = jax.tree.map(lambda p: p[first:stop], params)
+    num_stacked = None if layers is None else mixed.num_stacked(layers)
     flat = layers is not None and stacked_cache.use_flat(layers)
     if flat:
       num_pages = stacked_cache.pages_per_layer(layers)
@@ -307,25 +325,26 @@ class Llama(nnx.Module):
     def body(carry, xs):
       x, layers = carry
       p, i = xs
+      j = i - (first - offset)  # the layer's entry in `layers`
       layer, layer_step = None, step
       if flat:
-        layer = stacked_cache.layer_of(layers, i)
+        layer = stacked_cache.layer_of(layers, j)
         layer_step = dataclasses.replace(
-            step, page_indices=stacked_cache.layer_page_indices(step.page_indices, i, num_pages))
+            step, page_indices=stacked_cache.layer_page_indices(step.page_indices, j, num_pages))
       elif layers is not None:
-        layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), layers)
+        layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), layers)
       layer, x = nnx.merge(graphdef, p)(x, positions, layer, layer_step, attention, i)
       if flat:
-        layers = stacked_cache.put_layer(layers, layer, i)
+        layers = stacked_cache.put_layer(layers, layer, j)
       elif layers is not None:
-        layers = jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, i, 0),
+        layers = jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, j, 0),
                               layers, layer)
       return (x, layers), None
 
-    index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+    index = jnp.arange(first, stop, dtype=jnp.int32)
     (x, layers), _ = jax.lax.scan(body, (x, layers), (params, index))
     if flat:
-      layers = stacked_cache.unflatten(layers, self.config.num_layers)
+      layers = stacked_cache.unflatten(layers, num_stacked)
     return x, layers
 
   def logits(self, hidden: jax.Array) -> jax.Array:

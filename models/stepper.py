@@ -33,6 +33,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from hack_jax import kv_cache
+from hack_jax.kv_cache import mixed
+from hack_jax.layer_formats import LayerFormats
 from hack_jax.config import QuantConfig
 from hack_jax.paging import PageAllocator
 from hack_jax.step import Step
@@ -186,7 +188,7 @@ def take_rows(cache, rows):
   def take(layer):
     return dataclasses.replace(layer, **{f: jnp.take(getattr(layer, f), rows, axis=axis)
                                          for f in _PER_SEQUENCE if hasattr(layer, f)})
-  layers = take(cache.layers) if cache.stacked else tuple(take(l) for l in cache.layers)
+  layers = mixed.map_groups(take, cache.layers) if cache.stacked else tuple(map(take, cache.layers))
   return dataclasses.replace(cache, layers=layers)
 
 
@@ -196,7 +198,7 @@ def put_rows(cache, sub, rows):
     at = (lambda a: a.at[:, rows]) if cache.stacked else (lambda a: a.at[rows])
     return dataclasses.replace(new, **{f: at(getattr(layer, f)).set(getattr(new, f))
                                        for f in _PER_SEQUENCE if hasattr(layer, f)})
-  layers = (put(cache.layers, sub.layers) if cache.stacked
+  layers = (mixed.map_groups(put, cache.layers, sub.layers) if cache.stacked
             else tuple(map(put, cache.layers, sub.layers)))
   return dataclasses.replace(cache, layers=layers)
 
@@ -220,6 +222,8 @@ def defers_seal(attention: Any, quant: QuantConfig) -> bool:
   16-bit rows) and a small executable seals every layer at once after the steps that fill one, so one
   decode executable serves every step and no layer compiles a seal. Where the backend can
   (Backend.defers_seal: reference / pallas, not the opt-in fused kernel) and the format can (kivi)."""
+  if not isinstance(quant, QuantConfig):  # per-layer formats (hack_jax.layer_formats): seal in each layer
+    return False
   return bool(getattr(attention, "defers_seal", False) and kv_cache.FORMATS[kv_cache.format_of(quant)].seal)
 
 
@@ -237,7 +241,8 @@ def seal_step(cache, step, rows, *, attention):
 class Stepper:
   """A model split for jit, its attention backend, one cache geometry and the compiled steps.
 
-  Args: model (a Llama), quant (the cache format), max_seqs, max_len (tokens per slot; the cache
+  Args: model (a Llama), quant (the cache format: a QuantConfig, or per-layer formats, a
+  hack_jax.layer_formats.LayerFormats), max_seqs, max_len (tokens per slot; the cache
   holds whole pages), num_pages (None = room for every slot at max_len, plus the null page),
   attention (None = model.config.attention), mesh (None = the model's, for a
   sharding.shard_model model, else one device; or a 1-D "tp" mesh: the weights and the cache are
@@ -258,6 +263,8 @@ class Stepper:
     self.attention = model.config.attention if attention is None else attention
     if self.mesh is not None and not isinstance(self.attention, sharding.ShardedBackend):
       self.attention = sharding.ShardedBackend(self.attention, self.mesh)
+    if isinstance(quant, LayerFormats):
+      quant.configs(self.config.num_layers)  # ValueError now for a rule the model's depth does not fit
     self.graphdef, self.state = nnx.split(model)
     self.num_sink_tokens = kv_cache.sink_tokens(quant)
     self.pages_per_seq = max(1, math.ceil((max_len - self.num_sink_tokens) / quant.page_size))

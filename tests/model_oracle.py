@@ -39,10 +39,21 @@ def _rope(x, inv, adjacent):
   return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
 
 
-def _decoder(tokens, w, *, n_layers, n_head, n_kv, hd, eps, inv, adjacent):
+def _attend(q, k, v, causal):
+  """q [T, heads, hd], k, v [T, heads, hd] -> [T, heads * hd], causal softmax attention."""
+  s = np.einsum("thd,shd->hts", q, k) / np.sqrt(q.shape[-1])
+  s = np.where(causal[None], s, -np.inf)
+  s = np.exp(s - s.max(-1, keepdims=True))
+  s /= s.sum(-1, keepdims=True)
+  return np.einsum("hts,shd->thd", s, v).reshape(q.shape[0], -1)
+
+
+def _decoder(tokens, w, *, n_layers, n_head, n_kv, hd, eps, inv, adjacent, cached=None):
   """w(name, layer) -> float64 [out, in] matrix / vector, or None for an absent bias. Names: embed,
   norm, head (None = tied), and per layer attn_norm, q, k, v, o, q_bias, k_bias, v_bias, ffn_norm,
-  gate, up, down."""
+  gate, up, down. cached: None, or (first, stored): rows t >= first (decode steps) attend to
+  stored(layer, k, v) -> (k, v) [T, n_kv, hd] (the K/V as a cache holds them: every position, the
+  row's own included), rows t < first (the prefill) to the exact K/V."""
   emb = w("embed", None)                                              # [V, D]
   x = emb[np.asarray(tokens)]                                         # [T, D]
   t_len, d = x.shape
@@ -56,12 +67,11 @@ def _decoder(tokens, w, *, n_layers, n_head, n_kv, hd, eps, inv, adjacent):
     k = _rope(k.reshape(t_len, n_kv, hd), inv, adjacent)
     v = v.reshape(t_len, n_kv, hd)
     rep = n_head // n_kv
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)     # [T, heads, hd]
-    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
-    s = np.where(causal[None], s, -np.inf)
-    s = np.exp(s - s.max(-1, keepdims=True))
-    s /= s.sum(-1, keepdims=True)
-    o = np.einsum("hts,shd->thd", s, v).reshape(t_len, n_head * hd)
+    o = _attend(q, np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1), causal)   # [T, heads * hd]
+    if cached is not None:
+      first, stored = cached
+      ks, vs = stored(i, k, v)
+      o[first:] = _attend(q, np.repeat(ks, rep, axis=1), np.repeat(vs, rep, axis=1), causal)[first:]
     x = x + o @ w("o", i).T
     h = _rms_norm(x, w("ffn_norm", i), eps)
     g, u = h @ w("gate", i).T, h @ w("up", i).T
@@ -103,6 +113,14 @@ def oracle_logits(path: str, tokens) -> np.ndarray:
                   n_kv=meta[f"{arch}.attention.head_count_kv"], hd=hd,
                   eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"], inv=inv,
                   adjacent=arch == "llama")
+
+
+def oracle_logits_weights(w, tokens, *, n_layers, n_head, n_kv, hd, eps, theta, cached=None) -> np.ndarray:
+  """float64 logits [T, vocab] of a rotate-half decoder whose weights w(name, layer) are given
+  (_decoder's names, [out, in]); cached: _decoder's (decode rows over a cache's stored K/V)."""
+  inv = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+  return _decoder(tokens, w, n_layers=n_layers, n_head=n_head, n_kv=n_kv, hd=hd, eps=eps, inv=inv,
+                  adjacent=False, cached=cached)
 
 
 def _hf_inv_freq(cfg, hd):

@@ -67,7 +67,8 @@ import numpy as np
 
 from hack_jax import paging
 from hack_jax.config import QuantConfig
-from hack_jax.kv_cache import dense, fp8, int4, int8, kivi, kivi2, seed, turbo
+from hack_jax.kv_cache import dense, fp8, int4, int8, kivi, kivi2, mixed, seed, turbo
+from hack_jax.layer_formats import LayerFormats
 from hack_jax.rotation import rotate_v
 from hack_jax.kv_cache.common import (STATIC, Format, FormatOps, Seal, check_finite, check_kv,
                                       format_of, is_traced, pytree_dataclass)
@@ -78,6 +79,7 @@ from hack_jax.kv_cache.int4 import Int4Pages
 from hack_jax.kv_cache.int8 import Int8Pages
 from hack_jax.kv_cache.kivi import KiviPages
 from hack_jax.kv_cache.kivi2 import Kivi2Pages
+from hack_jax.kv_cache.mixed import LayerGroups
 from hack_jax.kv_cache.seed import SeedPages
 from hack_jax.kv_cache.turbo import TurboPages
 
@@ -90,8 +92,8 @@ LayerCache = Union[KiviPages, SeedPages, DensePages, Int8Pages, Fp8Pages, Kivi2P
 
 __all__ = [
     "FORMATS", "SEAL_MODES", "DensePages", "Format", "FormatOps", "Fp8Pages", "HackBlocks",
-    "Int4Pages", "Int8Pages", "KVCache", "Kivi2Pages", "KiviPages", "LayerCache", "Seal", "SeedPages",
-    "TurboPages", "append", "bytes_per_token",
+    "Int4Pages", "Int8Pages", "KVCache", "Kivi2Pages", "KiviPages", "LayerCache", "LayerFormats", "LayerGroups",
+    "Seal", "SeedPages", "TurboPages", "append", "bytes_per_token",
     "cache_bytes_report", "dequantize_cache", "format_of", "init_cache", "init_layer",
     "kv_rotation", "read_blocks", "seal_filled", "seals_block", "sink_tokens", "write_prefill",
 ]
@@ -117,7 +119,8 @@ class KVCache:
         pages with the page table mapped into layer i (hack_jax.kv_cache.stacked).
       page_indices: i32[max_seqs, pages_per_seq], from paging.PageAllocator (0 = null page).
       kv_lens: i32[max_seqs], tokens held per sequence (sinks + sealed + open).
-      config: QuantConfig (static).
+      config: QuantConfig (static); or a hack_jax.layer_formats.LayerFormats, the layers' formats
+        differing (kv_cache.mixed: `layers` a tuple of per-layer LayerCaches or LayerGroups).
     Sizes are properties read from the array shapes (static under jit, never out of sync).
     """
 
@@ -132,6 +135,8 @@ class KVCache:
 
     @property
     def num_layers(self) -> int:
+        if isinstance(self.layers, LayerGroups):
+            return self.layers.num_layers
         return jax.tree.leaves(self.layers)[0].shape[0] if self.stacked else len(self.layers)
 
     @property
@@ -168,8 +173,11 @@ def kv_rotation(layer) -> np.ndarray | None:
 # ----------------------------------------------------------------------------- sizes and init
 
 
-def sink_tokens(config: QuantConfig) -> int:
-    """Tokens per sequence kept outside pages: num_sink_tokens for "hack", 0 for the baselines."""
+def sink_tokens(config: QuantConfig | LayerFormats) -> int:
+    """Tokens per sequence kept outside pages: num_sink_tokens for "hack", 0 for the baselines (per-layer
+    formats: the fewest of theirs, what one page table for every layer must count)."""
+    if isinstance(config, LayerFormats):
+        return min(sink_tokens(c) for c in config.distinct)
     return config.num_sink_tokens if FORMATS[format_of(config)].blocked else 0
 
 
@@ -200,10 +208,12 @@ def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pag
     return ops.init(config, num_pages, num_kv_heads, head_dim, max_seqs)
 
 
-def init_cache(config: QuantConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
+def init_cache(config: QuantConfig | LayerFormats, *, num_layers: int, num_kv_heads: int, head_dim: int,
                num_pages: int, max_seqs: int, pages_per_seq: int, stacked: bool = False) -> KVCache:
     """An empty KVCache: num_layers zero LayerCaches (a tuple; stacked=True: one LayerCache with a
-    leading num_layers axis), page_indices all null (0), kv_lens 0.
+    leading num_layers axis), page_indices all null (0), kv_lens 0. A LayerFormats config whose
+    layers resolve to more than one format gives kv_cache.mixed's cache (a tuple of per-layer
+    LayerCaches; stacked: LayerGroups); to one format, that format's cache.
 
     num_pages counts the reserved null page. Raises ValueError as init_layer, and for
     num_layers < 1 or pages_per_seq < 1.
@@ -212,6 +222,23 @@ def init_cache(config: QuantConfig, *, num_layers: int, num_kv_heads: int, head_
     paging.require_int("pages_per_seq", pages_per_seq)
     if num_layers < 1 or pages_per_seq < 1:
         raise ValueError(f"sizes must be positive: {num_layers=} {pages_per_seq=}")
+    if isinstance(config, LayerFormats):
+        configs = config.configs(num_layers)
+        if len(set(configs)) == 1:
+            config = configs[0]
+        else:
+            sizes = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages, max_seqs=max_seqs)
+            for c in set(configs):
+                _check_size(c, configs.count(c), **sizes)
+            if stacked:
+                distinct, layer_map = mixed.group_map(configs)
+                layers = LayerGroups(groups=tuple(
+                    jax.tree.map(lambda a, n=configs.count(c): jnp.zeros((n,) + a.shape, a.dtype),
+                                 init_layer(c, **sizes)) for c in distinct), layer_map=layer_map)
+            else:
+                layers = tuple(init_layer(c, **sizes) for c in configs)
+            return KVCache(layers=layers, page_indices=jnp.zeros((max_seqs, pages_per_seq), jnp.int32),
+                           kv_lens=jnp.zeros((max_seqs,), jnp.int32), config=config)
     _check_size(config, num_layers, num_kv_heads, head_dim, num_pages, max_seqs)
     layer = init_layer(config, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        num_pages=num_pages, max_seqs=max_seqs)
@@ -341,6 +368,8 @@ def seals_block(config: QuantConfig, kv_lens, active) -> bool:
     (partition_size, or the kivi window). A decode loop that knows its lengths on the host
     (models.generate.Generator) passes seal="never" to `append` on the other steps (W - 1 of every
     W tokens at batch 1). NumPy only (no device sync)."""
+    if isinstance(config, LayerFormats):  # a step seals if some layer's format seals
+        return any(seals_block(c, kv_lens, active) for c in config.distinct)
     lens, act = np.asarray(kv_lens), np.asarray(active)
     if lens.ndim != 1 or act.shape != lens.shape:
         raise ValueError(f"seals_block: kv_lens and active must be [max_seqs] of one shape, got "
@@ -527,8 +556,11 @@ def _category(name: str) -> str:
 def bytes_per_token(config: QuantConfig, num_kv_heads: int, head_dim: int, num_layers: int) -> float:
     """Page bytes per cached token over all layers (codes + metadata + sums, full pages); the
     per-sequence open blocks and sinks are not per-token and are counted by cache_bytes_report.
-    ValueError for a size < 1, TypeError for a non-int size."""
+    Per-layer formats (LayerFormats): the sum over the layers. ValueError for a size < 1, TypeError
+    for a non-int size."""
     _check_sizes(num_kv_heads=num_kv_heads, head_dim=head_dim, num_layers=num_layers)
+    if isinstance(config, LayerFormats):
+        return sum(bytes_per_token(c, num_kv_heads, head_dim, 1) for c in config.configs(num_layers))
     shapes = _layer_shapes(config, num_kv_heads, head_dim, 2, 1)
     page = sum(_nbytes(getattr(shapes, f.name)) for f in dataclasses.fields(shapes)
                if f.name != "config" and _category(f.name) not in ("open_blocks", "sinks")) / 2
@@ -545,7 +577,8 @@ def cache_bytes_report(config: QuantConfig, *, num_layers: int, num_kv_heads: in
     bf16 (a dense bf16 cache of exactly max_seqs * seq_len tokens), plus floats ratio = total /
     bf16, bits_per_element = 8 * total / (K and V elements of max_seqs * seq_len tokens) and
     page_bits_per_element (full pages only, the long-sequence limit: 8 * bytes_per_token / elements
-    per token). All are read from the shapes and dtypes of the arrays init_layer allocates
+    per token). Per-layer formats (LayerFormats): each layer counted in its format with the pages of
+    the shared table (the fewest sinks). All are read from the shapes and dtypes of the arrays init_layer allocates
     (v_rotation adds none); ratio and bits_per_element are inf for seq_len 0. A load held entirely
     in sinks (seq_len <= num_sink_tokens) still counts the one usable page init_cache needs besides
     the null page. ValueError for sizes < 1 or seq_len < 0, TypeError for non-int sizes.
@@ -557,11 +590,13 @@ def cache_bytes_report(config: QuantConfig, *, num_layers: int, num_kv_heads: in
     per_seq = paging.pages_needed(seq_len, page_size=config.page_size,
                                   num_sink_tokens=sink_tokens(config))
     num_pages = max(max_seqs * per_seq, 1) + 1
-    shapes = _layer_shapes(config, num_kv_heads, head_dim, num_pages, max_seqs)
+    configs = config.configs(num_layers) if isinstance(config, LayerFormats) else (config,) * num_layers
     report = dict(codes=0, metadata=0, sums=0, open_blocks=0, sinks=0)
-    for f in dataclasses.fields(shapes):
-        if f.name != "config":
-            report[_category(f.name)] += num_layers * _nbytes(getattr(shapes, f.name))
+    for c in set(configs):
+        shapes = _layer_shapes(c, num_kv_heads, head_dim, num_pages, max_seqs)
+        for f in dataclasses.fields(shapes):
+            if f.name != "config":
+                report[_category(f.name)] += configs.count(c) * _nbytes(getattr(shapes, f.name))
     report["total"] = sum(report.values())
     report["num_pages"] = num_pages
     report["bf16"] = num_layers * 2 * max_seqs * seq_len * num_kv_heads * head_dim * 2
