@@ -120,7 +120,7 @@ def test_spec_resolves_and_names_errors():
   assert parse_layer_formats("first2last2:int8", BASE).configs(6) == keep.configs(6)
   assert lf.configs(5)[1] is BASE and lf.configs(5)[0].page_size == BASE.page_size
   assert kv_cache.sink_tokens(lf) == 0 and kv_cache.sink_tokens(BASE) == 4
-  for spec, match in [("x:int8", "selector 'x'"), ("0:int4", "unknown layer format 'int4'"),
+  for spec, match in [("x:int8", "selector 'x'"), ("0:int3", "unknown layer format 'int3'"),
                       ("0", "not LAYERS:FORMAT"), ("first0:int8", "N must be >= 1"), ("", "name no rule")]:
     with pytest.raises(ValueError, match=match):
       parse_layer_formats(spec, BASE)
