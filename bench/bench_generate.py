@@ -469,7 +469,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
         for exe, step, seal in steps:
             cache, tokens, _ = exe(state, tokens, step, cache, None, targets)
             if seal is not None:
-                cache = seal(cache, step, None)
+                (cache,) = seal(cache, step, None)
         jax.block_until_ready((cache, tokens))
         return time.perf_counter() - t
 
@@ -488,7 +488,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
             for mode, exe in compiled.items():  # --seal host: every executable loaded before the timed regions
                 cache, tokens, _ = exe(state, tokens, step_record(ctx + 1, mode), cache, None, targets)
                 if seal_exe is not None:
-                    cache = seal_exe(cache, step_record(ctx + 1, mode), None)
+                    (cache,) = seal_exe(cache, step_record(ctx + 1, mode), None)
             times = [run(args.steps, ctx) for _ in range(args.reps)]
             tpot = float(np.median(times)) / args.steps
             if not bool(jnp.all((tokens >= 0) & (tokens < cfg.vocab_size))):

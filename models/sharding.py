@@ -128,6 +128,28 @@ class ShardedBackend:
     """As Backend.decode: q [S, N, H], k / v [S, K, H]."""
     return self._call("decode", 1, q, k, v, layer, step, layer_index)
 
+  @property
+  def defers_seal(self) -> bool:
+    """The inner backend's (Backend.defers_seal): decode steps may seal after the last layer."""
+    return bool(getattr(self.inner, "defers_seal", False))
+
+  def finish(self, cache, step):
+    """As Backend.finish, per shard: every layer's filled open regions sealed on each device's kv heads
+    (axis 1 of a layer's arrays, 2 of a stacked cache's), with the per-shard key the decode used."""
+    if step.mode != "decode" or step.seal != "after":
+      return cache
+    spec = jax.tree.map(lambda a: _spec(a.ndim, 2 if cache.stacked else 1), cache.layers)
+    stochastic = getattr(cache.config, "rounding", "nearest") == "stochastic"
+
+    def body(layers, page_indices, kv_lens, step):
+      if stochastic:  # the key each shard's append would have rounded with (_call)
+        step = dataclasses.replace(step, key=jax.random.fold_in(step.key, jax.lax.axis_index(AXIS)))
+      local = dataclasses.replace(cache, layers=layers, page_indices=page_indices, kv_lens=kv_lens)
+      return self.inner.finish(local, step).layers
+
+    fn = jax.shard_map(body, mesh=self.mesh, in_specs=(spec, P(), P(), P()), out_specs=spec, check_vma=False)
+    return dataclasses.replace(cache, layers=fn(cache.layers, cache.page_indices, cache.kv_lens, step))
+
   def _call(self, method, head_axis, q, k, v, layer, step, layer_index):
     heads = _spec(q.ndim, head_axis)
     layer_spec = jax.tree.map(lambda a: _spec(a.ndim, 1), layer)

@@ -230,10 +230,11 @@ def defers_seal(attention: Any, quant: QuantConfig) -> bool:
 @functools.partial(jax.jit, static_argnames=("attention",), donate_argnums=(0,))
 def seal_step(cache, step, rows, *, attention):
   """After a decode step with seal "after": the slots whose token filled their open region sealed in
-  every layer (attention.finish; rows as forward_step's). Returns the cache."""
+  every layer (attention.finish; rows as forward_step's). Returns (cache,), as forward_step returns
+  (cache, *head outputs)."""
   sub = cache if rows is None else take_rows(cache, rows)
   sub = attention.finish(sub, step)
-  return sub if rows is None else put_rows(cache, sub, rows)
+  return (sub if rows is None else put_rows(cache, sub, rows),)
 
 
 # -------------------------------------------------------------------------------- the stepper
@@ -296,7 +297,7 @@ class Stepper:
     cache, *out = self.compiled(args, head, what)(*args)
     if step.mode == "decode" and step.seal == "after" and kv_cache.seals_block(
         self.quant, np.asarray(step.kv_lens), np.asarray(step.active)):
-      cache = self._seal_executable(cache, step, rows)(cache, step, rows)
+      (cache,) = self._seal_executable(cache, step, rows)(cache, step, rows)
     return (cache, *out)
 
   def _seal_executable(self, cache, step, rows):
