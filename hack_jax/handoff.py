@@ -106,7 +106,8 @@ def _live_pages(cache, slot, page_indices, kv_len):
     bad = (ids <= paging.NULL_PAGE) | (ids >= cache.num_pages)
     if bad.any():
         raise ValueError(f"slot {slot}: page ids {ids[bad].tolist()} are not assigned pages of a pool of "
-                         f"{cache.num_pages} (null page {paging.NULL_PAGE} excluded)")
+                         f"{cache.num_pages} (null page {paging.NULL_PAGE} excluded); kv_len={kv_len} needs {n} "
+                         f"pages in the slot's row of page_indices (PageAllocator.admit(slot, kv_len) first)")
     if np.unique(ids).size != ids.size:
         raise ValueError(f"slot {slot}: page ids {ids.tolist()} repeat")
     return slot, ids
@@ -295,6 +296,12 @@ def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices
                num_kv_heads=header.num_kv_heads, head_dim=header.head_dim)
     for key in want:
         if want[key] != got[key]:
+            if isinstance(want[key], QuantConfig) and isinstance(got[key], QuantConfig):
+                fields = [f.name for f in dataclasses.fields(QuantConfig)
+                          if getattr(got[key], f.name) != getattr(want[key], f.name)]
+                differ = ", ".join(f"{f} {getattr(got[key], f)!r} != {getattr(want[key], f)!r}" for f in fields)
+                raise ValueError(f"KV payload does not match the receiving cache: {key}: {differ} "
+                                 f"(payload {got[key]}, cache {want[key]})")
             raise ValueError(f"KV payload does not match the receiving cache: {key} {got[key]} != {want[key]}")
     slot, ids = _live_pages(cache, slot, page_indices, header.kv_len)
     if ids.size != header.num_pages:
