@@ -457,7 +457,10 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache | stacked.StackedLayer, *, p
       layer: a LayerCache or a StackedLayer; page_indices: i32[max_seqs, pages_per_seq].
       kv_lens: i32[max_seqs] tokens held after this step (the new token at kv_lens - 1 of each active
         slot: hack_jax.step's one meaning); active: bool[max_seqs].
-      impl, kernel_options: as decode_attention. seal, key: as kv_cache.append.
+      impl, kernel_options: as decode_attention. seal, key: as kv_cache.append. seal="after" (kivi, impl
+        "reference" / "pallas"; NotImplementedError otherwise): the rows only, and a slot whose token fills its
+        open region attends over the region's W 16-bit rows (the Pallas kernel's open_full); the caller seals
+        with kv_cache.seal_filled afterwards (hack_jax.backend.Backend.finish; docs/DESIGN.md "Deferred sealing").
     Returns (new layer, out f32[max_seqs, num_q_heads, head_dim]).
     Raises what kv_cache.append and decode_attention raise (the same checks, before anything runs).
     """
