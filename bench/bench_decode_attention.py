@@ -68,8 +68,11 @@ QUICK = [("llama3.1-8b", 8, 32768), ("llama3.1-8b", 1, 32768), ("llama3.1-8b", 3
          ("llama3.1-8b", 8, 8192), ("llama3.1-8b", 8, 131072), ("smollm2", 8, 32768)]
 SMOKE = [("tiny", 2, 256), ("tiny", 1, 100)]
 IMPLS = ("hack", "dequant", "bf16", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4", "jax_gqa", "xla", "triton")
-# Not in the default run: hack4 = the HACK kernel on a 4-bit cache (QuantConfig.bits=4), rows hack4_<mode>
-EXTRA_IMPLS = ("hack4",)
+# Not in the default run: hack4 = the HACK kernel on a 4-bit cache (QuantConfig.bits=4), rows hack4_<mode>;
+# hackw = the HACK kernel on the K 32 / V 64 / 16-bit window 128 cache (issue 18's best 2-bit configuration;
+# its V rotation is applied to q and the output outside the kernel, not timed here), rows hackw_<mode>
+EXTRA_IMPLS = ("hack4", "hackw")
+HACKW_FIELDS = {"partition_size": 32, "v_group": 64, "window": 128}
 PAGE_SIZE = 256  # QuantConfig's default
 UNROLL = 8
 ROTATE_BYTES = 256 << 20  # >= 4x the H200's 60 MB L2
@@ -208,11 +211,12 @@ def _cache_bytes(layer_shapes, shape, config, pps, skip_fields=()):
     return int(total * shape.batch + shape.batch * pps * 4)
 
 
-def _layer_prep(shape, key, kv_format, skip_fields=(), partition_size=64, bits=2):
+def _layer_prep(shape, key, kv_format, skip_fields=(), partition_size=64, bits=2, **fields):
     from hack_jax import kv_cache, paging
     from hack_jax.config import QuantConfig
     page_size = max(PAGE_SIZE, 4 * partition_size)  # one page holds at least one packing group
-    config = QuantConfig(kv_format=kv_format, page_size=page_size, partition_size=partition_size, bits=bits)
+    config = QuantConfig(kv_format=kv_format, page_size=page_size, partition_size=partition_size, bits=bits,
+                         **fields)
     pps = paging.pages_needed(shape.kv_len, page_size=page_size, num_sink_tokens=kv_cache.sink_tokens(config))
     one = jax.eval_shape(lambda: kv_cache.init_layer(config, num_kv_heads=shape.num_kv_heads,
                                                      head_dim=shape.head_dim, num_pages=2, max_seqs=1))
@@ -276,6 +280,9 @@ def kivi_call_args(layer):
     static = dict(partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens)
     if layer.config.bits != 2:
         static["bits"] = layer.config.bits
+    for f in ("v_group", "window"):
+        if getattr(layer.config, f):
+            static[f] = getattr(layer.config, f)
     return [getattr(layer, f) for f in KIVI_FIELDS], static
 
 
@@ -306,7 +313,8 @@ def prep_hack(shape, key, *, interpret, variant_kwargs=None):
     kwargs = dict(variant_kwargs or {})
     P = kwargs.pop("partition_size", 64)
     bits = kwargs.pop("bits", 2)
-    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", partition_size=P, bits=bits)
+    fields = {f: kwargs.pop(f) for f in ("v_group", "window") if f in kwargs}
+    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", partition_size=P, bits=bits, **fields)
     arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
     per_copy = shape.batch * pps
 
@@ -315,7 +323,7 @@ def prep_hack(shape, key, *, interpret, variant_kwargs=None):
         cache, static = kivi_call_args(_slots(a["layer"], shape, i, n))
         return mod.hack_decode_attention(q, *cache, table, a["lens"], interpret=interpret, **static, **kwargs)
 
-    return Prepared(call, arrays, nbytes, f"kivi P={P} bits={bits} page_size={config.page_size} ns=4 default_config "
+    return Prepared(call, arrays, nbytes, f"kivi P={P} bits={bits} {fields or ''} page_size={config.page_size} ns=4 default_config "
                     f"{kwargs}", n, append=("open_k", "open_v"))
 
 
@@ -661,7 +669,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} shapes (GPU.md's anchors)")
     ap.add_argument("--smoke", action="store_true", help="CPU check: interpret=True, tiny shapes")
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + EXTRA_IMPLS,
-                    help="hack4 (not in the default): the HACK kernel on a 4-bit cache, each --hack-dots mode")
+                    help="hack4 / hackw (not in the default): the HACK kernel on a 4-bit cache / on the K 32, V 64, "
+                         "window 128 cache (EXTRA_IMPLS), each --hack-dots mode")
     ap.add_argument("--heads", nargs="+", choices=sorted(HEADS), help="restrict head configs")
     ap.add_argument("--batches", nargs="+", type=int)
     ap.add_argument("--kv-lens", nargs="+", type=int)
@@ -723,6 +732,10 @@ def main(argv=None):
         elif name == "hack4":
             impls += [("hack4" + v[len("hack"):], lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret,
                                                                                variant_kwargs={**kw, "bits": 4}))
+                      for v, kw in hack_variants(args.hack_dots)]
+        elif name == "hackw":
+            impls += [("hackw" + v[len("hack"):], lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret,
+                                                                               variant_kwargs={**kw, **HACKW_FIELDS}))
                       for v, kw in hack_variants(args.hack_dots)]
         elif name == "bf16":
             impls.append(("bf16", lambda s, k: prep_bf16(s, k, interpret=interpret)))
