@@ -436,19 +436,22 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
     deferred = hack and args.seal in ("host", "after") and mstep.defers_seal(cfg.attention, quant)
     modes = (["after"] if deferred else ["always", "never"] if args.seal == "host" and hack
              else ["always" if args.seal == "host" else args.seal])
-    lowered = {mode: mstep.forward_step.lower(
-        state, tokens, step_record(1, mode), cache, None, targets, graphdef=graphdef,
-        attention=cfg.attention, head=mstep.SampleHead(sampling)) for mode in modes}
-    if deferred:
-        lowered["seal"] = mstep.seal_step.lower(cache, step_record(1, "after"), None, attention=cfg.attention)
+    def lower(mode):
+        if mode == "seal":
+            return mstep.seal_step.lower(cache, step_record(1, "after"), None, attention=cfg.attention)
+        return mstep.forward_step.lower(state, tokens, step_record(1, mode), cache, None, targets,
+                                        graphdef=graphdef, attention=cfg.attention, head=mstep.SampleHead(sampling))
 
-    def timed_compile(mode):
+    def timed_compile(low):
         t = time.perf_counter()
-        return lowered[mode].compile(), time.perf_counter() - t
+        return low.compile(), time.perf_counter() - t
 
-    # in parallel threads, as models.stepper.Stepper.compile_many: compile_s is what a user waits
-    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-        done = dict(zip(lowered, pool.map(timed_compile, lowered)))
+    # as models.stepper.Stepper.compile_many: each executable compiled in its own thread as soon as it is
+    # lowered (the seal lowers while the step compiles); compile_s is what a user waits
+    names = modes + (["seal"] if deferred else [])
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        futures = {mode: pool.submit(timed_compile, lower(mode)) for mode in names}
+        done = {mode: f.result() for mode, f in futures.items()}
     compiled = {mode: exe for mode, (exe, _) in done.items()}
     compile_each = {mode: round(dt, 2) for mode, (_, dt) in done.items()}
     compile_s = time.perf_counter() - t0

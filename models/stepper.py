@@ -315,8 +315,9 @@ class Stepper:
 
   def compile_many(self, calls, *, threads: int = 8) -> None:
     """Compiles the executables of `calls` ((args, head, what) each) not compiled yet: traced and
-    lowered one after the other, then compiled by up to `threads` threads at once (XLA compiles
-    without the GIL: the wait before a server's first request is the longest compile, not the
+    lowered one after the other (decode and prefill steps first, seals last), each handed to one of up
+    to `threads` compile threads as soon as it is lowered (XLA compiles without the GIL: the wait
+    before a server's first request is the longest compile plus the lowering ahead of it, not the
     sum). compile_s grows by the wall time of the whole."""
     todo = {}
     for args, head, what in calls:
@@ -330,12 +331,15 @@ class Stepper:
     whats = ", ".join(what for _, _, what in todo.values())
     self._stage("compiling", what=whats)
     t0 = time.perf_counter()
-    lowered = {k: (seal_step.lower(args[3], args[2], args[4], attention=self.attention) if what == "seal" else
-                   forward_step.lower(*args, graphdef=self.graphdef, attention=self.attention, head=head))
-               for k, (args, head, what) in todo.items()}
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(lowered)))) as pool:
-      done = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
-    self._executables.update(done)
+    order = sorted(todo, key=lambda k: todo[k][2] == "seal")
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
+      futures = {}
+      for k in order:
+        args, head, what = todo[k]
+        low = (seal_step.lower(args[3], args[2], args[4], attention=self.attention) if what == "seal" else
+               forward_step.lower(*args, graphdef=self.graphdef, attention=self.attention, head=head))
+        futures[k] = pool.submit(low.compile)
+      self._executables.update({k: f.result() for k, f in futures.items()})
     dt = time.perf_counter() - t0
     self.compile_s += dt
     self._stage("compiled", what=whats, seconds=dt)
