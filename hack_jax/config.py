@@ -5,6 +5,8 @@ from typing import ClassVar, Literal, get_args
 
 import jax.numpy as jnp
 
+from hack_jax.quantization import MAX_CLIP
+
 KVFormat = Literal["hack", "bf16", "float32", "int8", "fp8", "kivi2", "int4", "turbo3", "turbo4"]
 ROTATED_FORMATS = ("int4", "turbo3", "turbo4")  # K and V rotated by QuantConfig.rotation
 Layout = Literal["kivi", "seed"]
@@ -39,6 +41,12 @@ class QuantConfig:
         group ("planes", hack_jax.packing). 3 is refused: 3-bit codes pack 2 per byte (the
         planar layout keeps whole codes of one block per plane, and 8 is no multiple of 3), so
         they would cost 4-bit bytes for 3-bit precision. `codes_per_byte` = 8 // bits.
+      clip: kv_format="hack" only: 0 (default) = min-max scale and minimum; n in [2, 8] = per
+        partition, of the n * n ranges [min + a w, max - b w] (w = max - min, a and b in {0, 0.05,
+        ..., 0.05 (n - 1)}, min-max included) the one whose nearest codes reconstruct it with the
+        least squared error (hack_jax.quantization.clip_grid), for K and V (rotated V with
+        v_rotation), at every write (prefill, seal). Only (scale, min) change, so every reader and
+        kernel is unchanged. Nearest rounding only. 5 is the measured choice (bench/NOTES_formats.md).
       page_size: tokens per cache page; a multiple of codes_per_byte * partition_size (one packing
         group: 4 blocks at 2 bits, 2 at 4 bits).
       num_sink_tokens: leading tokens kept in residual_dtype (>= 0).
@@ -73,6 +81,7 @@ class QuantConfig:
     window: int = 0
     rotation: int = 0
     bits: int = 2
+    clip: int = 0
 
     meta_dtype: ClassVar = jnp.float16
     residual_dtype: ClassVar = jnp.bfloat16
@@ -83,7 +92,7 @@ class QuantConfig:
             if value not in get_args(literal):
                 raise ValueError(f"{name} must be one of {get_args(literal)}, got {value!r}")
         for name in ("partition_size", "page_size", "num_sink_tokens", "v_rotation", "v_group", "window",
-                     "rotation", "bits"):
+                     "rotation", "bits", "clip"):
             value = getattr(self, name)
             # bool is an int subclass; True as a size is always a bug.
             if not isinstance(value, int) or isinstance(value, bool):
@@ -94,6 +103,12 @@ class QuantConfig:
         if self.bits != 2 and self.kv_format != "hack":
             raise ValueError(f"bits applies to kv_format='hack' only, got kv_format={self.kv_format!r}, "
                              f"bits={self.bits}")
+        c = self.clip
+        if c and not 2 <= c <= MAX_CLIP:
+            raise ValueError(f"clip must be 0 (min-max) or an int in [2, {MAX_CLIP}], got clip={c}")
+        if c and (self.kv_format != "hack" or self.rounding != "nearest"):
+            raise ValueError(f"clip applies to kv_format='hack' with rounding='nearest' only, got "
+                             f"kv_format={self.kv_format!r}, rounding={self.rounding!r}, clip={c}")
         p = self.partition_size
         if p < 16 or p & (p - 1):
             raise ValueError(f"partition_size must be a power of two >= 16, got {p=}")

@@ -13,6 +13,13 @@ covers the partition, and q is computed against those stored values: codes and m
 stored minimum is m_f = round_nearest(m + 128 * s), so x ~ s * c + m_f still holds. c is computed
 against m_f, which adds at most |m_f - (m + 128 s)| <= half an ulp of m_f to the error bound.
 
+Clipping (clip = n > 0, nearest rounding, bits < 8): instead of the full [min x, max x], the stored
+(m, s) is the one of the n * n candidate ranges [lo + a w, hi - b w] (w = hi - lo; a, b in
+{0, CLIP_STEP, ..., (n - 1) CLIP_STEP}, clip_grid(n)), each rounded outward as above, whose codes
+(nearest, clamped to [0, L]) reconstruct the partition with the least float32 sum of squared errors;
+ties keep the earlier candidate, the first being [lo, hi] itself, so a partition's squared error
+never exceeds min-max's. Values outside the chosen range saturate at code 0 or L (no s / 2 bound).
+
 All arithmetic is float32 whatever the input dtype.
 """
 
@@ -82,11 +89,22 @@ def _round_toward(v, dtype, direction):
     return jnp.where(overshot, jnp.nextafter(y, jnp.asarray(direction * jnp.inf, dtype)), y)
 
 
+CLIP_STEP = 0.05  # the shrink step of each end of a partition's range (clip_grid)
+MAX_CLIP = 8  # clip_grid(8): each end moved in by up to 0.35 of the range, 64 candidates
+
+
+def clip_grid(n):
+    """The candidate shrinks (a, b) of clip = n, min-max's (0, 0) left out: range [lo + a w, hi - b w]
+    for a, b in {0, CLIP_STEP, ..., (n - 1) CLIP_STEP}; () for n = 0 (plain min-max)."""
+    return tuple((round(a * CLIP_STEP, 6), round(b * CLIP_STEP, 6))
+                 for a in range(n) for b in range(n) if a or b)
+
+
 def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _validate(x, bits, axis, partition_size, rounding, key, meta_dtype, noise=None):
+def _validate(x, bits, axis, partition_size, rounding, key, meta_dtype, noise=None, clip=0):
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x must have a floating dtype, got dtype={x.dtype}")
     if not _is_int(bits) or not 1 <= bits <= 8:
@@ -111,10 +129,15 @@ def _validate(x, bits, axis, partition_size, rounding, key, meta_dtype, noise=No
         raise TypeError(f"key must be a jax PRNG key (jax.random.key), got {key!r}")
     if not jnp.issubdtype(meta_dtype, jnp.floating):
         raise ValueError(f"meta_dtype must be a floating dtype, got {meta_dtype=}")
+    if not _is_int(clip) or not (clip == 0 or 2 <= clip <= MAX_CLIP):
+        raise ValueError(f"clip must be 0 (min-max) or an int in [2, {MAX_CLIP}], got {clip=}")
+    if clip and (rounding != "nearest" or bits == 8):
+        raise ValueError(f"clip applies to rounding='nearest' and bits < 8 only, got {clip=}, "
+                         f"{rounding=}, {bits=}")
 
 
 def quantize(x, *, bits, axis, partition_size, rounding="nearest", key=None, meta_dtype=jnp.float16,
-             noise=None):
+             noise=None, clip=0):
     """Quantizes x asymmetrically per partition along `axis` (HACK.md §2, module docstring).
 
     Args:
@@ -128,11 +151,13 @@ def quantize(x, *, bits, axis, partition_size, rounding="nearest", key=None, met
       meta_dtype: dtype of scale and minimum.
       noise: optional f32 of x's shape in [0, 1): the u of stochastic rounding, instead of drawing it
         from key (the cache draws it per (sequence, token position): kv_cache.common.token_noise).
+      clip: 0 (min-max) or n in [2, MAX_CLIP]: the least-squares search over clip_grid(n)'s ranges
+        (module docstring); nearest rounding and bits < 8 only.
 
     Returns:
       QuantizedTensor (shapes in its docstring). dequantize(result) ~ x with
       |x - x_hat| <= scale / 2 (nearest) or < scale (stochastic) per element, plus for bits 8 half
-      an ulp of the stored (folded) minimum.
+      an ulp of the stored (folded) minimum; with clip, for the elements inside the chosen range.
 
     Edge cases:
       - a partition whose values all equal one meta_dtype number c gets scale 0, codes 0,
@@ -147,32 +172,27 @@ def quantize(x, *, bits, axis, partition_size, rounding="nearest", key=None, met
 
     Raises:
       ValueError: non-float x, bits not in [1, 8], bad axis, n % partition_size != 0, unknown
-        rounding, stochastic rounding without key, non-float meta_dtype.
+        rounding, stochastic rounding without key, non-float meta_dtype, clip out of its domain.
     """
     x = jnp.asarray(x)
     meta_dtype = jnp.dtype(meta_dtype)
-    _validate(x, bits, axis, partition_size, rounding, key, meta_dtype, noise)
+    _validate(x, bits, axis, partition_size, rounding, key, meta_dtype, noise, clip)
     noise = None if noise is None or rounding != "stochastic" else jnp.asarray(noise, jnp.float32)
     return _quantize(x, key, noise, bits=bits, axis=axis % x.ndim, partition_size=partition_size,
-                     rounding=rounding, meta_dtype=meta_dtype)
+                     rounding=rounding, meta_dtype=meta_dtype, clip_grid=clip_grid(clip))
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "axis", "partition_size", "rounding", "meta_dtype"))
-def _quantize(x, key, noise, *, bits, axis, partition_size, rounding, meta_dtype):
+@functools.partial(jax.jit, static_argnames=("bits", "axis", "partition_size", "rounding", "meta_dtype", "clip_grid"))
+def _quantize(x, key, noise, *, bits, axis, partition_size, rounding, meta_dtype, clip_grid=()):
     levels = 2**bits - 1
     bound = saturation_bound(bits, meta_dtype)
     xp = split_partitions(jnp.clip(x.astype(jnp.float32), -bound, bound), axis, partition_size)
     lo, hi = xp.min(axis=axis + 1), xp.max(axis=axis + 1)  # [..., G, ...]
-
-    minimum = _round_toward(lo, meta_dtype, -1)
-    m32 = minimum.astype(jnp.float32)
-    # Halved before subtracting, which cannot overflow; pallas_kernels/common.py repeats these
-    # operations one for one so that kernel and reference agree code for code.
-    raw_scale = (0.5 * hi - 0.5 * m32) * (2.0 / levels)
-    tiny = jnp.asarray(jnp.finfo(meta_dtype).tiny, meta_dtype)
-    scale = jnp.where(hi > m32, jnp.maximum(_round_toward(raw_scale, meta_dtype, 1), tiny),
-                      jnp.zeros_like(tiny))
-    s32 = scale.astype(jnp.float32)
+    if clip_grid:
+        minimum, scale = _search(xp, lo, hi, clip_grid, levels, axis, meta_dtype)
+    else:
+        minimum, scale = _min_max(lo, hi, levels, meta_dtype)
+    m32, s32 = minimum.astype(jnp.float32), scale.astype(jnp.float32)
 
     if bits == 8:
         lo_code, hi_code = -128, 127
@@ -194,6 +214,41 @@ def _quantize(x, key, noise, *, bits, axis, partition_size, rounding, meta_dtype
     return QuantizedTensor(codes=codes, scale=scale, minimum=minimum,
                            code_sums=q.sum(axis=axis + 1, dtype=jnp.int32),
                            bits=bits, axis=axis, partition_size=partition_size)
+
+
+def _min_max(lo, hi, levels, meta_dtype):
+    """(minimum, scale) in meta_dtype of the range [lo, hi], rounded outward (module docstring)."""
+    minimum = _round_toward(lo, meta_dtype, -1)
+    m32 = minimum.astype(jnp.float32)
+    # Halved before subtracting, which cannot overflow; pallas_kernels/common.py repeats these
+    # operations one for one so that kernel and reference agree code for code.
+    raw_scale = (0.5 * hi - 0.5 * m32) * (2.0 / levels)
+    tiny = jnp.asarray(jnp.finfo(meta_dtype).tiny, meta_dtype)
+    scale = jnp.where(hi > m32, jnp.maximum(_round_toward(raw_scale, meta_dtype, 1), tiny),
+                      jnp.zeros_like(tiny))
+    return minimum, scale
+
+
+def _sq_error(xp, minimum, scale, levels, axis):
+    """Per partition: sum over its elements of (scale * q + minimum - x)^2, q nearest, clamped."""
+    m32 = jnp.expand_dims(minimum.astype(jnp.float32), axis + 1)
+    s32 = jnp.expand_dims(scale.astype(jnp.float32), axis + 1)
+    q = jnp.clip(jnp.round((xp - m32) / jnp.where(s32 > 0, s32, 1.0)), 0, levels)
+    return jnp.square(s32 * q + m32 - xp).sum(axis=axis + 1)
+
+
+def _search(xp, lo, hi, grid, levels, axis, meta_dtype):
+    """(minimum, scale) per partition of the candidate (min-max's, then grid's in order; lo + 0 w
+    is lo exactly) with the least squared error, ties to the earliest. The candidates are a
+    leading axis of one broadcast computation (one fused reduction; compile time does not grow
+    with their number)."""
+    shape = (len(grid) + 1,) + (1,) * lo.ndim
+    a = jnp.asarray((0.0,) + tuple(g[0] for g in grid), jnp.float32).reshape(shape)
+    b = jnp.asarray((0.0,) + tuple(g[1] for g in grid), jnp.float32).reshape(shape)
+    width = hi - lo
+    m_c, s_c = _min_max(lo + a * width, hi - b * width, levels, meta_dtype)  # [C, ..., G, ...]
+    best = jnp.argmin(_sq_error(xp[None], m_c, s_c, levels, axis + 1), axis=0)[None]
+    return (jnp.take_along_axis(m_c, best, axis=0)[0], jnp.take_along_axis(s_c, best, axis=0)[0])
 
 
 def dequantize(qt):

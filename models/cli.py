@@ -11,7 +11,7 @@
                    [--haystack T] [--out FILE.jsonl]   (passkey retrieval, models/passkey.py)
   model and cache options of generate / perplexity: [--model PATH] [--kv-format FMT] [--dtype D]
   [--impl I] [--interpret] [--partition-size P] [--num-sink-tokens N] [--rounding R] [--layout L]
-  [--v-group G] [--v-rotation B] [--window W] [--bits B] [--prefill-attention A]
+  [--v-group G] [--v-rotation B] [--window W] [--bits B] [--clip N] [--prefill-attention A]
 
 Errors (empty prompt, prompt beyond the cache, bad option values) print
 `hack-jax SUBCOMMAND: error: ...` naming the flag and value on stderr and exit with status 2
@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
   common.add_argument("--bits", type=int, default=2, choices=(2, 4),
                       help="hack: code width of K and V (QuantConfig.bits): 2, or 4 (two codes per byte, "
                       "~4.75 bits per element at P=64; decode kernels: --impl pallas)")
+  common.add_argument("--clip", type=int, default=0,
+                      help="hack: per partition, the least-squares scale/min over N x N ranges shrunk "
+                      "from [min, max] (QuantConfig.clip; 5 measured best at 2 bits); 0 = min-max")
   common.add_argument("--v-rotation", type=int, default=0,
                       help="V multiplied by a block-diagonal Hadamard matrix of this block size "
                       "(a power of two dividing head_dim) before it is cached, undone on the "

@@ -59,6 +59,8 @@ def test_non_gguf_model_and_bad_cache_option(capsys, tmp_path):
   assert line.startswith("hack-jax generate: error: ") and "v_group=48" in line, line
   line = _error(capsys, ["generate", "--prompt", "hi", "--v-rotation", "48"])
   assert line.startswith("hack-jax generate: error: ") and "v_rotation=48" in line, line
+  line = _error(capsys, ["generate", "--prompt", "hi", "--clip", "9"])
+  assert line.startswith("hack-jax generate: error: ") and "clip=9" in line, line
 
 
 def test_help_shows_defaults_and_version(capsys):

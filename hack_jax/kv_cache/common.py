@@ -165,9 +165,9 @@ def flat_tokens(a, ids):
 def quant_blocks_over_tokens(blocks, config, noise):
     """Per (block, channel): blocks f32[..., NB, P, D] -> codes u8[..., NB, P, D],
     scale/min f16[..., NB, D], sums i32[..., NB, D] (sum over the block's tokens). noise: blocks'
-    shape (token_noise), or None for nearest rounding."""
+    shape (token_noise), or None for nearest rounding. config.clip: the clipping search of quantize."""
     q = quantize(blocks, bits=config.bits, axis=blocks.ndim - 2, partition_size=config.partition_size,
-                 rounding=config.rounding, noise=noise, meta_dtype=config.meta_dtype)
+                 rounding=config.rounding, noise=noise, meta_dtype=config.meta_dtype, clip=config.clip)
     return q.codes, q.scale[..., 0, :], q.minimum[..., 0, :], q.code_sums[..., 0, :]
 
 
@@ -175,7 +175,7 @@ def quant_tokens_over_channels(x, config, pc, noise):
     """Per (token, channel group): x f32[..., D] -> codes u8[..., D], scale/min f16[..., NP],
     sums i32[..., NP]. noise: x's shape (token_noise), or None for nearest rounding."""
     q = quantize(x, bits=config.bits, axis=x.ndim - 1, partition_size=pc, rounding=config.rounding,
-                 noise=noise, meta_dtype=config.meta_dtype)
+                 noise=noise, meta_dtype=config.meta_dtype, clip=config.clip)
     return q.codes, q.scale, q.minimum, q.code_sums
 
 
