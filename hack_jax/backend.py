@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from hack_jax import attention, kv_cache, prefill as hack_prefill
-from hack_jax.kv_cache import stacked
+from hack_jax.kv_cache import mixed, stacked
 from hack_jax.step import Step
 
 # The HACK decode kernel's operands in a model (docs/DESIGN.md "Decode numerics"): scale-folded f16
@@ -111,10 +111,11 @@ class Backend:
 
     def finish(self, cache: kv_cache.KVCache, step: Step) -> kv_cache.KVCache:
         """The cache after a step's last layer. A decode step with seal="after": every layer's open regions
-        that the step filled are sealed (kv_cache.seal_filled), a stacked cache's layers in one call
-        vectorized over its layer axis (one compiled seal, not one per layer); layer i rounds with
-        fold_in(step.key, i), as its append(seal="always") would, so the bytes are the same. Other steps:
-        the cache as it is."""
+        that the step filled are sealed (kv_cache.seal_filled; formats without open regions are left as
+        they are), a stacked cache's layers in one call per format vectorized over its layer axis (one
+        compiled seal per stack, not one per layer; per-layer formats: each kv_cache.mixed.LayerGroups
+        group); layer i rounds with fold_in(step.key, i), as its append(seal="always") would, so the
+        bytes are the same. Other steps: the cache as it is."""
         if step.mode != "decode" or step.seal != "after":
             return cache
 
@@ -122,12 +123,16 @@ class Backend:
             return kv_cache.seal_filled(layer, kv_lens=step.kv_lens, active=step.active,
                                         page_indices=step.page_indices, key=key)
 
-        if cache.stacked:
-            keys = jax.vmap(lambda i: jax.random.fold_in(step.key, i))(jnp.arange(cache.num_layers))
-            layers = jax.vmap(seal)(cache.layers, keys)
-        else:
+        if not cache.stacked:
             layers = tuple(seal(layer, jax.random.fold_in(step.key, i)) for i, layer in enumerate(cache.layers))
-        return dataclasses.replace(cache, layers=layers)
+            return dataclasses.replace(cache, layers=layers)
+        groups, layer_map = mixed.groups_of(cache.layers)
+        sealed = []
+        for g, group in enumerate(groups):
+            index = jnp.asarray([i for i, (h, _) in enumerate(layer_map) if h == g])  # its layers, in order
+            keys = jax.vmap(lambda i: jax.random.fold_in(step.key, i))(index)
+            sealed.append(jax.vmap(seal)(group, keys))
+        return dataclasses.replace(cache, layers=mixed.with_groups(cache.layers, sealed))
 
     def decode(self, q, k, v, layer, step: Step, *, layer_index):
         """q float[max_seqs, num_q_heads, head_dim], k, v float[max_seqs, num_kv_heads, head_dim]
@@ -139,7 +144,10 @@ class Backend:
             options["dot_dtype"] = DECODE_DOT_DTYPE
         if step.seal != "never":  # option fuse=True: the fused kernel serves the non-sealing steps only
             options.pop("fuse", None)
+        # a format without open blocks stores the same bytes whatever the seal mode; "never" keeps the
+        # in-place stacked path (a per-layer-format cache's bf16 layers in a seal="after" step)
+        seal = step.seal if kv_cache.FORMATS[kv_cache.format_of(base.config)].blocked else "never"
         return attention.decode_step(q, k, v, layer, page_indices=step.page_indices, kv_lens=step.kv_lens,
-                                     active=step.active, impl=self.impl, seal=step.seal,
+                                     active=step.active, impl=self.impl, seal=seal,
                                      key=jax.random.fold_in(step.key, layer_index), **options)
 

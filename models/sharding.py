@@ -139,7 +139,8 @@ class ShardedBackend:
     if step.mode != "decode" or step.seal != "after":
       return cache
     spec = jax.tree.map(lambda a: _spec(a.ndim, 2 if cache.stacked else 1), cache.layers)
-    stochastic = getattr(cache.config, "rounding", "nearest") == "stochastic"
+    configs = getattr(cache.config, "distinct", (cache.config,))  # per-layer formats: each distinct one
+    stochastic = any(getattr(c, "rounding", "nearest") == "stochastic" for c in configs)
 
     def body(layers, page_indices, kv_lens, step):
       if stochastic:  # the key each shard's append would have rounded with (_call)

@@ -221,10 +221,12 @@ def defers_seal(attention: Any, quant: QuantConfig) -> bool:
   "after" (the layers write their rows; a slot whose token fills its open region reads the region's
   16-bit rows) and a small executable seals every layer at once after the steps that fill one, so one
   decode executable serves every step and no layer compiles a seal. Where the backend can
-  (Backend.defers_seal: reference / pallas, not the opt-in fused kernel) and the format can (kivi)."""
-  if not isinstance(quant, QuantConfig):  # per-layer formats (hack_jax.layer_formats): seal in each layer
-    return False
-  return bool(getattr(attention, "defers_seal", False) and kv_cache.FORMATS[kv_cache.format_of(quant)].seal)
+  (Backend.defers_seal: reference / pallas, not the opt-in fused kernel) and the formats can: some
+  layer's seals apart (kivi) and none seals inside its append only (seed); per-layer formats
+  (hack_jax.layer_formats) included, Backend.finish sealing each format's stack of layers."""
+  formats = [kv_cache.FORMATS[kv_cache.format_of(c)] for c in mixed.formats_of(quant)]
+  return bool(getattr(attention, "defers_seal", False) and any(f.seal for f in formats)
+              and all(f.seal or not f.blocked for f in formats))
 
 
 @functools.partial(jax.jit, static_argnames=("attention",), donate_argnums=(0,))

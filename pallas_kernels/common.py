@@ -21,6 +21,8 @@
   and `q_per_kv_pad` (prefill's too), `split_range`, `load_q_rows`, `empty_state`,
   `sinks_and_open_block_state`,
   `combine_splits`, `full_spec`.
+- The per-token decode kernels' (fp8, int8, int4 / turbo) tile walk `per_token_tiles` and launch
+  `per_token_paged_decode`.
 
 - The prefill kernel's in-kernel pieces: `dynamic_plane` (a traced plane index, inline PTX on the GPU)
   and `quantize_rows_int8_ffma` (one reciprocal per row, rounded by the FFMA).
@@ -753,6 +755,42 @@ def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_mi
                          f"{page_indices.dtype=}")
     if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
         raise ValueError(f"kv_lens must be i32[{batch}], got {kv_lens.shape=}, {kv_lens.dtype=}")
+
+
+def per_token_tiles(page_indices_ref, kv_lens_ref, pool_shape, *, block_k, num_splits):
+    """The per-token decode kernels' (fp8, int8, int4 / turbo) walk over this program's share of its
+    sequence: the sequence's block_k-token tiles shared out evenly between the splits (by its own
+    length). pool_shape: (num_pages, page_size, ...) of the kv head's pools. Returns (kv_len, load, loop):
+      load(ref, i): tile i of a pool [num_pages, page_size, W] -> [block_k, W], or of per-token
+        metadata [num_pages, page_size] -> [block_k]; page ids outside [0, num_pages) read page 0.
+      loop(step, carry): carry through step(masked, i, carry) over this split's tiles; masked is
+        False for the tiles wholly before kv_len, True for the rest (whose tail must be masked).
+    """
+    num_pages, page_size = pool_shape[:2]
+    kv_len = kv_lens_ref[0]
+    num_blocks = pl.cdiv(kv_len, block_k)
+    per_split = pl.cdiv(num_blocks, num_splits)
+    start = jnp.minimum(pl.program_id(2) * per_split, num_blocks)
+    end = jnp.minimum(start + per_split, num_blocks)
+    full_end = jnp.clip(kv_len // block_k, start, end)
+
+    def load(ref, i):
+        if block_k > page_size:
+            n = block_k // page_size
+            ids = page_indices_ref[pl.ds(i * n, n)]
+            ids = jnp.where((ids >= 0) & (ids < num_pages), ids, 0)
+            return ref[ids].reshape((block_k,) + tuple(ref.shape[2:]))
+        tok0 = i * block_k
+        page = page_indices_ref[tok0 // page_size]
+        page = jnp.where((page >= 0) & (page < num_pages), page, 0)
+        offset = pl.multiple_of(tok0 % page_size, block_k)
+        return ref[page, pl.ds(offset, block_k), :] if len(ref.shape) == 3 else ref[page, pl.ds(offset, block_k)]
+
+    def loop(step, carry):
+        carry = jax.lax.fori_loop(start, full_end, functools.partial(step, False), carry)
+        return jax.lax.fori_loop(full_end, end, functools.partial(step, True), carry)
+
+    return kv_len, load, loop
 
 
 def per_token_paged_decode(kernel, q, arrays, page_indices, kv_lens, *, config, default_config, name, interpret,

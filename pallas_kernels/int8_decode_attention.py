@@ -28,7 +28,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.bf16_decode_attention import KernelConfig, default_config
@@ -41,36 +40,18 @@ def _int8_decode_kernel(page_indices_ref, kv_lens_ref, q_ref, k_ref, ks_ref, km_
     """k_ref, v_ref i8[num_pages, page_size, head_dim]; ks_ref, km_ref, vs_ref, vm_ref
     float[num_pages, page_size] (this kv head's pools); q_ref bf16[block_h, head_dim]; outputs
     acc_ref f32[block_h, head_dim], m_ref, l_ref f32[block_h] (this split's partial softmax)."""
-    num_pages, page_size, head_dim = k_ref.shape
+    head_dim = k_ref.shape[2]
     block_h = q_ref.shape[0]
-    kv_len = kv_lens_ref[0]
-    num_blocks = pl.cdiv(kv_len, block_k)
-    per_split = pl.cdiv(num_blocks, num_splits)
-    start = jnp.minimum(pl.program_id(2) * per_split, num_blocks)
-    end = jnp.minimum(start + per_split, num_blocks)
-    full_end = jnp.clip(kv_len // block_k, start, end)
+    kv_len, load, loop = common.per_token_tiles(page_indices_ref, kv_lens_ref, k_ref.shape, block_k=block_k,
+                                                num_splits=num_splits)
     q = q_ref[...]  # bf16[block_h, head_dim]
     q_sum = q.astype(jnp.float32).sum(axis=1)  # f32[block_h]
 
-    def load(ref, i, matrix):
-        """Tile i: [block_k, head_dim] (matrix) or [block_k] (per-token metadata)."""
-        if block_k > page_size:
-            n = block_k // page_size
-            ids = page_indices_ref[pl.ds(i * n, n)]
-            ids = jnp.where((ids >= 0) & (ids < num_pages), ids, 0)
-            x = ref[ids]
-            return x.reshape((block_k, head_dim) if matrix else (block_k,))
-        tok0 = i * block_k
-        page = page_indices_ref[tok0 // page_size]
-        page = jnp.where((page >= 0) & (page < num_pages), page, 0)
-        offset = pl.multiple_of(tok0 % page_size, block_k)
-        return ref[page, pl.ds(offset, block_k), :] if matrix else ref[page, pl.ds(offset, block_k)]
-
     def step(masked, i, carry):
         acc, m, l = carry
-        k = load(k_ref, i, True).astype(jnp.bfloat16)  # [block_k, head_dim]
-        v = load(v_ref, i, True).astype(jnp.bfloat16)
-        ks, km, vs, vm = (load(r, i, False).astype(jnp.float32) for r in (ks_ref, km_ref, vs_ref, vm_ref))
+        k = load(k_ref, i).astype(jnp.bfloat16)  # [block_k, head_dim]
+        v = load(v_ref, i).astype(jnp.bfloat16)
+        ks, km, vs, vm = (load(r, i).astype(jnp.float32) for r in (ks_ref, km_ref, vs_ref, vm_ref))
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [block_h, block_k]
         s = (s * ks[None, :] + q_sum[:, None] * km[None, :]) * sm_scale
         if masked:
@@ -89,8 +70,7 @@ def _int8_decode_kernel(page_indices_ref, kv_lens_ref, q_ref, k_ref, ks_ref, km_
 
     carry = (jnp.zeros((block_h, head_dim), jnp.float32), jnp.full((block_h,), -jnp.inf, jnp.float32),
              jnp.zeros((block_h,), jnp.float32))
-    carry = lax.fori_loop(start, full_end, functools.partial(step, False), carry)
-    acc, m, l = lax.fori_loop(full_end, end, functools.partial(step, True), carry)
+    acc, m, l = loop(step, carry)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l

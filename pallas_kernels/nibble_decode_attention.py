@@ -52,38 +52,21 @@ def _nibble_decode_kernel(page_indices_ref, kv_lens_ref, q_ref, *refs, block_k: 
         k_ref, ks_ref, km_ref, v_ref, vs_ref, vm_ref, acc_ref, m_ref, l_ref = refs
     else:
         k_ref, ks_ref, v_ref, vs_ref, cb_ref, acc_ref, m_ref, l_ref = refs
-    num_pages, page_size, half = k_ref.shape
+    half = k_ref.shape[2]
     block_h = q_ref.shape[0]
-    kv_len = kv_lens_ref[0]
-    num_blocks = pl.cdiv(kv_len, block_k)
-    per_split = pl.cdiv(num_blocks, num_splits)
-    start = jnp.minimum(pl.program_id(2) * per_split, num_blocks)
-    end = jnp.minimum(start + per_split, num_blocks)
-    full_end = jnp.clip(kv_len // block_k, start, end)
+    kv_len, load, loop = common.per_token_tiles(page_indices_ref, kv_lens_ref, k_ref.shape, block_k=block_k,
+                                                num_splits=num_splits)
     q_lo = q_ref[:, pl.ds(0, half)]  # bf16[block_h, half]: channels [0, half)
     q_hi = q_ref[:, pl.ds(half, half)]  # channels [half, head_dim)
     q_sum = q_lo.astype(jnp.float32).sum(axis=1) + q_hi.astype(jnp.float32).sum(axis=1)  # f32[block_h]
-
-    def load(ref, i, matrix):
-        """Tile i: [block_k, half] (matrix) or [block_k] (per-token metadata)."""
-        if block_k > page_size:
-            n = block_k // page_size
-            ids = page_indices_ref[pl.ds(i * n, n)]
-            ids = jnp.where((ids >= 0) & (ids < num_pages), ids, 0)
-            x = ref[ids]
-            return x.reshape((block_k, half) if matrix else (block_k,))
-        tok0 = i * block_k
-        page = page_indices_ref[tok0 // page_size]
-        page = jnp.where((page >= 0) & (page < num_pages), page, 0)
-        offset = pl.multiple_of(tok0 % page_size, block_k)
-        return ref[page, pl.ds(offset, block_k), :] if matrix else ref[page, pl.ds(offset, block_k)]
 
     if not affine:  # the 16 codebook entries as scalars, read once per program
         table = [cb_ref[j] for j in range(16)]
 
     def lookup(codes):
-        """codebook[codes] by 16 compare-and-selects on one live tile: a gather (`cb_ref[codes]`) lowers
-        to a load per element and ran ~8x slower than the bf16 kernel on the H200."""
+        """codebook[codes] by 16 compare-and-selects on one live tile. A gather (`cb_ref[codes]`) staged
+        the tile in shared memory (299 KB at block_k 512, over the H200's 227 KB); either form is the
+        kernel's bottleneck, ~8x the bf16 kernel's time (bench/NOTES_formats.md)."""
         out = jnp.full(codes.shape, table[0], jnp.float32)
         for j in range(1, 16):
             out = jnp.where(codes == j, table[j], out)
@@ -91,7 +74,7 @@ def _nibble_decode_kernel(page_indices_ref, kv_lens_ref, q_ref, *refs, block_k: 
 
     def values(ref, i):
         """The low and high nibble tiles of tile i as bf16[block_k, half] each."""
-        b = load(ref, i, True).astype(jnp.int32)  # [block_k, half]
+        b = load(ref, i).astype(jnp.int32)  # [block_k, half]
         lo, hi = b & 15, b >> 4
         if affine:
             return (lo - 8).astype(jnp.bfloat16), (hi - 8).astype(jnp.bfloat16)
@@ -101,12 +84,12 @@ def _nibble_decode_kernel(page_indices_ref, kv_lens_ref, q_ref, *refs, block_k: 
         acc_lo, acc_hi, m, l = carry
         k_lo, k_hi = values(k_ref, i)
         v_lo, v_hi = values(v_ref, i)
-        ks, vs = load(ks_ref, i, False).astype(jnp.float32), load(vs_ref, i, False).astype(jnp.float32)
+        ks, vs = load(ks_ref, i).astype(jnp.float32), load(vs_ref, i).astype(jnp.float32)
         s = (jnp.dot(q_lo, k_lo.T, preferred_element_type=jnp.float32)
              + jnp.dot(q_hi, k_hi.T, preferred_element_type=jnp.float32))  # f32[block_h, block_k]
         s = s * ks[None, :]
         if affine:
-            s = s + q_sum[:, None] * load(km_ref, i, False).astype(jnp.float32)[None, :]
+            s = s + q_sum[:, None] * load(km_ref, i).astype(jnp.float32)[None, :]
         s = s * sm_scale
         if masked:
             valid = i * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0) < kv_len
@@ -120,7 +103,7 @@ def _nibble_decode_kernel(page_indices_ref, kv_lens_ref, q_ref, *refs, block_k: 
         acc_lo = alpha[:, None] * acc_lo + jnp.dot(pv, v_lo, preferred_element_type=jnp.float32)
         acc_hi = alpha[:, None] * acc_hi + jnp.dot(pv, v_hi, preferred_element_type=jnp.float32)
         if affine:
-            vm = load(vm_ref, i, False).astype(jnp.float32)
+            vm = load(vm_ref, i).astype(jnp.float32)
             if masked:
                 vm = jnp.where(valid, vm, 0.0)
             p_min = (p * vm[None, :]).sum(axis=1)[:, None]  # f32[block_h, 1]
@@ -129,8 +112,7 @@ def _nibble_decode_kernel(page_indices_ref, kv_lens_ref, q_ref, *refs, block_k: 
 
     carry = (jnp.zeros((block_h, half), jnp.float32), jnp.zeros((block_h, half), jnp.float32),
              jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32))
-    carry = lax.fori_loop(start, full_end, functools.partial(step, False), carry)
-    acc_lo, acc_hi, m, l = lax.fori_loop(full_end, end, functools.partial(step, True), carry)
+    acc_lo, acc_hi, m, l = loop(step, carry)
     acc_ref[:, pl.ds(0, half)] = acc_lo
     acc_ref[:, pl.ds(half, half)] = acc_hi
     m_ref[...] = m

@@ -4,7 +4,8 @@ layer after the last one.
 
 - Bytes: append(seal="after") then seal_filled == append(seal="always"), nearest and stochastic rounding,
   W = P and W = 2P, V channel groups apart from the K block; a stacked cache sealed in one call vectorized
-  over its layers (Backend.finish) == each layer sealed alone.
+  over its layers (Backend.finish) == each layer sealed alone; per-layer formats (LayerGroups) one seal per
+  format's stack, the bytes of seal="always".
 - Attention: decode_step(seal="after") (reference, Pallas in interpret mode, and on a stacked cache in
   place) against the float64 twin's homomorphic attention over the cache before the step plus the new
   token in 16 bits (appended to the sinks or the open region, where the cache keeps it).
@@ -20,10 +21,12 @@ import pytest
 
 import twin
 from hack_jax import attention, kv_cache
-from hack_jax.backend import Backend
+from hack_jax.backend import Backend, write as backend_write
 from hack_jax.config import QuantConfig
-from hack_jax.kv_cache import stacked
+from hack_jax.kv_cache import mixed, stacked
+from hack_jax.layer_formats import LayerFormats, parse_layer_formats
 from hack_jax.step import Step
+from models.stepper import defers_seal
 from test_attention_suite import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, check, make_q
 
 P, PAGE = 32, 128
@@ -106,6 +109,57 @@ def test_backend_finish_seals_a_stacked_cache_in_one_call():
     # any other step: the cache as it is
     never = dataclasses.replace(step, seal="never")
     assert Backend().finish(stacked_cache, never) is stacked_cache
+
+
+def test_backend_finish_seals_per_layer_formats():
+    """A stacked cache of per-layer formats [kivi, int8, kivi, bf16] (kv_cache.mixed.LayerGroups; kivi with
+    stochastic rounding): a decode step through Backend.decode with seal="after" on every layer, then
+    Backend.finish (one vmapped seal per format's stack), stores the bytes of the same step with
+    seal="always"; before the finish the kivi layers differ from them (their filled regions still open).
+    models.stepper.defers_seal takes such formats, not with a seed layer or with no layer that seals."""
+    base = dataclasses.replace(CONFIGS["w64"], rounding="stochastic")
+    lf = parse_layer_formats("1:int8;-1:bf16", base)
+    formats = [c.kv_format for c in lf.configs(4)]
+    assert formats == ["hack", "int8", "hack", "bf16"]
+    _some_slot_fills(base)
+    kv_lens = BEFORE + ACTIVE
+    table, num_pages = twin.shuffled_table(lf.configs(4)[1], kv_lens)  # int8: no sinks, the most pages
+    cache = kv_cache.init_cache(lf, num_layers=4, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, num_pages=num_pages,
+                                max_seqs=len(BEFORE), pages_per_seq=table.shape[1], stacked=True)
+    assert isinstance(cache.layers, kv_cache.LayerGroups) and len(cache.layers.groups) == 3
+    kvs = [twin.make_kv((len(BEFORE), int(BEFORE.max()) + 1, NUM_KV_HEADS, HEAD_DIM), 20 + i) for i in range(4)]
+    q = make_q((len(BEFORE), NUM_Q_HEADS, HEAD_DIM))
+    rows = np.arange(len(BEFORE))
+
+    def each_layer(layers, fn):  # fn(i, StackedLayer of layer i, k, v) -> StackedLayer
+        groups = list(layers.groups)
+        for i, (g, j) in enumerate(layers.layer_map):
+            groups[g] = fn(i, stacked.StackedLayer(groups[g], j), *kvs[i]).stacked
+        return dataclasses.replace(layers, groups=tuple(groups))
+
+    backend = Backend()
+    prefill = Step.prefill(table, BEFORE, jax.random.key(1))
+    cache = dataclasses.replace(cache, layers=each_layer(
+        cache.layers, lambda i, view, k, v: backend_write(view, k, v, prefill, layer_index=i)))
+
+    def decode(seal):
+        step = Step.decode(table, kv_lens, ACTIVE, jax.random.key(5), seal=seal)
+        layers = each_layer(cache.layers, lambda i, view, k, v: backend.decode(
+            q, k[rows, BEFORE], v[rows, BEFORE], view, step, layer_index=i)[0])
+        return dataclasses.replace(cache, layers=layers, kv_lens=jnp.asarray(kv_lens)), step
+
+    always, _ = decode("always")
+    rows_only, step = decode("after")
+    deferred = backend.finish(rows_only, step)
+    for i, (got, want, before) in enumerate(zip(*(mixed.layer_list(c.layers) for c in (deferred, always, rows_only)))):
+        _assert_same_bytes(got, want)
+        assert (formats[i] == "hack") == any(  # the finish sealed something in the kivi layers, nothing else
+            not np.array_equal(np.asarray(getattr(before, n)), np.asarray(getattr(want, n))) for n in _fields(want))
+    assert defers_seal(backend, lf) and defers_seal(backend, base)
+    seed = QuantConfig(layout="seed", partition_size=P, page_size=PAGE)
+    assert not defers_seal(backend, LayerFormats(base, ((("1",), seed),)))
+    assert not defers_seal(backend, parse_layer_formats("0:int8", QuantConfig(kv_format="bf16", partition_size=P, page_size=PAGE)))
+    assert not defers_seal(Backend(impl="pallas_dequant"), lf)
 
 
 def _oracle(cache, q, k, v):

@@ -72,32 +72,12 @@ def test_decode(config, impl):
 def test_prefill_equals_appends(config):
     """Prefill, appends, and half-and-half store the same bytes in every live entry (the poison
     equalizes the rest)."""
-    ways = [_cache(config, how) for how in ("prefill", "append", "both")]
-    for other in ways[1:]:
-        for f in dataclasses.fields(other.layer):
-            if f.name != "config":
-                np.testing.assert_array_equal(np.asarray(getattr(ways[0].layer, f.name)),
-                                              np.asarray(getattr(other.layer, f.name)), err_msg=f.name)
+    twin.assert_same_layers(*(_cache(config, how).layer for how in ("prefill", "append", "both")))
 
 
 def test_chunked_prefill_equals_one_prefill():
-    lengths = np.asarray(LENGTHS, np.int32)
-    whole = _cache(W64, "prefill", poison_unused=False)
-    layer = kv_cache.init_layer(W64, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, num_pages=whole.layer.num_pages,
-                                max_seqs=len(lengths))
-    start = np.zeros_like(lengths)
-    for chunk in (37, 50, 300):  # chunk edges inside windows and blocks
-        n = np.minimum(lengths - start, chunk)
-        rows = np.clip(start[:, None] + np.arange(chunk)[None, :], 0, whole.k.shape[1] - 1)
-        take = lambda x: np.take_along_axis(x, rows[:, :, None, None], axis=1)
-        layer = kv_cache.write_prefill(layer, take(whole.k), take(whole.v), lengths=n, page_indices=whole.table,
-                                       start=start)
-        start = start + n
-    chunked = twin.poison(dataclasses.replace(whole, layer=layer))
-    for f in dataclasses.fields(layer):
-        if f.name != "config":
-            np.testing.assert_array_equal(np.asarray(getattr(twin.poison(whole).layer, f.name)),
-                                          np.asarray(getattr(chunked.layer, f.name)), err_msg=f.name)
+    """Chunk edges (37, 50, 300 tokens) inside windows and blocks."""
+    twin.assert_chunked_prefill_matches(_cache(W64, "prefill", poison_unused=False))
 
 
 def test_seals_block_cadence():

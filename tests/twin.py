@@ -9,6 +9,8 @@
       readers), the 16-bit parts taken from the raw inputs rounded to bf16.
   dequantized(cache) -> [(k_hat, v_hat) f64[n, H, D]]; gather(...): one sequence through the
       public dequantize_cache (for tests of the cache itself).
+  assert_same_layers(first, *others), assert_chunked_prefill_matches(whole): byte equality of
+      caches written by different paths.
   np_attention (float attention), np_hack_attention (DESIGN.md "Homomorphic attention semantics":
       INT8 images of the transients, codes attended per block), np_cache_attention (either, per
       format, on a Cache).
@@ -109,6 +111,35 @@ def build(config, lengths, *, num_kv_heads=2, head_dim=64, how="prefill", seed=0
     layer = write(layer, k, v, lengths, table, how)
     cache = Cache(layer, k, v, lengths, table)
     return poison(cache) if poison_unused else cache
+
+
+def assert_same_layers(first, *others):
+    """Every array of each LayerCache in others equals first's, field by field (NaN matches NaN, so
+    poisoned entries compare equal when both were poisoned)."""
+    for other in others:
+        for f in dataclasses.fields(first):
+            if f.name != "config":
+                np.testing.assert_array_equal(np.asarray(getattr(first, f.name)),
+                                              np.asarray(getattr(other, f.name)), err_msg=f.name)
+
+
+def assert_chunked_prefill_matches(whole, chunks=(37, 50, 300)):
+    """whole: a Cache written by one write_prefill, not poisoned. Its K/V written again into an empty
+    layer by write_prefill calls of `chunks` tokens each (start= continuing the sequences) store the
+    same bytes in every live entry (both poisoned after)."""
+    lengths = np.asarray(whole.lengths, np.int32)
+    layer = kv_cache.init_layer(whole.config, num_kv_heads=whole.k.shape[2], head_dim=whole.k.shape[3],
+                                num_pages=whole.layer.num_pages, max_seqs=len(lengths))
+    start = np.zeros_like(lengths)
+    for chunk in chunks:
+        n = np.minimum(lengths - start, chunk)
+        rows = np.clip(start[:, None] + np.arange(chunk)[None, :], 0, whole.k.shape[1] - 1)
+        take = lambda x: np.take_along_axis(x, rows[:, :, None, None], axis=1)  # noqa: E731
+        layer = kv_cache.write_prefill(layer, take(whole.k), take(whole.v), lengths=n, page_indices=whole.table,
+                                       start=start)
+        start = start + n
+    assert (start == lengths).all(), f"chunks {chunks} do not cover lengths {lengths}"
+    assert_same_layers(poison(whole).layer, poison(dataclasses.replace(whole, layer=layer)).layer)
 
 
 # ----------------------------------------------------------------------------- layout in NumPy

@@ -1,5 +1,6 @@
 """Pieces every cache format shares: the pytree dataclass, page-id masking, masked scatters, the
-format registry's record type, and the boundary checks of the public writers."""
+unblocked formats' writers, the format registry's record type, and the boundary checks of the
+public writers."""
 
 from __future__ import annotations
 
@@ -154,6 +155,28 @@ def token_targets(layer, lengths, page_indices, t_len, start):
     if start is not None:
         t = t + start[:, None]
     return page_ids(page_indices, t // ps, ok, layer.num_pages), t % ps
+
+
+def per_token_writers(encode):
+    """(write_prefill, append) with FormatOps' signatures for the unblocked formats (token t in page
+    column t // page_size, row t % page_size): encode(layer, x) maps rows x float[..., H, D] to
+    {suffix: array[..., H, ...]}, each stored in the layer's fields "k" + suffix and "v" + suffix."""
+
+    def write(layer, index, k, v):
+        return dataclasses.replace(layer, **{
+            name + suffix: put(getattr(layer, name + suffix), index, a)
+            for name, x in (("k", k), ("v", v)) for suffix, a in encode(layer, x).items()})
+
+    def write_prefill(layer, k, v, lengths, page_indices, start, key):
+        pages, rows = token_targets(layer, lengths, page_indices, k.shape[1], start)
+        return write(layer, (pages, ALL, rows), k, v)
+
+    def append(layer, k, v, kv_lens, active, page_indices, key, seal):
+        ps = layer.config.page_size
+        pages = page_ids(page_indices, kv_lens // ps, active, layer.num_pages)  # [S]
+        return write(layer, (pages, ALL, kv_lens % ps), k, v)
+
+    return write_prefill, append
 
 
 def flat_tokens(a, ids):

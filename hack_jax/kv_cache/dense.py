@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from hack_jax.config import QuantConfig
-from hack_jax.kv_cache.common import (ALL, STATIC, FormatOps, Pages, flat_tokens, page_ids, put,
-                                      pytree_dataclass, safe_ids, token_targets)
+from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, flat_tokens, per_token_writers,
+                                      pytree_dataclass, safe_ids)
 
 
 @pytree_dataclass
@@ -27,17 +27,7 @@ def init(config, n, h, d, s):
     return DensePages(k=jnp.zeros((n, h, ps, d), dt), v=jnp.zeros((n, h, ps, d), dt), config=config)
 
 
-def write_prefill(layer, k, v, lengths, page_indices, start, key):
-    pages, rows = token_targets(layer, lengths, page_indices, k.shape[1], start)
-    return dataclasses.replace(layer, k=put(layer.k, (pages, ALL, rows), k),
-                               v=put(layer.v, (pages, ALL, rows), v))
-
-
-def append(layer, k, v, kv_lens, active, page_indices, key, seal):
-    ps = layer.config.page_size
-    pages = page_ids(page_indices, kv_lens // ps, active, layer.num_pages)  # [S]
-    index = (pages, ALL, kv_lens % ps)
-    return dataclasses.replace(layer, k=put(layer.k, index, k), v=put(layer.v, index, v))
+write_prefill, append = per_token_writers(lambda layer, x: {"": x})
 
 
 def dequantize(layer, page_indices, kv_lens):

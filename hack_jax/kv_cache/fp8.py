@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from hack_jax.config import QuantConfig
-from hack_jax.kv_cache.common import (ALL, STATIC, FormatOps, Pages, flat_tokens, page_ids, put,
-                                      pytree_dataclass, safe_ids, token_targets)
+from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, flat_tokens, per_token_writers,
+                                      pytree_dataclass, safe_ids)
 
 CODE_DTYPE = jnp.float8_e4m3fn
 SCALE_DTYPE = jnp.float32
@@ -54,22 +54,12 @@ def quantize_fp8(x):
     return codes, scale
 
 
-def _write(layer, index, k, v):
-    (kc, ks), (vc, vs) = quantize_fp8(k), quantize_fp8(v)
-    w = lambda a, x: put(a, index, x)
-    return dataclasses.replace(layer, k_codes=w(layer.k_codes, kc), k_scale=w(layer.k_scale, ks),
-                               v_codes=w(layer.v_codes, vc), v_scale=w(layer.v_scale, vs))
+def _encode(layer, x):
+    codes, scale = quantize_fp8(x)
+    return {"_codes": codes, "_scale": scale}
 
 
-def write_prefill(layer, k, v, lengths, page_indices, start, key):
-    pages, rows = token_targets(layer, lengths, page_indices, k.shape[1], start)
-    return _write(layer, (pages, ALL, rows), k, v)
-
-
-def append(layer, k, v, kv_lens, active, page_indices, key, seal):
-    ps = layer.config.page_size
-    pages = page_ids(page_indices, kv_lens // ps, active, layer.num_pages)  # [S]
-    return _write(layer, (pages, ALL, kv_lens % ps), k, v)
+write_prefill, append = per_token_writers(_encode)
 
 
 def dequantize(layer, page_indices, kv_lens):

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from hack_jax.config import QuantConfig
-from hack_jax.kv_cache.common import (ALL, STATIC, FormatOps, Pages, flat_tokens, page_ids, put,
-                                      pytree_dataclass, safe_ids, token_targets)
+from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, flat_tokens, per_token_writers,
+                                      pytree_dataclass, safe_ids)
 from hack_jax.quantization import quantize
 
 
@@ -39,29 +39,13 @@ def init(config, n, h, d, s):
         config=config)
 
 
-def _quantize(x):
-    """x float[..., head_dim] -> (codes i8[..., D], scale f16[...], min f16[...]) per token."""
+def _encode(layer, x):
+    """x float[..., head_dim] -> codes i8[..., D], scale f16[...], min f16[...] per token."""
     q = quantize(x, bits=8, axis=-1, partition_size=x.shape[-1])
-    return q.codes, q.scale[..., 0], q.minimum[..., 0]
+    return {"_codes": q.codes, "_scale": q.scale[..., 0], "_min": q.minimum[..., 0]}
 
 
-def _write(layer, index, k, v):
-    (kc, ks, km), (vc, vs, vm) = _quantize(k), _quantize(v)
-    w = lambda a, x: put(a, index, x)
-    return dataclasses.replace(
-        layer, k_codes=w(layer.k_codes, kc), k_scale=w(layer.k_scale, ks), k_min=w(layer.k_min, km),
-        v_codes=w(layer.v_codes, vc), v_scale=w(layer.v_scale, vs), v_min=w(layer.v_min, vm))
-
-
-def write_prefill(layer, k, v, lengths, page_indices, start, key):
-    pages, rows = token_targets(layer, lengths, page_indices, k.shape[1], start)
-    return _write(layer, (pages, ALL, rows), k, v)
-
-
-def append(layer, k, v, kv_lens, active, page_indices, key, seal):
-    ps = layer.config.page_size
-    pages = page_ids(page_indices, kv_lens // ps, active, layer.num_pages)  # [S]
-    return _write(layer, (pages, ALL, kv_lens % ps), k, v)
+write_prefill, append = per_token_writers(_encode)
 
 
 def dequantize(layer, page_indices, kv_lens):

@@ -28,8 +28,8 @@ import numpy as np
 
 from hack_jax import rotation
 from hack_jax.config import QuantConfig
-from hack_jax.kv_cache.common import (ALL, STATIC, FormatOps, Pages, flat_tokens, page_ids, put,
-                                      pytree_dataclass, safe_ids, token_targets)
+from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, flat_tokens, per_token_writers,
+                                      pytree_dataclass, safe_ids)
 from hack_jax.kv_cache.int4 import pack_nibbles, unpack_nibbles
 
 BITS = {"turbo3": 3, "turbo4": 4}
@@ -106,23 +106,12 @@ def quantize_rows(x, m, centroids, meta_dtype):
     return pack_nibbles(codes.astype(jnp.uint8)), rms.astype(meta_dtype)
 
 
-def _write(layer, index, k, v):
-    m, c, meta = matrix(layer.config, k.shape[-1]), layer.codebook, layer.config.meta_dtype
-    (kc, ks), (vc, vs) = quantize_rows(k, m, c, meta), quantize_rows(v, m, c, meta)
-    w = lambda a, x: put(a, index, x)
-    return dataclasses.replace(layer, k_codes=w(layer.k_codes, kc), k_scale=w(layer.k_scale, ks),
-                               v_codes=w(layer.v_codes, vc), v_scale=w(layer.v_scale, vs))
+def _encode(layer, x):
+    codes, scale = quantize_rows(x, matrix(layer.config, x.shape[-1]), layer.codebook, layer.config.meta_dtype)
+    return {"_codes": codes, "_scale": scale}
 
 
-def write_prefill(layer, k, v, lengths, page_indices, start, key):
-    pages, rows = token_targets(layer, lengths, page_indices, k.shape[1], start)
-    return _write(layer, (pages, ALL, rows), k, v)
-
-
-def append(layer, k, v, kv_lens, active, page_indices, key, seal):
-    ps = layer.config.page_size
-    pages = page_ids(page_indices, kv_lens // ps, active, layer.num_pages)  # [S]
-    return _write(layer, (pages, ALL, kv_lens % ps), k, v)
+write_prefill, append = per_token_writers(_encode)
 
 
 def dequantize(layer, page_indices, kv_lens):
