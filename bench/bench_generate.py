@@ -127,10 +127,11 @@ CONTEXTS = (4096, 16384, 65536)
 BATCHES = (1, 8, 32)
 FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
-EXTRA_FORMATS = ("hack4",)  # --formats choices outside the default run
-KV_FORMAT = {"hack": "hack", "hack4": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8", "fp8": "fp8",
+EXTRA_FORMATS = ("hack4", "hack-clip")  # --formats choices outside the default run
+KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack-clip": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8", "fp8": "fp8",
              "kivi2": "kivi2", "int4": "int4", "turbo3": "turbo3", "turbo4": "turbo4"}
 CODE_BITS = {"hack4": 4}  # QuantConfig.bits of a format (default 2)
+CLIP = {"hack-clip": 5}  # QuantConfig.clip of a format (default 0: min-max partitions)
 PREFILL_FORMATS = ("hack", "bf16")
 LINK_GBPS = (10, 25, 100)
 MESH = None          # --tp N > 1: the tensor-parallel mesh (models/sharding.py), set by main()
@@ -255,7 +256,7 @@ def random_state(cfg: ModelConfig, seed=0, init="llama"):
 
 
 def quant_config(fmt):
-    return QuantConfig(kv_format=KV_FORMAT[fmt], bits=CODE_BITS.get(fmt, 2))
+    return QuantConfig(kv_format=KV_FORMAT[fmt], bits=CODE_BITS.get(fmt, 2), clip=CLIP.get(fmt, 0))
 
 
 def _hash_u32(shape, seed):
@@ -458,7 +459,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
     seal_exe = compiled.pop("seal", None)
 
     def step_for(lens):  # lens: tokens held after the step -> (executable, its Step, seal after it)
-        fills = fmt == "hack" and kv_cache.seals_block(quant, lens, np.ones(batch, bool))
+        fills = hack and kv_cache.seals_block(quant, lens, np.ones(batch, bool))
         mode = modes[0] if len(modes) == 1 else ("always" if fills else "never")
         return compiled[mode], step_record(int(lens[0]), mode), seal_exe if deferred and fills else None
     print(f"    compiled decode in {compile_s:.1f} s ({compile_each}; cache {cache_bytes / 2**30:.2f} GiB, "
@@ -775,7 +776,7 @@ def parse_args(argv):
     ap.add_argument("--prefill-contexts", nargs="*", type=int, default=None,
                     help="default: --contexts (batch 1); >= 64K runs once, last")
     ap.add_argument("--prefill-batches", nargs="*", type=int, default=[1])
-    ap.add_argument("--prefill-formats", nargs="*", default=list(PREFILL_FORMATS), choices=PREFILL_FORMATS)
+    ap.add_argument("--prefill-formats", nargs="*", default=list(PREFILL_FORMATS), choices=PREFILL_FORMATS + ("hack-clip",))
     ap.add_argument("--prefill-attention", default="auto", choices=PREFILL_ATTENTION,
                     help="the prompt's own attention (hack_jax.prefill): exact on the fresh 16-bit K/V "
                          "(auto: cuDNN on a GPU), or homomorphic over the 2-bit cache")
