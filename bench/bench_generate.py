@@ -128,8 +128,8 @@ BATCHES = (1, 8, 32)
 FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
 EXTRA_FORMATS = ("hack4", "hack-clip")  # --formats choices outside the default run
-KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack-clip": "hack", "bf16": "bf16", "bf16_xla": "bf16", "int8": "int8", "fp8": "fp8",
-             "kivi2": "kivi2", "int4": "int4", "turbo3": "turbo3", "turbo4": "turbo4"}
+KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack-clip": "hack", "bf16": "bf16", "bf16_xla": "bf16",
+             "int8": "int8", "fp8": "fp8", "kivi2": "kivi2", "int4": "int4", "turbo3": "turbo3", "turbo4": "turbo4"}
 CODE_BITS = {"hack4": 4}  # QuantConfig.bits of a format (default 2)
 CLIP = {"hack-clip": 5}  # QuantConfig.clip of a format (default 0: min-max partitions)
 PREFILL_FORMATS = ("hack", "bf16")
@@ -776,7 +776,8 @@ def parse_args(argv):
     ap.add_argument("--prefill-contexts", nargs="*", type=int, default=None,
                     help="default: --contexts (batch 1); >= 64K runs once, last")
     ap.add_argument("--prefill-batches", nargs="*", type=int, default=[1])
-    ap.add_argument("--prefill-formats", nargs="*", default=list(PREFILL_FORMATS), choices=PREFILL_FORMATS + ("hack-clip",))
+    ap.add_argument("--prefill-formats", nargs="*", default=list(PREFILL_FORMATS),
+                    choices=PREFILL_FORMATS + ("hack-clip",))
     ap.add_argument("--prefill-attention", default="auto", choices=PREFILL_ATTENTION,
                     help="the prompt's own attention (hack_jax.prefill): exact on the fresh 16-bit K/V "
                          "(auto: cuDNN on a GPU), or homomorphic over the 2-bit cache")
