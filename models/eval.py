@@ -78,6 +78,12 @@ rows attend to each other exactly, on their 16-bit K/V, for every format, and th
 into the cache for the decode steps; with prefill="homomorphic" every prompt row attends over the
 cache contents as stored after the write (quantized for int8/hack; for kivi2 the same rule,
 fake-quantized with kv_len = prompt length).
+Under the exact prefill the prompt's K/V and token 0's distribution do not depend on the format, so
+the grid prefills once per (model, context): the float32 run keeps its exact K/V
+(models/eval_score.PrefillStore) and each format whose prefill is that same one (shares_prefill:
+not kivi2 / fake-*, no hadamard, an exact prefill_attention) writes them into its own cache with
+the prefill's write (hack_jax.backend.write per layer) and runs only its decode steps; rows say
+prefill_shared. --no-shared-prefill prefills every format itself.
 
 Usage: `python bench/bench_accuracy.py --models smollm2,qwen2.5-coder-0.5b --formats
 float32,bf16,int8,kivi2,hack-p64 --contexts 512,2048,4096 --tokens 64 --windows 16
@@ -635,12 +641,22 @@ def prefill_group(config, context: int, mem_gb: float = 2.0) -> int:
   return max(1, int(mem_gb * 2 ** 30 // per_seq))
 
 
+def shares_prefill(fmt: EvalFormat, model) -> bool:
+  """Whether fmt's prefill is the exact, format-independent one, so that the float32 run's K/V can
+  be written into its cache instead (models/eval_score.PrefillStore): no fake quantization (kivi2,
+  fake-*: their prefill attends over the fake-quantized cache), no K/q rotation (hadamard), and
+  the model's backend a hack_jax Backend with an exact prefill_attention (not "homomorphic")."""
+  from models.eval_score import shares_prefill as exact
+  return exact(eval_backend(fmt, model.config.attention, model.config.num_layers))
+
+
 def score_format(fmt: EvalFormat, model, tokenizer, prompts, forced, *, seed: int = 0,
                  ref=None, keep: bool = False, batch: int | None = None,
-                 prefill_batch: int | None = None):
+                 prefill_batch: int | None = None, keep_prefill=None, prefill=None):
   """Teacher-forced decode scoring of `forced` i32[W, n] after each of the W prompts through fmt's
   cache (models/eval_score.score): windows are the sequences of Generator decode batches of
   `batch` slots (default all W), prefilled in groups of `prefill_batch` (default: the batch).
+  keep_prefill / prefill: eval_score.score's (a PrefillStore to fill / to write instead of prefilling).
   Returns (nll f64[W, n], kl f64[W, n] | None, LogpStore | None, timings)."""
   from models.eval_score import score
   n = forced.shape[1]
@@ -650,7 +666,8 @@ def score_format(fmt: EvalFormat, model, tokenizer, prompts, forced, *, seed: in
   pre = None
   if prefill_batch is not None and prefill_batch < batch:
     pre = eval_generator(fmt, model, tokenizer, max_seqs=prefill_batch, max_len=max_len)
-  return score(gen, prompts, forced, ref=ref, keep=keep, seed=seed, prefill_gen=pre)
+  return score(gen, prompts, forced, ref=ref, keep=keep, seed=seed, prefill_gen=pre,
+               keep_prefill=keep_prefill, prefill=prefill)
 
 
 def summarize(nll: np.ndarray, ref_nll: np.ndarray | None = None, kl: np.ndarray | None = None,
@@ -826,6 +843,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--scan-layers", choices=("auto", "on", "off"), default="auto",
                  help="ModelConfig.scan_layers: on = one lax.scan over the layers (compiles ~3x faster, "
                       "steps slower: a GPU grid's many formats), off = unrolled, auto = the backend's default")
+  p.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
+                 help="prefill every format itself (default: the float32 run's exact prefill K/V are "
+                 "written into each real cache format's cache, eval_score.PrefillStore; kivi2, fake-*, "
+                 "hadamard and a non-exact prefill always prefill themselves)")
   p.add_argument("--boot", type=int, default=2000, help="bootstrap draws for the intervals")
   p.add_argument("--seed", type=int, default=0, help="PRNG seed (stochastic rounding, bootstrap)")
   p.add_argument("--readme", default=None,
@@ -852,6 +873,7 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
   contexts = [int(c) for c in args.contexts.split(",")]
   if args.tokens < 1 or args.windows < 1 or min(contexts) < 1 or args.boot < 1:
     raise ValueError("--tokens, --windows, --boot and contexts must be >= 1")
+  from models.eval_score import PrefillStore
   from models.gguf_loader import load_checkpoint
   from models.llama import Llama
   command = "python bench/bench_accuracy.py " + " ".join(
@@ -867,13 +889,18 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
       batches = [windows_of(i, context, args.tokens, args.windows) for i in ids]
       prompts = [p for b in batches for p in b[0]]
       forced = np.concatenate([b[1] for b in batches])
-      ref = ref_nll = None
+      ref = ref_nll = kept = None
       for fmt in fmts:
+        if ref is None:  # float32, the reference: keeps its exact prefill for the formats that share it
+          kept = PrefillStore() if args.shared_prefill and shares_prefill(fmt, model) else None
+          shared = dict(keep_prefill=kept)
+        else:
+          shared = dict(prefill=kept if kept is not None and shares_prefill(fmt, model) else None)
         nll, kl, store, timing = score_format(fmt, model, ckpt.tokenizer, prompts, forced,
                                               seed=args.seed, ref=ref, keep=ref is None,
                                               batch=args.batch, prefill_batch=args.prefill_batch
                                               or prefill_group(ckpt.config, context,
-                                                               args.prefill_mem_gb))
+                                                               args.prefill_mem_gb), **shared)
         if ref is None:
           ref, ref_nll = store, nll
         for t, ((label, _), text_ids) in enumerate(zip(texts, ids)):
@@ -897,7 +924,7 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
                 f"bits/elem={row['bits_per_element']:.2f} n={r['n_scored']} "
                 f"({timing['wall_s']:.0f} s: prefill {timing['prefill_s']:.0f}, decode "
                 f"{timing['decode_s']:.0f}, compile {timing['compile_s']:.0f})", flush=True)
-      del ref
+      del ref, kept
   eval_report.write_report(out, readme=args.readme)
   return 0
 
