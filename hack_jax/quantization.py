@@ -182,7 +182,8 @@ def quantize(x, *, bits, axis, partition_size, rounding="nearest", key=None, met
                      rounding=rounding, meta_dtype=meta_dtype, clip_grid=clip_grid(clip))
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "axis", "partition_size", "rounding", "meta_dtype", "clip_grid"))
+@functools.partial(jax.jit, static_argnames=("bits", "axis", "partition_size", "rounding", "meta_dtype",
+                                             "clip_grid"))
 def _quantize(x, key, noise, *, bits, axis, partition_size, rounding, meta_dtype, clip_grid=()):
     levels = 2**bits - 1
     bound = saturation_bound(bits, meta_dtype)

@@ -841,7 +841,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--out", default="bench/results/accuracy.jsonl",
                  help="jsonl to append to; the .md table and _gap.png plot are written beside it")
   p.add_argument("--scan-layers", choices=("auto", "on", "off"), default="auto",
-                 help="ModelConfig.scan_layers: on = one lax.scan over the layers (compiles ~3x faster, "
+                 help="ModelConfig.scan_layers: on = one lax.scan over the layers (compiles 2-3x faster, "
                       "steps slower: a GPU grid's many formats), off = unrolled, auto = the backend's default")
   p.add_argument("--no-shared-prefill", dest="shared_prefill", action="store_false",
                  help="prefill every format itself (default: the float32 run's exact prefill K/V are "
