@@ -812,6 +812,10 @@ def parse_args(argv):
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing each decode context, trace this many more steps with jax.profiler "
                          "and add the GPU time per step by kernel name to the row (gpu_kernels)")
+    ap.add_argument("--warm-compile", action="store_true",
+                    help="compile a small matmul + bf16 Pallas decode kernel first, so that no row pays the "
+                         "process' one-time compiler start-up (a fair compile_s between formats; each "
+                         "format in a fresh process)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor parallelism over this many devices (kv heads; models/sharding.py): "
                          "weights and cache sharded, rows carry tp; memory fits are per device")
@@ -938,6 +942,24 @@ def run_model(name, items, args, start, rows, emit, flush, common, compile_est, 
     gc.collect()
 
 
+def warm_compiler(impl, interpret):
+    """One small executable with a matmul and the bf16 format's decode attention (impl pallas: its
+    Pallas kernel), compiled and run, so that XLA's and the Triton pipeline's one-time start-up land
+    before any timed compile."""
+    from hack_jax import attention
+    layer = kv_cache.init_layer(quant_config("bf16"), num_pages=2, num_kv_heads=1, head_dim=64, max_seqs=1)
+    table, lens = jnp.ones((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
+    opts = dict(interpret=True) if interpret and impl == "pallas" else {}
+
+    def f(x, q):
+        o = attention.decode_attention(q, layer, page_indices=table, kv_lens=lens, impl=impl, **opts)
+        return (x @ x).sum() + o.sum()
+    x, q = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((1, 1, 64), jnp.float32)
+    t = time.perf_counter()
+    jax.block_until_ready(jax.jit(f).lower(x, q).compile()(x, q))
+    print(f"warm-up compile {time.perf_counter() - t:.1f} s", flush=True)
+
+
 def main(argv=None):
     global MESH
     args = parse_args(argv)
@@ -957,6 +979,8 @@ def main(argv=None):
     print(f"{gpu} ({device.platform}) jax {jax.__version__}  budget {args.max_seconds:.0f} s  "
           f"models {args.models} contexts {args.contexts} batches {args.batches} formats {args.formats}",
           flush=True)
+    if args.warm_compile:
+        warm_compiler(args.impl, args.interpret)
     rows = []
     jsonl = os.path.join(args.out, "generate.jsonl")
     timing = (f"decode: {args.steps} steps back to back per timed region (tokens fed device to device, "

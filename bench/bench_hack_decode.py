@@ -47,7 +47,8 @@ from pallas_kernels.dequant_decode_attention import dequant_decode_attention  # 
 
 HQ, HKV, D, P, PAGE, NS = 32, 8, 128, 64, 256, 4
 ROOF = 4.3e12
-SHAPES = {"b8_32k": (8, 32768), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "b8_8k": (8, 8192),
+SHAPES = {"b8_32k": (8, 32768), "b8_64k": (8, 65536), "b8_128k": (8, 131072), "b1_32k": (1, 32768),
+          "b1_128k": (1, 131072), "b8_8k": (8, 8192),
           "b8_1k": (8, 1024), "tiny": (1, 1024)}  # tiny: CPU smoke test of this script (--interpret)
 FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k",
           "open_v", "sink_k", "sink_v")

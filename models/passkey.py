@@ -156,6 +156,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--no-chat", action="store_true", help="plain prompt, no chat template")
   p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
   p.add_argument("--seed", type=int, default=0, help="seed of the keys")
+  p.add_argument("--scan-layers", choices=("auto", "on", "off"), default="auto",
+                 help="ModelConfig.scan_layers, as in `hack-jax eval` (on: one lax.scan over the layers)")
   p.add_argument("--out", default="bench/results/passkey.jsonl",
                  help="jsonl to append to; the .md table is written beside it")
   p.add_argument("--report-only", action="store_true", help="only regenerate the .md from --out")
@@ -176,7 +178,8 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
   depths = [float(x) for x in args.depths.split(",")]
   if args.trials < 1 or args.max_new_tokens < 1:
     raise ValueError("--trials and --max-new-tokens must be >= 1")
-  ckpt = load_checkpoint(args.model, dtype=jnp.float32)
+  scan = {"auto": {}, "on": {"scan_layers": True}, "off": {"scan_layers": False}}[args.scan_layers]
+  ckpt = load_checkpoint(args.model, dtype=jnp.float32, **scan)
   model = Llama.from_weights(ckpt.config, ckpt.weights)
   haystacks = [ev.load_text(spec) for spec in args.haystack.split(",")]
   command = "python bench/bench_passkey.py " + " ".join(
