@@ -60,7 +60,7 @@ from jax import lax  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)  # Pallas-Triton and ops/gpu, jax >= 0.11
 
-HEADS = {"llama3.1-8b": (32, 8, 128), "smollm2": (9, 3, 64), "tiny": (4, 2, 64)}
+HEADS = {"llama3.1-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "smollm2": (9, 3, 64), "tiny": (4, 2, 64)}
 BATCHES = (1, 8, 32)
 # the target lengths first: a stage cut by its time limit loses the rest
 KV_LENS = (32768, 1024, 131072, 8192)
@@ -701,7 +701,9 @@ def main(argv=None):
     elif args.quick:
         shapes = QUICK
     else:
-        shapes = [(h, b, s) for h in ("llama3.1-8b", "smollm2") for s in KV_LENS for b in BATCHES]
+        # the given lists span the grid (any heads preset, batch or length); unset ones take the defaults
+        shapes = [(h, b, s) for h in (args.heads or ("llama3.1-8b", "smollm2")) for s in (args.kv_lens or KV_LENS)
+                  for b in (args.batches or BATCHES)]
     shapes = [Shape(*s) for s in shapes
               if (not args.heads or s[0] in args.heads) and (not args.batches or s[1] in args.batches)
               and (not args.kv_lens or s[2] in args.kv_lens)]

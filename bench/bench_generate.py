@@ -501,7 +501,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
                        region_s=[round(t, 5) for t in times])
             if args.profile_steps:
                 row.update(profile_kernels(lambda: run(args.profile_steps, ctx), args.profile_steps,
-                                           os.path.join(args.out, "trace_tmp")))
+                                           os.path.join(args.out, "trace_tmp"), top=args.profile_top))
         except Exception as e:  # noqa: BLE001
             row.update(error=f"{type(e).__name__}: {str(e)[:1500]}",
                        traceback=traceback.format_exc()[-2000:])
@@ -812,6 +812,7 @@ def parse_args(argv):
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing each decode context, trace this many more steps with jax.profiler "
                          "and add the GPU time per step by kernel name to the row (gpu_kernels)")
+    ap.add_argument("--profile-top", type=int, default=30, help="kernels kept per row by --profile-steps")
     ap.add_argument("--warm-compile", action="store_true",
                     help="compile a small matmul + bf16 Pallas decode kernel first, so that no row pays the "
                          "process' one-time compiler start-up (a fair compile_s between formats; each "

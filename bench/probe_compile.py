@@ -1,6 +1,7 @@
 """Where the decode step's compile time goes: one lowering, compiled under several XLA option sets.
 
-  python3 bench/probe_compile.py --out DIR [--formats hack bf16] [--seal never always] [--layers 32] [--scan]
+  python3 bench/probe_compile.py --out DIR [--formats hack bf16] [--seal never always seal_step] [--layers 32] [--scan]
+      [--batch 8] [--context 32768] [--warm-compile]
       [--options '' 'xla_gpu_autotune_level=0' 'xla_gpu_enable_llvm_module_compilation_parallelism=true']
 
 Per format and seal mode: the Llama-3.1-8B-shaped decode step (random weights, models.stepper.forward_step as
@@ -60,15 +61,20 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--formats", nargs="+", default=["hack", "bf16"])
-    ap.add_argument("--seal", nargs="+", default=["never", "after", "always"], choices=("never", "after", "always"))
+    ap.add_argument("--seal", nargs="+", default=["never", "after", "always"], choices=("never", "after", "always", "seal_step"),
+                    help="the decode step's seal mode(s); seal_step = the separate seal executable of a deferred seal "
+                         "(models.stepper.seal_step, every layer at once)")
     ap.add_argument("--layers", type=int, default=0, help="0 = the model's own count")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--impl", default="pallas", choices=("pallas", "reference"))
     ap.add_argument("--options", nargs="+", default=[""])
     ap.add_argument("--scan", action="store_true", help="the layers as one lax.scan (default: unrolled, the GPU default)")
+    ap.add_argument("--warm-compile", action="store_true", help="bench_generate's warm-up compile first")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.warm_compile:
+        bg.warm_compiler(args.impl, False)
     cfg0 = bg.model_config(args.model, "bf16", args.impl, False, scan_layers=args.scan)
     cfg0 = dataclasses.replace(cfg0, num_layers=args.layers) if args.layers else cfg0
     _, state, _ = bg.random_state(cfg0, init="hash")
@@ -82,10 +88,13 @@ def main(argv=None):
         table = jnp.array(np.asarray(cache.page_indices))
         for seal in (args.seal if fmt == "hack" else ["always"]):
             step = Step("decode", table, jnp.full((b,), args.context + 1, jnp.int32), jnp.ones((b,), bool),
-                        jax.random.key(2), seal)
+                        jax.random.key(2), "after" if seal == "seal_step" else seal)
             t0 = time.perf_counter()
-            lowered = mstep.forward_step.lower(state, tokens, step, cache, None, targets, graphdef=graphdef,
-                                               attention=cfg.attention, head=mstep.SampleHead(mgen.Sampling()))
+            if seal == "seal_step":
+                lowered = mstep.seal_step.lower(cache, step, None, attention=cfg.attention)
+            else:
+                lowered = mstep.forward_step.lower(state, tokens, step, cache, None, targets, graphdef=graphdef,
+                                                   attention=cfg.attention, head=mstep.SampleHead(mgen.Sampling()))
             lower_s = time.perf_counter() - t0
             for spec in args.options:
                 t0 = time.perf_counter()
