@@ -27,32 +27,6 @@ from hack_jax import attention, kv_cache, prefill as hack_prefill
 from hack_jax.kv_cache import mixed, stacked
 from hack_jax.step import Step
 
-# A stacked group whose largest array holds more than this many elements is sealed one layer per trip of
-# a fori_loop instead of vmapped over its layers: at Llama-3.1-8B shapes, batch 8 and 32K tokens per slot
-# (u8 codes [32, 1033, 8, 64, 128], 2.17e9 elements) XLA's GPU compile of the vmapped seal took 11.0 s
-# (352 fusions: one set per layer) vs 0.73 s at 16K (9 fusions) (bench/NOTES_generate.md, session 9).
-SEAL_LOOP_ELEMENTS = 2**31
-
-
-def _seals_by_loop(group) -> bool:
-    return max(a.size for a in jax.tree.leaves(group)) > SEAL_LOOP_ELEMENTS
-
-
-def _seal_layer_loop(group, index, step: Step):
-    """`Backend.finish`'s seal of a stacked group one layer per fori_loop trip (the flat form of
-    kv_cache.stacked: each trip scatters into the whole pools in place); layer j of the group rounds
-    with fold_in(step.key, index[j]), as the vmapped seal does, so the bytes are the same."""
-    num_layers, num_pages = index.shape[0], stacked.pages_per_layer(group)
-
-    def body(j, flat):
-        layer = stacked.layer_of(flat, j)
-        layer = kv_cache.seal_filled(layer, kv_lens=step.kv_lens, active=step.active,
-                                     page_indices=stacked.layer_page_indices(step.page_indices, j, num_pages),
-                                     key=jax.random.fold_in(step.key, index[j]))
-        return stacked.put_layer(flat, layer, j)
-    return stacked.unflatten(jax.lax.fori_loop(0, num_layers, body, stacked.flatten(group)), num_layers)
-
-
 # The HACK decode kernel's operands in a model (docs/DESIGN.md "Decode numerics"): scale-folded f16
 # (Q*sigma and W*tau rounded to f16 against the exact codes) was faster than the paper's INT8
 # requantization at batch 8 x 32K and at 128K tokens on the H200 and ~20x closer to the exact identity
@@ -156,9 +130,6 @@ class Backend:
         sealed = []
         for g, group in enumerate(groups):
             index = jnp.asarray([i for i, (h, _) in enumerate(layer_map) if h == g])  # its layers, in order
-            if _seals_by_loop(group):
-                sealed.append(_seal_layer_loop(group, index, step))
-                continue
             keys = jax.vmap(lambda i: jax.random.fold_in(step.key, i))(index)
             sealed.append(jax.vmap(seal)(group, keys))
         return dataclasses.replace(cache, layers=mixed.with_groups(cache.layers, sealed))

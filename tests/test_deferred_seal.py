@@ -111,29 +111,6 @@ def test_backend_finish_seals_a_stacked_cache_in_one_call():
     assert Backend().finish(stacked_cache, never) is stacked_cache
 
 
-def test_backend_finish_by_layer_loop_stores_the_same_bytes(monkeypatch):
-    """A stacked group past backend.SEAL_LOOP_ELEMENTS (lowered here so that a small cache takes the path)
-    is sealed one layer per fori_loop trip in the flat form: each layer == its own seal_filled with
-    fold_in(step.key, i), under jit too; the pages of layers that no slot fills stay as they were."""
-    from hack_jax import backend as backend_mod
-    config = dataclasses.replace(CONFIGS["p32"], rounding="stochastic")
-    layers = []
-    for i in range(3):
-        cache, k, v = _setup(config, seed=20 + i)
-        layers.append(kv_cache.append(cache.layer, k, v, kv_lens=BEFORE + ACTIVE, active=ACTIVE,
-                                      page_indices=cache.table, key=jax.random.key(i), seal="after"))
-    step = Step.decode(cache.table, BEFORE + ACTIVE, ACTIVE, jax.random.key(6), seal="after")
-    want = [kv_cache.seal_filled(layer, kv_lens=step.kv_lens, active=step.active, page_indices=step.page_indices,
-                                 key=jax.random.fold_in(step.key, i)) for i, layer in enumerate(layers)]
-    stacked_cache = kv_cache.KVCache(jax.tree.map(lambda *a: jnp.stack(a), *layers), jnp.asarray(cache.table),
-                                     jnp.asarray(BEFORE), config)
-    monkeypatch.setattr(backend_mod, "SEAL_LOOP_ELEMENTS", 0)
-    assert backend_mod._seals_by_loop(stacked_cache.layers)
-    for got in (Backend().finish(stacked_cache, step), jax.jit(Backend().finish)(stacked_cache, step)):
-        for i in range(3):
-            _assert_same_bytes(jax.tree.map(lambda a: a[i], got.layers), want[i])
-
-
 def test_backend_finish_seals_per_layer_formats():
     """A stacked cache of per-layer formats [kivi, int8, kivi, bf16] (kv_cache.mixed.LayerGroups; kivi with
     stochastic rounding): a decode step through Backend.decode with seal="after" on every layer, then
