@@ -674,6 +674,8 @@ def main(argv=None):
     ap.add_argument("--heads", nargs="+", choices=sorted(HEADS), help="restrict head configs")
     ap.add_argument("--batches", nargs="+", type=int)
     ap.add_argument("--kv-lens", nargs="+", type=int)
+    ap.add_argument("--shapes", nargs="+", metavar="HEADS:BATCH:KV_LEN",
+                    help="exact shapes, in this order (instead of the heads x batches x lengths grid)")
     ap.add_argument("--bf16-configs", nargs="*", metavar="BK:SPLITS:WARPS:STAGES",
                     help="extra runs of our bf16 kernel with these configs (a sweep; default config always runs)")
     ap.add_argument("--hack-dots", nargs="+", default=["int8", "folded_f16"], choices=HACK_DOTS,
@@ -700,6 +702,9 @@ def main(argv=None):
         shapes, args.reps, args.target_ms, args.wall_calls = SMOKE, 2, 1.0, 3
     elif args.quick:
         shapes = QUICK
+    elif args.shapes:
+        shapes = [(h, int(b), int(n)) for h, b, n in (x.split(":") for x in args.shapes)]
+        args.heads = [h for h, _, _ in shapes]
     else:
         # the given lists span the grid (any heads preset, batch or length); unset ones take the defaults
         shapes = [(h, b, s) for h in (args.heads or ("llama3.1-8b", "smollm2")) for s in (args.kv_lens or KV_LENS)

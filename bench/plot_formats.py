@@ -29,8 +29,7 @@ def read(path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--accuracy", nargs="+", default=[os.path.join(RESULTS, "accuracy_smollm2_gpu.jsonl"),
-                                                      os.path.join(RESULTS, "accuracy_qwen_2k.jsonl")])
+    ap.add_argument("--accuracy", nargs="+", default=[os.path.join(RESULTS, "accuracy_grid.jsonl")])
     ap.add_argument("--decode", default=os.path.join(RESULTS, "decode_attention.jsonl"))
     ap.add_argument("--shape", default="llama3.1-8b:8:32768", help="heads:batch:kv_len of the decode panel")
     ap.add_argument("--out", default=os.path.join(RESULTS, "formats_gap_speed.png"))
