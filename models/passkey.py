@@ -127,19 +127,25 @@ def make_prompts(tokenizer, haystack_ids: Sequence[int], *, length: int, depths:
 
 
 def evaluate(fmt, model, tokenizer, prompts: Sequence[PasskeyPrompt], *, max_new_tokens: int = 8,
-             seed: int = 0) -> dict:
-  """Greedy answers to all prompts in one batch through fmt (a models.eval.EvalFormat).
-  Returns dict(correct: list[bool], answers: list[str], timings)."""
+             seed: int = 0, batch: int | None = None) -> dict:
+  """Greedy answers to the prompts through fmt (a models.eval.EvalFormat), `batch` prompts at a time
+  through one compiled generator (None: all in one batch; fewer bound the prefill's memory).
+  Returns dict(correct: list[bool], answers: list[str], timings). ValueError for batch < 1."""
   from models import eval as ev
+  if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
+    raise ValueError(f"batch must be a positive int or None, got {batch=}")
   n = max_new_tokens
-  gen = ev.eval_generator(fmt, model, tokenizer, max_seqs=len(prompts),
+  size = len(prompts) if batch is None else min(batch, len(prompts))
+  gen = ev.eval_generator(fmt, model, tokenizer, max_seqs=size,
                           max_len=max(len(p.ids) for p in prompts) + n)
   t0 = time.perf_counter()
-  res = gen.generate_ids([p.ids for p in prompts], n, seed=seed, stop_on_eos=True)
-  answers = res.texts
+  answers, compile_s = [], 0.0
+  for i in range(0, len(prompts), size):
+    res = gen.generate_ids([p.ids for p in prompts[i:i + size]], n, seed=seed, stop_on_eos=True)
+    answers += res.texts
+    compile_s += res.stats["compile_s"]
   correct = [answer_of(a) == p.key for a, p in zip(answers, prompts)]
-  return dict(correct=correct, answers=answers, wall_s=time.perf_counter() - t0,
-              compile_s=res.stats["compile_s"])
+  return dict(correct=correct, answers=answers, wall_s=time.perf_counter() - t0, compile_s=compile_s)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -153,6 +159,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                  help="comma list of haystack texts: austen:<book> | pg (the Paul Graham essays of "
                  "the standard needle-in-a-haystack test) | sotuYYYY | path (models/eval.py load_text)")
   p.add_argument("--max-new-tokens", type=int, default=8)
+  p.add_argument("--batch", type=int, default=None,
+                 help="prompts per generation batch (default: all of a length at once; fewer bound the "
+                 "prefill's memory, e.g. a float32 Qwen2.5-Coder-0.5B at 4K asked 42.5 GiB for 6)")
   p.add_argument("--no-chat", action="store_true", help="plain prompt, no chat template")
   p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
   p.add_argument("--seed", type=int, default=0, help="seed of the keys")
@@ -176,8 +185,8 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
   fmts = ev.parse_formats(args.formats)
   lengths = [int(x) for x in args.lengths.split(",")]
   depths = [float(x) for x in args.depths.split(",")]
-  if args.trials < 1 or args.max_new_tokens < 1:
-    raise ValueError("--trials and --max-new-tokens must be >= 1")
+  if args.trials < 1 or args.max_new_tokens < 1 or (args.batch is not None and args.batch < 1):
+    raise ValueError("--trials, --max-new-tokens and --batch must be >= 1")
   scan = {"auto": {}, "on": {"scan_layers": True}, "off": {"scan_layers": False}}[args.scan_layers]
   ckpt = load_checkpoint(args.model, dtype=jnp.float32, **scan)
   model = Llama.from_weights(ckpt.config, ckpt.weights)
@@ -195,7 +204,7 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
     for fmt in fmts:
       name = fmt.name
       r = evaluate(fmt, model, ckpt.tokenizer, prompts,
-                   max_new_tokens=args.max_new_tokens)
+                   max_new_tokens=args.max_new_tokens, batch=args.batch)
       for p, ok, ans in zip(prompts, r["correct"], r["answers"]):
         row = dict(format=name, model=os.path.basename(ckpt.path), haystack=label, length=length,
                    prompt_tokens=len(p.ids), depth=p.depth, needle_token=p.needle_token,

@@ -78,6 +78,11 @@ def test_end_to_end_on_tiny_model_and_report(tok, hay, tmp_path):
   r = pk.evaluate(ev.FORMATS["hack-p32"], model, tok, prompts, max_new_tokens=3)
   assert len(r["correct"]) == 2 and len(r["answers"]) == 2
   assert r["correct"] == [pk.answer_of(a) == p.key for a, p in zip(r["answers"], prompts)]
+  # one prompt at a time through one generator: the same greedy answers, in prompt order
+  one = pk.evaluate(ev.FORMATS["hack-p32"], model, tok, prompts, max_new_tokens=3, batch=1)
+  assert one["answers"] == r["answers"] and one["correct"] == r["correct"]
+  with pytest.raises(ValueError, match="batch"):
+    pk.evaluate(ev.FORMATS["hack-p32"], model, tok, prompts, max_new_tokens=3, batch=0)
   out = tmp_path / "pk.jsonl"
   rows = [dict(format=f, model="m", haystack="h", length=200, depth=0.5, key=k, chat=True,
                correct=c, command="cmd") for f, k, c in
