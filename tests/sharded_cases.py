@@ -112,8 +112,10 @@ def test_float32_cache_unrolled_matches_float64_oracle():
 def test_hack_cache_scanned_matches_one_device_compiles_once_and_stays_sharded():
   """hack cache, stacked layers (lax.scan): sharded log-probs = one-device ones. One layer, so the
   cached K/V are computed with no cross-device sum (bit-identical codes, bf16 open block and sinks)
-  and only o_proj / down_proj's all-reduce reassociates: 1e-5. (With more layers a later layer's
-  K/V input differs by ~1e-7 and can flip an isolated 2-bit or bf16 rounding: ~1e-4.) One compile
+  and only o_proj / down_proj's all-reduce reassociates: 5e-5 (2.4e-5 measured in 1 of 80 log-probs on
+  one CPU, < 1e-5 on another: XLA's CPU kernels, hence the summation order, follow the host). (With
+  more layers a later layer's K/V input differs by ~1e-7 and can flip an isolated 2-bit or bf16
+  rounding: ~1e-4.) One compile
   per step kind (prefill, decode, and the seal after the decode steps that fill a block: deferred
   sealing, per shard), none on a second call; weights, cache
   and the compiled steps' cache outputs sharded on the kv-head axis; the only collectives on
@@ -125,7 +127,7 @@ def test_hack_cache_scanned_matches_one_device_compiles_once_and_stays_sharded()
   gen = Generator(model, _Tok(), quant, max_seqs=2, max_len=100, mesh=sharding.make_mesh(TP))
   first, compiles = _compiles(lambda: gen.generate_ids(PROMPTS, 40, forced=FORCED))
   assert compiles >= 3  # the three steps (and eager helpers): the listener does count compiles
-  np.testing.assert_allclose(np.asarray(first.forced_logprobs), want, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(first.forced_logprobs), want, atol=5e-5)
 
   kinds = collections.Counter(key[0] for key in gen.stepper._executables)  # Step kind / seal
   assert sorted(kinds.values()) == [1, 1, 1], kinds  # prefill, decode seal="after", the seal
