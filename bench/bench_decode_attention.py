@@ -704,7 +704,7 @@ def main(argv=None):
         shapes = QUICK
     elif args.shapes:
         shapes = [(h, int(b), int(n)) for h, b, n in (x.split(":") for x in args.shapes)]
-        args.heads = [h for h, _, _ in shapes]
+        args.heads = [h for h, _, _ in shapes]  # so that the filter below keeps exactly these shapes
     else:
         # the given lists span the grid (any heads preset, batch or length); unset ones take the defaults
         shapes = [(h, b, s) for h in (args.heads or ("llama3.1-8b", "smollm2")) for s in (args.kv_lens or KV_LENS)
