@@ -698,20 +698,23 @@ def main(argv=None):
     _set_limits(2 if args.smoke else MAX_COPIES, args.unroll, args.touch)
 
     interpret = args.smoke
-    if args.smoke:
-        shapes, args.reps, args.target_ms, args.wall_calls = SMOKE, 2, 1.0, 3
-    elif args.quick:
-        shapes = QUICK
+    if args.smoke or args.quick:  # fixed lists, narrowed by any of --heads / --batches / --kv-lens
+        shapes = SMOKE if args.smoke else QUICK
+        if args.smoke:
+            args.reps, args.target_ms, args.wall_calls = 2, 1.0, 3
+        shapes = [s for s in shapes if (not args.heads or s[0] in args.heads)
+                  and (not args.batches or s[1] in args.batches) and (not args.kv_lens or s[2] in args.kv_lens)]
     elif args.shapes:
-        shapes = [(h, int(b), int(n)) for h, b, n in (x.split(":") for x in args.shapes)]
-        args.heads = [h for h, _, _ in shapes]  # so that the filter below keeps exactly these shapes
-    else:
-        # the given lists span the grid (any heads preset, batch or length); unset ones take the defaults
+        try:
+            shapes = [(h, int(b), int(n)) for h, b, n in (x.split(":") for x in args.shapes)]
+        except ValueError:
+            ap.error(f"--shapes takes HEADS:BATCH:KV_LEN items, got {args.shapes}")
+        if bad := sorted({h for h, _, _ in shapes} - set(HEADS)):
+            ap.error(f"--shapes: unknown heads {bad}; known: {sorted(HEADS)}")
+    else:  # the given lists span the grid (any heads preset, batch or length); unset ones take the defaults
         shapes = [(h, b, s) for h in (args.heads or ("llama3.1-8b", "smollm2")) for s in (args.kv_lens or KV_LENS)
                   for b in (args.batches or BATCHES)]
-    shapes = [Shape(*s) for s in shapes
-              if (not args.heads or s[0] in args.heads) and (not args.batches or s[1] in args.batches)
-              and (not args.kv_lens or s[2] in args.kv_lens)]
+    shapes = [Shape(*s) for s in shapes]
     os.makedirs(args.out, exist_ok=True)
 
     device = jax.devices()[0]
