@@ -105,6 +105,7 @@ from hack_jax.prefill import PREFILL_ATTENTION  # noqa: E402
 from hack_jax import kv_cache, paging  # noqa: E402
 from hack_jax.config import QuantConfig  # noqa: E402
 from hack_jax.kv_cache import stacked as stacked_cache  # noqa: E402
+from hack_jax.kv_cache import mixed  # noqa: E402
 from models import generate as mgen  # noqa: E402
 from models import stepper as mstep  # noqa: E402
 from models import llama as mllama  # noqa: E402
@@ -313,14 +314,19 @@ def filled_cache(cfg, quant, batch, capacity, seed=1):
         quant, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
         num_pages=num_pages, max_seqs=batch, pages_per_seq=pps))
     fill = layer_fill_fn(shapes.layers[0])
-    if mllama.stacks_cache(cfg, quant, num_pages=num_pages, max_seqs=batch, pages_per_seq=pps):
-        # one LayerCache with a leading layer axis, as models.llama.init_cache makes it for cfg,
-        # filled layer by layer in place (peak memory: the stacked cache + one layer)
+    stacked, group_layers = mllama.cache_layout(cfg, quant, num_pages=num_pages, max_seqs=batch, pages_per_seq=pps)
+    if stacked:
+        # stacked (one LayerCache with a leading layer axis, or groups of them) as models.llama.init_cache
+        # makes it for cfg, filled layer by layer in place (peak memory: the stacked cache + one layer)
         put = jax.jit(lambda st, layer, i: jax.tree.map(lambda a, b: a.at[i].set(b), st, layer),
                       donate_argnums=0)
-        layers = jax.tree.map(lambda a: jnp.zeros((cfg.num_layers,) + a.shape, a.dtype), shapes.layers[0])
-        for i in range(cfg.num_layers):
-            layers = put(layers, fill(jnp.int32(seed * 1000 + i)), i)
+        empty = jax.eval_shape(lambda: mllama.init_cache(cfg, quant, num_pages=num_pages, max_seqs=batch,
+                                                         pages_per_seq=pps)).layers
+        groups, layer_map = mixed.groups_of(empty)
+        groups = [jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), g) for g in groups]
+        for i, (g, j) in enumerate(layer_map):
+            groups[g] = put(groups[g], fill(jnp.int32(seed * 1000 + i)), j)
+        layers = mixed.with_groups(empty, groups)
     else:
         layers = tuple(fill(jnp.int32(seed * 1000 + i)) for i in range(cfg.num_layers))
     table = jnp.asarray(1 + np.arange(batch * pps, dtype=np.int32).reshape(batch, pps))

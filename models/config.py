@@ -50,7 +50,8 @@ class ModelConfig:
       bench/probe_dispatch.py): 32 hack layers are ~400 arrays as a tuple, ~12 stacked. None
       (default): stacked off the CPU (where the flat pool was measured slower per step). A scanned
       model's cache is always stacked. Where the flat pool would sit in the Pallas lowering's 32-bit
-      offset window (kv_cache.stacked.pallas_addressable), models.llama.init_cache keeps the tuple.
+      offset window (kv_cache.stacked.pallas_addressable), models.llama.init_cache stacks groups of
+      layers instead, each addressable (models.llama.cache_layout).
   """
 
   architecture: Literal["llama", "qwen2"]

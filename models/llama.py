@@ -17,7 +17,9 @@ Two ways to run:
                                         the K/V and attends.
 Per-layer cache formats (hack_jax.layer_formats.LayerFormats as `quant`): the stacked cache is one
 stacked cache per format (hack_jax.kv_cache.mixed.LayerGroups); the unrolled loop hands layer i the
-slot of its format's stack, the scan runs once per run of consecutive layers of one format.
+slot of its format's stack, the scan runs once per run of consecutive layers of one format. A stack
+the kernels could not address whole is held the same way, as groups of consecutive layers
+(`cache_layout`).
 Layers: config.scan_layers=True stacks the layer weights (one Block whose parameters carry a leading
 num_layers axis) and runs the layers as one jax.lax.scan (the cache's layers stacked the same way,
 kv_cache.init_cache(stacked=True), its pages read and written in place: hack_jax.kv_cache.stacked);
@@ -160,30 +162,37 @@ class Block(nnx.Module):
     return cache, x + self.mlp(self.ffn_norm(x))
 
 
-def stacks_cache(config: ModelConfig, quant: QuantConfig, *, num_pages: int, max_seqs: int,
-                 pages_per_seq: int) -> bool:
-  """Whether init_cache gives `config` one stacked LayerCache (else a tuple of layers): always
-  with scan_layers; with unrolled layers when config.stack_cache and the stacked pool is
-  addressable by the Pallas kernels (kv_cache.stacked.pallas_addressable)."""
-  if config.scan_layers:
-    return True
-  if not config.stack_cache:
-    return False
-  shapes = jax.eval_shape(lambda: kv_cache.init_cache(
-      quant, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-      num_pages=num_pages, max_seqs=max_seqs, pages_per_seq=pages_per_seq, stacked=True))
-  return all(map(stacked_cache.pallas_addressable, mixed.groups_of(shapes.layers)[0]))
+def cache_layout(config: ModelConfig, quant: QuantConfig, *, num_pages: int, max_seqs: int,
+                 pages_per_seq: int) -> tuple[bool, int | None]:
+  """(stacked, group_layers): how init_cache lays out `config`'s cache. Stacked always with
+  scan_layers, with unrolled layers when config.stack_cache. A stack whose pool the Pallas kernels
+  could not address whole (kv_cache.stacked.pallas_addressable: a 1-byte pool in (2**31, 2**32]
+  bytes) is cut into groups of at most group_layers consecutive layers that they can
+  (kv_cache.stacked.addressable_depth; kv_cache.mixed.LayerGroups), so the seal stays one vectorized
+  call per group; group_layers None: one stack per format. Where even one layer is beyond that
+  reach: a tuple of layers (unrolled), one stack (scan_layers)."""
+  if not (config.scan_layers or config.stack_cache):
+    return False, None
+  depth = config.num_layers
+  for c in mixed.formats_of(quant):
+    layer = jax.eval_shape(lambda c=c: kv_cache.init_layer(
+        c, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, num_pages=num_pages, max_seqs=max_seqs))
+    n = stacked_cache.addressable_depth(layer, config.num_layers)
+    if n is None:  # a scan reads a stack still (per-layer slices: kv_cache.stacked.use_flat)
+      return config.scan_layers, None
+    depth = min(depth, n)
+  return True, None if depth == config.num_layers else depth
 
 
 def init_cache(config: ModelConfig, quant: QuantConfig, *, num_pages: int, max_seqs: int,
                pages_per_seq: int) -> kv_cache.KVCache:
-  """An empty KVCache in the layout Llama.run reads for `config`: the layers stacked into one
-  LayerCache (leading num_layers axis) where `stacks_cache`, else a tuple of LayerCaches.
-  Raises as kv_cache.init_cache."""
+  """An empty KVCache in the layout Llama.run reads for `config` (`cache_layout`): the layers
+  stacked (one LayerCache with a leading num_layers axis, or groups of them) or a tuple of
+  LayerCaches. Raises as kv_cache.init_cache."""
   sizes = dict(num_pages=num_pages, max_seqs=max_seqs, pages_per_seq=pages_per_seq)
+  stacked, group_layers = cache_layout(config, quant, **sizes)
   return kv_cache.init_cache(quant, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                             head_dim=config.head_dim, **sizes,
-                             stacked=stacks_cache(config, quant, **sizes))
+                             head_dim=config.head_dim, **sizes, stacked=stacked, group_layers=group_layers)
 
 
 # Per layer: GGUF weight name (models/gguf_loader.py) -> path of the parameter in a Block.

@@ -88,7 +88,7 @@ def test_seal_after_stores_the_bytes_of_seal_always(name, rounding):
 
 def test_backend_finish_seals_a_stacked_cache_in_one_call():
     """Backend.finish on a stacked 3-layer cache (vmap over the layers) == each layer's seal_filled with
-    its own key fold_in(step.key, i); the tuple form the same."""
+    its own key fold_in(step.key, i); the tuple form and one format in two groups of layers the same."""
     config = dataclasses.replace(CONFIGS["w64"], rounding="stochastic")
     layers = []
     for i in range(3):
@@ -105,6 +105,13 @@ def test_backend_finish_seals_a_stacked_cache_in_one_call():
         _assert_same_bytes(jax.tree.map(lambda a: a[i], got.layers), want[i])
     tuple_cache = dataclasses.replace(stacked_cache, layers=tuple(layers))
     for got_i, want_i in zip(Backend().finish(tuple_cache, step).layers, want):
+        _assert_same_bytes(got_i, want_i)
+    # one format in groups of consecutive layers (init_cache(group_layers=2)): one seal per group, the
+    # same keys by model layer
+    stack = lambda ls: jax.tree.map(lambda *a: jnp.stack(a), *ls)
+    grouped = dataclasses.replace(stacked_cache, layers=kv_cache.LayerGroups(
+        groups=(stack(layers[:2]), stack(layers[2:])), layer_map=((0, 0), (0, 1), (1, 0))))
+    for got_i, want_i in zip(mixed.layer_list(Backend().finish(grouped, step).layers), want):
         _assert_same_bytes(got_i, want_i)
     # any other step: the cache as it is
     never = dataclasses.replace(step, seal="never")

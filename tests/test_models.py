@@ -356,9 +356,8 @@ def _run_fn(model):
 
 
 def _layer_arrays(cache):
-  """{(layer, field): np array} of a KVCache in either layer form."""
-  layers = (cache.layers if not cache.stacked else
-            [jax.tree.map(lambda a, i=i: a[i], cache.layers) for i in range(cache.num_layers)])
+  """{(layer, field): np array} of a KVCache in any layer form (tuple, stacked, LayerGroups)."""
+  layers = kv_cache.mixed.layer_list(cache.layers)
   return {(i, f.name): np.asarray(getattr(layer, f.name)) for i, layer in enumerate(layers)
           for f in dataclasses.fields(layer) if f.name != "config"}
 
@@ -387,7 +386,9 @@ def test_scanned_layers_write_the_unrolled_cache_bytes(kv_format):
   scan must drop them too, not write them into another layer's pages. Reference impl, float32
   model; the scan is held to the flat form (kv_cache.stacked.use_flat = True: on the CPU it would
   keep slices). The unrolled model over a stacked cache (ModelConfig.stack_cache, the GPU default)
-  is checked the same way."""
+  is checked the same way, its cache cut into one-layer groups (kv_cache.init_cache(group_layers=1),
+  kv_cache.mixed.LayerGroups: the layout models.llama.cache_layout picks for a pool the kernels cannot
+  address whole)."""
   _scan_vs_unrolled(kv_format, "reference")
 
 
@@ -490,18 +491,20 @@ def _scan_vs_unrolled(kv_format, impl):
   lens1 = np.array([11 * x + 2, 40 * x], np.int32)
   key = jax.random.key(0)
   out = {}
-  # forms: scanned (stacked cache), unrolled over a stacked cache (in place, ModelConfig.stack_cache),
-  # unrolled over a tuple of layers (False: the one the others are compared with)
+  # forms: scanned (stacked cache), unrolled over a stacked cache in one-layer groups (in place,
+  # ModelConfig.stack_cache), unrolled over a tuple of layers (False: the one the others are compared with)
   forms = {True: dict(scan_layers=True), "stacked": dict(scan_layers=False, stack_cache=True),
            False: dict(scan_layers=False, stack_cache=False)}
   with mock.patch.object(stacked, "use_flat", lambda layers: True):
     for scan, form in forms.items():
       model = Llama.from_weights(ModelConfig(**base, **form), weights)
       run = _run_fn(model)
-      cache = dataclasses.replace(
-          init_cache(model.config, quant, num_pages=num_pages, max_seqs=2, pages_per_seq=pps),
-          page_indices=jnp.asarray(table))
+      sizes = dict(num_pages=num_pages, max_seqs=2, pages_per_seq=pps)
+      cache = (kv_cache.init_cache(quant, num_layers=2, num_kv_heads=2, head_dim=16 * x, **sizes, stacked=True,
+                                   group_layers=1) if scan == "stacked" else init_cache(model.config, quant, **sizes))
+      cache = dataclasses.replace(cache, page_indices=jnp.asarray(table))
       assert cache.stacked == (scan is not False)
+      assert isinstance(cache.layers, kv_cache.LayerGroups) == (scan == "stacked")
       logits = []
       t = 40 * x  # chunk bucket; two chunks (the first from 0) share one compile
       for i, (start, lens) in enumerate([(0 * lens0, lens0), (lens0, lens1)]):

@@ -116,7 +116,9 @@ class KVCache:
         whose every array has a leading num_layers axis, for a model that scans over its layers.
         A stacked LayerCache is a container only: hand write_prefill / append / the attention
         layer i's slice (jax.tree.map(lambda a: a[i], ...)), or its in-place view over all layers'
-        pages with the page table mapped into layer i (hack_jax.kv_cache.stacked).
+        pages with the page table mapped into layer i (hack_jax.kv_cache.stacked). Or
+        kv_cache.mixed.LayerGroups: stacks of consecutive layers (per-layer formats, or
+        init_cache(group_layers=n)); kv_cache.mixed.layer_list gives any form as one LayerCache per layer.
       page_indices: i32[max_seqs, pages_per_seq], from paging.PageAllocator (0 = null page).
       kv_lens: i32[max_seqs], tokens held per sequence (sinks + sealed + open).
       config: QuantConfig (static); or a hack_jax.layer_formats.LayerFormats, the layers' formats
@@ -209,42 +211,47 @@ def init_layer(config: QuantConfig, *, num_kv_heads: int, head_dim: int, num_pag
 
 
 def init_cache(config: QuantConfig | LayerFormats, *, num_layers: int, num_kv_heads: int, head_dim: int,
-               num_pages: int, max_seqs: int, pages_per_seq: int, stacked: bool = False) -> KVCache:
+               num_pages: int, max_seqs: int, pages_per_seq: int, stacked: bool = False,
+               group_layers: int | None = None) -> KVCache:
     """An empty KVCache: num_layers zero LayerCaches (a tuple; stacked=True: one LayerCache with a
     leading num_layers axis), page_indices all null (0), kv_lens 0. A LayerFormats config whose
     layers resolve to more than one format gives kv_cache.mixed's cache (a tuple of per-layer
-    LayerCaches; stacked: LayerGroups); to one format, that format's cache.
+    LayerCaches; stacked: LayerGroups); to one format, that format's cache. group_layers (stacked
+    only): at most this many consecutive layers of a format per stacked array, the layers then held
+    as kv_cache.mixed.LayerGroups (e.g. to keep each stack addressable by the kernels:
+    models.llama.cache_layout).
 
     num_pages counts the reserved null page. Raises ValueError as init_layer, and for
-    num_layers < 1 or pages_per_seq < 1.
+    num_layers < 1, pages_per_seq < 1 or group_layers < 1.
     """
     paging.require_int("num_layers", num_layers)
     paging.require_int("pages_per_seq", pages_per_seq)
     if num_layers < 1 or pages_per_seq < 1:
         raise ValueError(f"sizes must be positive: {num_layers=} {pages_per_seq=}")
+    if group_layers is not None:
+        paging.require_int("group_layers", group_layers)
+        if group_layers < 1:
+            raise ValueError(f"group_layers must be positive (or None): {group_layers=}")
     if isinstance(config, LayerFormats):
         configs = config.configs(num_layers)
-        if len(set(configs)) == 1:
-            config = configs[0]
-        else:
-            sizes = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages, max_seqs=max_seqs)
-            for c in set(configs):
-                _check_size(c, configs.count(c), **sizes)
-            if stacked:
-                distinct, layer_map = mixed.group_map(configs)
-                layers = LayerGroups(groups=tuple(
-                    jax.tree.map(lambda a, n=configs.count(c): jnp.zeros((n,) + a.shape, a.dtype),
-                                 init_layer(c, **sizes)) for c in distinct), layer_map=layer_map)
-            else:
-                layers = tuple(init_layer(c, **sizes) for c in configs)
-            return KVCache(layers=layers, page_indices=jnp.zeros((max_seqs, pages_per_seq), jnp.int32),
-                           kv_lens=jnp.zeros((max_seqs,), jnp.int32), config=config)
-    _check_size(config, num_layers, num_kv_heads, head_dim, num_pages, max_seqs)
-    layer = init_layer(config, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                       num_pages=num_pages, max_seqs=max_seqs)
-    if stacked:
-        layers = jax.tree.map(lambda a: jnp.zeros((num_layers,) + a.shape, a.dtype), layer)
+        config = configs[0] if len(set(configs)) == 1 else config
+        counts = [(c, configs.count(c)) for c in dict.fromkeys(configs)]
     else:
+        configs, counts = (config,) * num_layers, [(config, num_layers)]
+    sizes = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, num_pages=num_pages, max_seqs=max_seqs)
+    for c, n in counts:
+        _check_size(c, n, **sizes)
+    if stacked and (isinstance(config, LayerFormats) or (group_layers or num_layers) < num_layers):
+        group_configs, layer_map = mixed.group_map(configs, group_layers)
+        layers = LayerGroups(groups=tuple(
+            jax.tree.map(lambda a, n=[g for g, _ in layer_map].count(g): jnp.zeros((n,) + a.shape, a.dtype),
+                         init_layer(c, **sizes)) for g, c in enumerate(group_configs)), layer_map=layer_map)
+    elif stacked:
+        layers = jax.tree.map(lambda a: jnp.zeros((num_layers,) + a.shape, a.dtype), init_layer(config, **sizes))
+    elif isinstance(config, LayerFormats):
+        layers = tuple(init_layer(c, **sizes) for c in configs)
+    else:
+        layer = init_layer(config, **sizes)
         layers = (layer,) + tuple(jax.tree.map(jnp.copy, layer) for _ in range(num_layers - 1))
     return KVCache(layers=layers, page_indices=jnp.zeros((max_seqs, pages_per_seq), jnp.int32),
                    kv_lens=jnp.zeros((max_seqs,), jnp.int32), config=config)

@@ -10,6 +10,10 @@ Two forms, as for one format (KVCache.layers):
   writers see exactly the arrays of a one-format stacked cache, so a layer's bytes are those it would
   have in a cache of its format alone (tests/test_layer_formats.py).
 
+init_cache(group_layers=n) cuts each format's layers into groups of at most n consecutive ones, one
+format then owning several groups; for one format too, when its stack would be a pool the kernels
+cannot address whole (models.llama.cache_layout).
+
 A one-format stacked cache is the LayerGroups of one group with layer_map ((0, 0), (0, 1), ...):
 `groups_of` / `with_groups` let one code path (models/llama.py, models/stepper.py) serve both.
 All page arrays of all groups share one page table and num_pages (the page_size is common).
@@ -31,7 +35,8 @@ from hack_jax.layer_formats import LayerFormats
 
 @pytree_dataclass
 class LayerGroups:
-    """groups: one stacked LayerCache per distinct format (arrays [L_g, ...]); layer_map (static):
+    """groups: stacked LayerCaches (arrays [L_g, ...]), one per distinct format or per run of at most
+    group_layers layers of one (module docstring); layer_map (static):
     ((g, j), ...) per model layer, layer i is index j of groups[g]."""
     groups: tuple
     layer_map: tuple = dataclasses.field(metadata=STATIC)
@@ -41,16 +46,22 @@ class LayerGroups:
         return len(self.layer_map)
 
 
-def group_map(configs) -> tuple[tuple, tuple[tuple[int, int], ...]]:
-    """Per-layer configs -> (distinct configs in first-appearance order, layer_map)."""
-    distinct = tuple(dict.fromkeys(configs))
-    seen = [0] * len(distinct)
-    layer_map = []
+def group_map(configs, max_layers: int | None = None) -> tuple[tuple, tuple[tuple[int, int], ...]]:
+    """Per-layer configs -> (each group's config, layer_map). One group per distinct config, in
+    first-appearance order; with max_layers, each config's layers cut into consecutive groups of at
+    most max_layers (a config may then own several groups)."""
+    keys, seen = [], {}
     for c in configs:
-        g = distinct.index(c)
-        layer_map.append((g, seen[g]))
-        seen[g] += 1
-    return distinct, tuple(layer_map)
+        rank = seen[c] = seen.get(c, -1) + 1
+        keys.append((c, 0 if max_layers is None else rank // max_layers))
+    distinct = tuple(dict.fromkeys(keys))
+    count = [0] * len(distinct)
+    layer_map = []
+    for key in keys:
+        g = distinct.index(key)
+        layer_map.append((g, count[g]))
+        count[g] += 1
+    return tuple(c for c, _ in distinct), tuple(layer_map)
 
 
 def groups_of(layers) -> tuple[list, tuple[tuple[int, int], ...]]:

@@ -38,7 +38,8 @@ models/llama.py does):
 - Pallas Triton lowering (jax 0.10 / 0.11): a kernel operand of at most 2**32 bytes is indexed with
   32-bit offsets, so a 1-byte array (u8 codes) of more than 2**31 and at most 2**32 bytes would be
   addressed past 2**31 with a 32-bit offset (a signed one in Triton's pointer arithmetic):
-  `pallas_addressable`.
+  `pallas_addressable`. models.llama.cache_layout cuts such a stack into groups of layers that are
+  addressable (`addressable_depth`, kv_cache.mixed.LayerGroups), each group using the flat form.
 - The CPU backend: there the slices are cheap (no kernel needs its own buffer) and the flat form was
   measured slower per step (bench/NOTES_generate.md, "Layer scan in place": hack 1.7x, bf16 2.5x,
   whose scatter XLA's CPU backend runs through an f32 copy of the WHOLE operand, every layer's
@@ -111,11 +112,28 @@ def layer_page_indices(page_indices, i, num_pages: int):
     return jnp.where(ok, ids + jnp.asarray(i, jnp.int32) * num_pages, paging.NULL_PAGE)
 
 
+def _addressable(stacked, depth: int = 1) -> bool:
+    return not any(is_paged(n) and jnp.dtype(a.dtype).itemsize == 1 and 2**31 < depth * a.size <= 2**32
+                   for n, a in ((n, getattr(stacked, n)) for n in _fields(stacked)))
+
+
 def pallas_addressable(stacked) -> bool:
     """False when some 1-byte paged array of `stacked` (a stacked LayerCache of arrays or
     ShapeDtypeStructs) holds more than 2**31 and at most 2**32 bytes (module docstring)."""
-    return not any(is_paged(n) and jnp.dtype(a.dtype).itemsize == 1 and 2**31 < a.size <= 2**32
-                   for n, a in ((n, getattr(stacked, n)) for n in _fields(stacked)))
+    return _addressable(stacked)
+
+
+def addressable_depth(layer, num_layers: int) -> int | None:
+    """The most layers n <= num_layers, among ceil(num_layers / g) for g = 1, 2, ..., that one
+    layer's LayerCache `layer` (arrays or ShapeDtypeStructs) can be stacked n deep and stay
+    `pallas_addressable`: num_layers when the whole stack is; None when not even one layer is.
+    Groups of n consecutive layers (kv_cache.init_cache's group_layers) are then the fewest
+    addressable ones of that form (a last, shorter group is too: the whole stack was <= 2**32 bytes)."""
+    for g in range(1, num_layers + 1):
+        n = -(-num_layers // g)
+        if _addressable(layer, n):
+            return n
+    return None
 
 
 def use_flat(stacked) -> bool:
