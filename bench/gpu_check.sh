@@ -34,6 +34,11 @@
 #                                                  -> OUT_DIR/hack4/ (HACK4_TIMEOUT=300)
 #   GENERATE=1 GENERATE_ARGS="..."                 bench/bench_generate.py (end to end, random weights) ->
 #                                                  OUT_DIR/generate/ (GENERATE_TIMEOUT=200)
+#   COMPILE=1 COMPILE_ARGS="--models llama-3.1-8b --batches 8 --contexts 32768" COMPILE_FORMATS="hack bf16"
+#   COMPILE_REPS=3                                 decode compile as a user waits for it: bench_generate.py
+#                                                  --warm-compile --prefill-contexts --steps 8 --reps 1, each format
+#                                                  in a fresh process, the formats interleaved, COMPILE_REPS rounds ->
+#                                                  OUT_DIR/compile/<format>_<round>/ (COMPILE_TIMEOUT=120 per process)
 #   SCAN=1 SCAN_ARGS="..."                         layer scan vs unrolled, end to end: first the gpu tests of the
 #                                                  in-place scan (tests/test_models.py -k scanned, tests/test_kv_cache.py
 #                                                  -k stacked), bench/scan_layers_hlo.py's page-copy counts of the GPU-compiled
@@ -214,6 +219,19 @@ if [[ -n "${GENERATE:-}" ]]; then
   timeout -k 5 "${GENERATE_TIMEOUT:-200}" python3 bench/bench_generate.py --out "$OUT/generate" ${GENERATE_ARGS:-} 2>&1 \
     | tee "$OUT/generate.log"
   echo "generate bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/generate.log"
+fi
+
+if [[ -n "${COMPILE:-}" ]]; then
+  mkdir -p "$OUT/compile"
+  for round in $(seq 1 "${COMPILE_REPS:-3}"); do
+    for fmt in ${COMPILE_FORMATS:-hack bf16}; do
+      # shellcheck disable=SC2086
+      timeout -k 5 "${COMPILE_TIMEOUT:-120}" python3 bench/bench_generate.py --out "$OUT/compile/${fmt}_$round" \
+        ${COMPILE_ARGS:---models llama-3.1-8b --batches 8 --contexts 32768} --formats "$fmt" --prefill-contexts \
+        --steps 8 --reps 1 --warm-compile --no-plot >"$OUT/compile/${fmt}_$round.log" 2>&1
+      echo "compile $fmt round $round exit: $?" | tee -a "$OUT/compile/exits.log"
+    done
+  done
 fi
 
 if [[ -n "${SCAN:-}" ]]; then
