@@ -485,7 +485,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
 
     for ctx in sorted(contexts):
         row = dict(base, kind="decode", context=ctx, capacity=capacity, pages_per_seq=pps,
-                   scan_in_place=stacked_cache.use_flat(cache.layers) if cache.stacked else None,
+                   scan_in_place=all(map(stacked_cache.use_flat, mixed.groups_of(cache.layers)[0])) if cache.stacked else None,
                    stacked_cache=cache.stacked,
                    compile_s=round(compile_s, 3), compile_each=compile_each, fill_s=round(fill_s, 3),
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
