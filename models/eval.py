@@ -230,8 +230,9 @@ FORMATS = {f.name: f for f in [
     EvalFormat("hack-k32v64-vhad-w128-clip", _hack(32, v_group=64, v_rotation=64, window=128, clip=5),
                note="K32/V64 + Hadamard(64) on V + 16-bit window 128 + clip=5 (real cache)"),
     EvalFormat("hack-k32v32-vhad-w128-clip", _hack(32, v_group=32, v_rotation=64, window=128, clip=5),
-               note="K32/V32 (KIVI-2's groups) + Hadamard(64) on V + window 128 + clip=5 (real cache; 3.19 bits "
-                    "with the code sums, 3.0 without them, which the folded decode path does not read)"),
+               note="K32/V32 (KIVI-2's groups) + Hadamard(64) on V + window 128 + clip=5 (real cache; 3.25 bits "
+                    "at head_dim 64 with the code sums, 3.0 without them, which the folded decode path does not "
+                    "read)"),
     EvalFormat("hack-k32v64-vhad-w128-clip8", _hack(32, v_group=64, v_rotation=64, window=128, clip=8),
                note="as hack-k32v64-vhad-w128-clip with the finer clip search clip=8 (real cache)"),
     EvalFormat("hack-k32v64-vhad-w128-clip-s16", _hack(32, v_group=64, v_rotation=64, window=128, clip=5,

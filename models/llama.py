@@ -42,6 +42,7 @@ from flax import nnx
 
 from hack_jax import kv_cache
 from hack_jax.config import QuantConfig
+from hack_jax.layer_formats import LayerFormats
 from hack_jax.kv_cache import mixed, stacked as stacked_cache
 from hack_jax.step import Step
 from models.config import ModelConfig
@@ -173,15 +174,19 @@ def cache_layout(config: ModelConfig, quant: QuantConfig, *, num_pages: int, max
   reach: a tuple of layers (unrolled), one stack (scan_layers)."""
   if not (config.scan_layers or config.stack_cache):
     return False, None
-  depth = config.num_layers
-  for c in mixed.formats_of(quant):
+  configs = (quant.configs(config.num_layers) if isinstance(quant, LayerFormats)
+             else (quant,) * config.num_layers)
+  depth = None
+  for c in dict.fromkeys(configs):  # each format's stack: its own layers
+    count = configs.count(c)
     layer = jax.eval_shape(lambda c=c: kv_cache.init_layer(
         c, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, num_pages=num_pages, max_seqs=max_seqs))
-    n = stacked_cache.addressable_depth(layer, config.num_layers)
+    n = stacked_cache.addressable_depth(layer, count)
     if n is None:  # a scan reads a stack still (per-layer slices: kv_cache.stacked.use_flat)
       return config.scan_layers, None
-    depth = min(depth, n)
-  return True, None if depth == config.num_layers else depth
+    if n < count:
+      depth = n if depth is None else min(depth, n)
+  return True, depth
 
 
 def init_cache(config: ModelConfig, quant: QuantConfig, *, num_pages: int, max_seqs: int,

@@ -101,5 +101,13 @@ def test_cache_layout_cases_are_hit():
     seen = {llama.cache_layout(config, QuantConfig(), **_llama_sizes(b, c, QuantConfig()))[1]
             for b, c in [(8, 16384 + 64), (8, 32768 + 64)]}
     assert seen == {None, 16}
+    # per-layer formats: each format's stack counts its own layers. int8 on 4 layers (1 byte per element:
+    # 4 * 1033 pages * 8 heads * 256 * 128 = 1.08e9 bytes) and 2-bit hack on 28 (28 / 32 of 2.17e9 = 1.9e9):
+    # both addressable whole, though hack's pool over all 32 layers would not be
+    sizes = _llama_sizes(8, 32768 + 64, QuantConfig())
+    pool = sizes["num_pages"] * 8 * 256 * 128 // 4
+    assert 28 * pool <= 2**31 < 32 * pool and 4 * 4 * pool <= 2**31
+    lf = parse_layer_formats("0,1,-2,-1:int8", QuantConfig())
+    assert llama.cache_layout(config, lf, **sizes) == (True, None)
     scanned = preset("llama-3.1-8b", scan_layers=True)  # a scan runs once per group
     assert llama.cache_layout(scanned, QuantConfig(), **_llama_sizes(8, 32768 + 64, QuantConfig())) == (True, 16)
