@@ -68,16 +68,20 @@ TOP = 6  # code bits at 6..7 of the f16 mantissa: value 1024 + 64 * code
 H200_SMS = 132
 
 
+_INTERPRET = [False]  # GPU interpret mode (CPU check): SMEM without tiling/swizzle transforms
+
+
+def _tx(tiling, swizzle):
+    return () if _INTERPRET[0] else (plgpu.TilingTransform(tiling), plgpu.SwizzleTransform(swizzle))
+
+
 def _smem_u8_tile(rows, cols):
-    sw = cols  # bytes per row == swizzle
-    return plgpu.SMEM((STAGES, rows, cols), jnp.uint8,
-                      transforms=(plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(sw)))
+    return plgpu.SMEM((STAGES, rows, cols), jnp.uint8, transforms=_tx((8, cols), cols))  # swizzle = row bytes
 
 
 def _smem_b16(rows, cols):
     """K-major B operand buffer(s) [.., N=rows, K=cols] f16, tiling (8, 64), swizzle 128."""
-    return plgpu.SMEM((rows, cols), jnp.float16,
-                      transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    return plgpu.SMEM((rows, cols), jnp.float16, transforms=_tx((8, 64), 128))
 
 
 def _plane(codes16, j):
@@ -216,7 +220,8 @@ def _kernel(nblocks_ref, pt_ref, qf_ref, qh_ref, ql_ref, kc_ref, ks_ref, km_ref,
     plgpu.wait_smem_to_gmem(0)
 
 
-def probe_call(q, k_codes, k_scale, k_min, v_codes, vs_gm, vm_gm, page_indices, nblocks, *, num_splits):
+def probe_call(q, k_codes, k_scale, k_min, v_codes, vs_gm, vm_gm, page_indices, nblocks, *, num_splits,
+               interpret=False):
     """q f32[B, Hq, D]; the cache arrays of one layer (vs_gm / vm_gm: v_scale / v_min as
     [N, H, NP, page_size]); nblocks i32[B] sealed blocks per sequence -> (out f32[B, Hq, D] normalized,
     lse state (m, l) f32[B, Hq] in log2 units)."""
@@ -230,6 +235,7 @@ def probe_call(q, k_codes, k_scale, k_min, v_codes, vs_gm, vm_gm, page_indices, 
     qh = q64.astype(jnp.float16)
     ql = (q64 - qh.astype(jnp.float32)).astype(jnp.float16)
     S = num_splits
+    _INTERPRET[0] = bool(interpret)
     kern = functools.partial(_kernel, num_splits=S, num_pages_pool=N)
     f32 = jnp.float32
     out_t = (jax.ShapeDtypeStruct((B, H, S, D, GPAD), f32), jax.ShapeDtypeStruct((B, H, S, 4, 64, GPAD), f32))
@@ -240,7 +246,7 @@ def probe_call(q, k_codes, k_scale, k_min, v_codes, vs_gm, vm_gm, page_indices, 
         plgpu.SMEM((STAGES, PLANES, D), jnp.float16),  # km_s
         plgpu.SMEM((STAGES, NP, PAGE), jnp.float16),  # vs_s
         plgpu.SMEM((STAGES, NP, PAGE), jnp.float16),  # vm_s
-        plgpu.SMEM((GPAD, D), f32, transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
+        plgpu.SMEM((GPAD, D), f32, transforms=_tx((8, 32), 128)),
         _smem_b16(GPAD, D),  # qh_s
         _smem_b16(GPAD, D),  # ql_s
         _smem_b16(PLANES * GPAD, D),  # bq_s: B of QK per plane, [32, 128]
@@ -253,9 +259,16 @@ def probe_call(q, k_codes, k_scale, k_min, v_codes, vs_gm, vm_gm, page_indices, 
     o, st = plgpu.kernel(
         kern, out_type=out_t, grid=(B, H, S), grid_names=("b", "h", "s"), scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=2048),
+        **(dict(interpret=_interpret_params()) if interpret else {}),
     )(nblocks.astype(jnp.int32), page_indices.astype(jnp.int32), qs, qh, ql, k_codes, k_scale, k_min, v_codes,
       vs_gm, vm_gm)
     return combine(o, st, G)
+
+
+def _interpret_params():
+    """GPU interpret mode (CPU correctness check of the kernel's logic; jax >= 0.10)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
 
 
 def combine(o, st, G):
@@ -306,9 +319,200 @@ def main_lower():
     return ok
 
 
+
+# ------------------------------------------------------------------------------------------ reference
+
+def numpy_reference(q, layer, table, nblocks):
+    """float64 dequantize-then-attend over the sealed blocks: (out [B, Hq, D], lse2 [B, Hq] (log2 units))."""
+    kc, ks, km = (np.asarray(getattr(layer, f)) for f in ("k_codes", "k_scale", "k_min"))
+    vc, vs, vm = (np.asarray(getattr(layer, f)) for f in ("v_codes", "v_scale", "v_min"))
+    q, table, nblocks = np.asarray(q, np.float64), np.asarray(table), np.asarray(nblocks)
+    B, Hq, d = q.shape
+    H = kc.shape[1]
+    G = Hq // H
+    out = np.zeros((B, Hq, d))
+    lse = np.full((B, Hq), -np.inf)
+    for b in range(B):
+        nb = int(nblocks[b])
+        if nb == 0:
+            continue
+        blk = np.arange(nb)
+        pid = table[b, blk // PLANES]
+        j = (blk % PLANES)[:, None, None]
+        for h in range(H):
+            kcode = (kc[pid, h].astype(np.int64) >> (2 * j)) & 3  # [nb, 64 tok, D]
+            K = kcode * ks[pid, h, blk % PLANES][:, None, :].astype(np.float64) \
+                + km[pid, h, blk % PLANES][:, None, :].astype(np.float64)
+            vcode = (vc[pid, h].astype(np.int64) >> (2 * j)) & 3  # [nb, D, 64 tok]
+            tok = (blk % PLANES)[:, None] * P + np.arange(P)[None, :]  # [nb, 64] row within the page
+            tau = vs[pid[:, None], h, tok].astype(np.float64)  # [nb, 64, NP]
+            nu = vm[pid[:, None], h, tok].astype(np.float64)
+            grp = np.arange(d) // (d // NP)
+            V = np.swapaxes(vcode, 1, 2) * tau[:, :, grp] + nu[:, :, grp]  # [nb, 64, D]
+            K, V = K.reshape(-1, d), V.reshape(-1, d)
+            qs = q[b, h * G:(h + 1) * G] / math.sqrt(d)  # [G, D]
+            lg = qs @ K.T
+            mx = lg.max(axis=1, keepdims=True)
+            w = np.exp(lg - mx)
+            l = w.sum(axis=1, keepdims=True)
+            out[b, h * G:(h + 1) * G] = (w @ V) / l
+            lse[b, h * G:(h + 1) * G] = (mx[:, 0] + np.log(l[:, 0])) * LOG2E
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------------ GPU driver
+
+def _short(tb, n=2500):
+    return tb if len(tb) <= n else tb[:600] + "\n ... \n" + tb[-(n - 600):]
+
+
+def default_splits(batch, kv_heads, pages, ctas_per_sm=2):
+    from pallas_kernels import decode_attention as da
+    return da.choose_num_splits(batch * kv_heads, max(pages, 1), ctas_per_sm * H200_SMS)[0]
+
+
+def run_gpu(args):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_decode_attention as bda
+    from hack_jax import kv_cache
+    os.makedirs(args.out, exist_ok=True)
+    log = open(os.path.join(args.out, "mgpu_probe.log"), "w")
+    results = []
+
+    def record(row):
+        results.append(row)
+        with open(os.path.join(args.out, "mgpu_probe.json"), "w") as f:
+            json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=results), f, indent=1)
+
+    def fail(row, stage):
+        tb = traceback.format_exc()
+        row[f"{stage}_error"] = tb
+        log.write(f"==== {row['shape']} {stage}\n{tb}\n")
+        log.flush()
+        print(f"[{row['shape']}] {stage} FAILED:\n{_short(tb, args.err_chars)}", flush=True)
+
+    print(f"device {jax.devices()[0]}, jax {jax.__version__}", flush=True)
+    for batch, tokens in args.shapes:
+        shape = bda.Shape("llama3.1-8b", batch, tokens)
+        row = dict(shape=f"{batch}x{tokens}")
+        key = jax.random.PRNGKey(batch * 7 + tokens)
+        try:
+            layer, table, pps, hack_bytes, n, config = bda._layer_prep(shape, key, "hack")
+            layer = bda._one_copy_slots(layer, shape)
+            ns = kv_cache.sink_tokens(config)
+            nb = (tokens - ns) // P
+            nblocks = jnp.full((batch,), nb, jnp.int32)
+            pages = -(-nb // PLANES)
+            per_tok = (D // 4) * 2 + 2 * 2 * D / P + 2 * 2 * NP  # codes + k_scale/k_min + v_scale/v_min
+            probe_bytes = int(batch * shape.num_kv_heads * nb * P * per_tok + batch * pps * 4)
+            vs_gm = jnp.swapaxes(layer.v_scale, 2, 3)  # setup, not timed (LAYOUT NOTE)
+            vm_gm = jnp.swapaxes(layer.v_min, 2, 3)
+            splits = args.splits or default_splits(batch, shape.num_kv_heads, pages)
+            row.update(sealed_blocks=nb, pages=pages, splits=splits, probe_bytes=probe_bytes,
+                       hack_bytes=hack_bytes, copies=n)
+            q = jax.random.normal(jax.random.fold_in(key, 3), (batch, shape.num_q_heads, D), jnp.float32)
+            per_copy = batch * pps
+        except Exception:
+            fail(row, "setup")
+            record(row)
+            continue
+
+        def probe_fn(S):
+            return jax.jit(functools.partial(probe_call, num_splits=S))
+
+        if args.check:
+            try:
+                t0 = time.time()
+                out, m, l = probe_fn(splits)(q, layer.k_codes, layer.k_scale, layer.k_min, layer.v_codes, vs_gm,
+                                             vm_gm, table, nblocks)
+                out = np.asarray(out)
+                row["first_call_s"] = round(time.time() - t0, 2)
+                ref, lse = numpy_reference(q, layer, table, nblocks)
+                err = np.abs(out - ref)
+                lse_probe = np.asarray(m) + np.log2(np.asarray(l))
+                row.update(max_abs_err=float(err.max()), mean_abs_err=float(err.mean()),
+                           max_abs_ref=float(np.abs(ref).max()), finite=bool(np.isfinite(out).all()),
+                           lse_max_abs_err=float(np.abs(lse_probe - lse).max()))
+                print(f"[{row['shape']}] check: max|err| {row['max_abs_err']:.3g} (mean {row['mean_abs_err']:.3g}, "
+                      f"max|ref| {row['max_abs_ref']:.3g}, lse err {row['lse_max_abs_err']:.3g}) "
+                      f"first call {row['first_call_s']} s", flush=True)
+            except Exception:
+                fail(row, "check")
+        record(row)
+        if not args.bench:
+            continue
+        arrays = dict(layer=layer, table=table, vs=vs_gm, vm=vm_gm, nb=nblocks)
+        impls = [(f"mgpu_s{S}", S) for S in dict.fromkeys([splits] + args.extra_splits)] + [("hack_folded_f16", None)]
+        if args.bf16:
+            impls.append(("bf16", None))
+        for name, S in impls:
+            try:
+                if name == "bf16":
+                    prep = bda.prep_bf16(shape, key, interpret=False)
+                    nbytes = prep.nbytes
+                elif name.startswith("mgpu"):
+                    f = functools.partial(probe_call, num_splits=S)
+
+                    def call(qq, i, a, f=f):
+                        x = a["layer"]
+                        return f(qq, x.k_codes, x.k_scale, x.k_min, x.v_codes, a["vs"], a["vm"],
+                                 a["table"] + (i % n) * per_copy, a["nb"])[0]
+
+                    prep = bda.Prepared(call, arrays, probe_bytes, f"mgpu splits={S}", n, append=("open_k", "open_v"))
+                    nbytes = probe_bytes
+                else:
+                    from pallas_kernels import decode_attention as da
+
+                    def call(qq, i, a):
+                        cache, static = bda.kivi_call_args(a["layer"])
+                        return da.hack_decode_attention(qq, *cache, a["table"] + (i % n) * per_copy,
+                                                        jnp.full((batch,), tokens, jnp.int32),
+                                                        dot_dtype="folded_f16", **static)
+
+                    prep = bda.Prepared(call, dict(layer=arrays["layer"], table=arrays["table"]), hack_bytes, "folded_f16", n,
+                                        append=("open_k", "open_v"))
+                    nbytes = hack_bytes
+                us, us_wall, first_s, n_iter = bda.time_impl(prep, shape, reps=args.reps, target_ms=args.target_ms,
+                                                             key=key, wall_calls=args.wall_calls)
+                if name != "bf16" and not name.startswith("mgpu"):
+                    arrays["layer"] = prep.arrays["layer"]
+                elif name.startswith("mgpu"):
+                    arrays = prep.arrays
+                r = dict(us=round(us, 2), us_wall=round(us_wall, 1), bytes=nbytes,
+                         roof_pct=round(100 * nbytes / (us * 1e-6) / 3.7e12, 1), first_s=round(first_s, 1))
+                row[name] = r
+                print(f"[{row['shape']}] {name:18s} {r['us']:9.2f} us  wall {r['us_wall']:8.1f}  "
+                      f"{nbytes / 2**20:8.1f} MiB  {r['roof_pct']:5.1f}% of 3.7 TB/s", flush=True)
+            except Exception:
+                fail(row, name)
+            record(row)
+    # table
+    print("\nshape        impl               us/call   MiB      %roof   max|err|")
+    for row in results:
+        for k, v in row.items():
+            if isinstance(v, dict) and "us" in v:
+                print(f"{row['shape']:12s} {k:18s} {v['us']:8.2f} {v['bytes'] / 2**20:8.1f} {v['roof_pct']:6.1f}"
+                      f"   {row.get('max_abs_err', float('nan')):.3g}")
+    log.close()
+    return results
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lower", action="store_true")
+    ap.add_argument("--lower", action="store_true", help="offline: Mosaic lowering for the cuda platform only")
+    ap.add_argument("--check", action="store_true", help="GPU: probe vs the float64 reference")
+    ap.add_argument("--bench", action="store_true", help="GPU: time probe, hack folded_f16 (and bf16)")
+    ap.add_argument("--out", default="/tmp/mgpu_probe")
+    ap.add_argument("--shapes", nargs="*", default=["1:1024", "1:32768", "8:32768", "1:131072"])
+    ap.add_argument("--splits", type=int, default=0, help="0: choose_num_splits with 2 CTAs per SM")
+    ap.add_argument("--extra-splits", nargs="*", type=int, default=[])
+    ap.add_argument("--no-bf16", dest="bf16", action="store_false")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--target-ms", type=float, default=40.0)
+    ap.add_argument("--wall-calls", type=int, default=10)
+    ap.add_argument("--err-chars", type=int, default=2500, help="traceback chars printed per failure")
     args = ap.parse_args()
+    args.shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes]
     if args.lower:
         sys.exit(0 if main_lower() else 1)
+    if args.check or args.bench:
+        run_gpu(args)
