@@ -173,7 +173,9 @@ def _kernel(nblocks_ref, pt_ref, qf_ref, qh_ref, ql_ref, kc_ref, ks_ref, km_ref,
         sc = []
         for j in range(PLANES):
             x = acc[:, GPAD * j:GPAD * (j + 1)] * (LOG2E / 64.0)
-            sc.append(jnp.where(PLANES * i + j < nb, x, -jnp.inf))
+            # a scalar bias, not jnp.where: jax 0.11's Mosaic GPU select_n refuses an implicit broadcast
+            bias = jnp.where(PLANES * i + j < nb, jnp.float32(0.0), jnp.float32(-jnp.inf))
+            sc.append(x + lax.broadcast_in_dim(bias, (64, GPAD), ()))
         mx = jnp.maximum(jnp.maximum(sc[0], sc[1]), jnp.maximum(sc[2], sc[3]))
         m_new = jnp.maximum(m, mx.max(axis=0))  # [8] the page's cross-warp max
         alpha = jnp.exp2(m - m_new)
