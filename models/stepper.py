@@ -209,11 +209,27 @@ def decode_record(alloc: PageAllocator, quant: QuantConfig, kv_lens, active, key
   reserves the page each new token needs. deferred (Stepper.deferred_seal): seal "after" on every
   step (one decode executable; Stepper.__call__ seals after the steps that fill a region); else the
   sealing path compiled out (seal "never") where no active slot fills its open block
-  (kv_cache.seals_block), "always" where one does."""
+  (kv_cache.seals_block), "always" where one does. The sink rows' writes compiled out (sinks False)
+  unless some active slot's token is a sink (kv_cache.writes_sink: a prompt shorter than the sinks),
+  so prompts of num_sink_tokens tokens or more never compile the sinks=True step."""
   for s in np.nonzero(active)[0]:
     alloc.reserve(int(s), int(kv_lens[s]))
   seal = "after" if deferred else "always" if kv_cache.seals_block(quant, kv_lens, active) else "never"
-  return Step.decode(alloc.page_indices, kv_lens, active, key, seal)
+  return Step.decode(alloc.page_indices, kv_lens, active, key, seal, kv_cache.writes_sink(quant, kv_lens, active))
+
+
+def check_sinks(quant: QuantConfig, step: Step) -> None:
+  """ValueError if a decode Step says sinks=False while its host lengths (NumPy arrays; traced or
+  device ones are not read) have an active slot write a sink token (kv_cache.writes_sink): under jit
+  the token would be dropped. Raised before the step runs, so the caller's cache is untouched."""
+  if step.mode != "decode" or step.sinks or not isinstance(step.kv_lens, np.ndarray):
+    return
+  lens, active = step.kv_lens, np.asarray(step.active)
+  if kv_cache.writes_sink(quant, lens, active):
+    slots = np.nonzero(active & (lens >= 1) & (lens <= kv_cache.sink_tokens(quant)))[0]
+    raise ValueError(f"decode Step with sinks=False, but active slot(s) {slots.tolist()} write a sink token "
+                     f"(kv_lens={lens.tolist()}, num_sink_tokens={kv_cache.sink_tokens(quant)}); "
+                     f"build it with Step.decode(..., sinks=kv_cache.writes_sink(quant, kv_lens, active))")
 
 
 def defers_seal(attention: Any, quant: QuantConfig) -> bool:
@@ -294,7 +310,9 @@ class Stepper:
     """forward_step(state, tokens, step, cache, rows, head_args) through its executable (compiled
     on first use); returns (cache, *head outputs). A decode step with seal "after" in which some
     active slot fills its open region (kv_cache.seals_block on the step's host lengths) is followed
-    by seal_step's executable."""
+    by seal_step's executable. ValueError (check_sinks) for a decode Step whose sinks=False its host
+    lengths contradict, before anything runs."""
+    check_sinks(self.quant, step)
     args = (self.state, tokens, step, cache, rows, head_args)
     cache, *out = self.compiled(args, head, what)(*args)
     if step.mode == "decode" and step.seal == "after" and kv_cache.seals_block(
