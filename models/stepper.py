@@ -255,6 +255,12 @@ def seal_step(cache, step, rows, *, attention):
   return (sub if rows is None else put_rows(cache, sub, rows),)
 
 
+def _seal_record(step: Step) -> Step:
+  """The Step seal_step is compiled for and called with: its sinks flag normalized (the seal writes no
+  sink), so decode steps with and without the sink writes share one seal executable."""
+  return dataclasses.replace(step, sinks=True)
+
+
 # -------------------------------------------------------------------------------- the stepper
 
 class Stepper:
@@ -317,6 +323,7 @@ class Stepper:
     cache, *out = self.compiled(args, head, what)(*args)
     if step.mode == "decode" and step.seal == "after" and kv_cache.seals_block(
         self.quant, np.asarray(step.kv_lens), np.asarray(step.active)):
+      step = _seal_record(step)
       (cache,) = self._seal_executable(cache, step, rows)(cache, step, rows)
     return (cache, *out)
 
@@ -356,7 +363,7 @@ class Stepper:
       futures = {}
       for k in order:
         args, head, what = todo[k]
-        low = (seal_step.lower(args[3], args[2], args[4], attention=self.attention) if what == "seal" else
+        low = (seal_step.lower(args[3], _seal_record(args[2]), args[4], attention=self.attention) if what == "seal" else
                forward_step.lower(*args, graphdef=self.graphdef, attention=self.attention, head=head))
         futures[k] = pool.submit(low.compile)
       self._executables.update({k: f.result() for k, f in futures.items()})
@@ -366,7 +373,7 @@ class Stepper:
 
   def _seal_key(self, args):
     """The executable key of seal_step for forward_step's args (its Step and rows)."""
-    return ("seal", self._key((None, None, args[2], None, args[4], None), None))
+    return ("seal", self._key((None, None, _seal_record(args[2]), None, args[4], None), None))
 
   @staticmethod
   def _key(args, head):
