@@ -375,7 +375,8 @@ class Engine:
     samp, _ = self._sampling_arrays([None] * s, greedy)
     blocked = any(c.kv_format == "hack" for c in mixed.formats_of(self.quant))
     seals = (("after",) if self.stepper.deferred_seal else ("never", "always")) if blocked else ("never",)
-    short = any(n < kv_cache.sink_tokens(self.quant) for n in lengths)  # its decode steps write sinks
+    # a prompt shorter than the sinks: its first decode step writes one (per-layer formats: some layer's)
+    short = any(kv_cache.writes_sink(self.quant, np.array([n + 1]), np.array([True])) for n in lengths)
     for seal, sinks in itertools.product(seals, (False, True) if short else (False,)):
       step = Step.decode(pages, zeros, np.zeros(s, bool), _round_key(0), seal, sinks)
       calls.append(((state, zeros, step, self.cache, None, samp), head,

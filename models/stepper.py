@@ -226,10 +226,10 @@ def check_sinks(quant: QuantConfig, step: Step) -> None:
     return
   lens, active = step.kv_lens, np.asarray(step.active)
   if kv_cache.writes_sink(quant, lens, active):
-    slots = np.nonzero(active & (lens >= 1) & (lens <= kv_cache.sink_tokens(quant)))[0]
-    raise ValueError(f"decode Step with sinks=False, but active slot(s) {slots.tolist()} write a sink token "
-                     f"(kv_lens={lens.tolist()}, num_sink_tokens={kv_cache.sink_tokens(quant)}); "
-                     f"build it with Step.decode(..., sinks=kv_cache.writes_sink(quant, kv_lens, active))")
+    slots = [s for s in range(len(lens)) if kv_cache.writes_sink(quant, lens[s:s + 1], active[s:s + 1])]
+    raise ValueError(f"decode Step with sinks=False, but active slot(s) {slots} write a sink token "
+                     f"(kv_lens={lens.tolist()}); build it with Step.decode(..., "
+                     f"sinks=kv_cache.writes_sink(quant, kv_lens, active))")
 
 
 def defers_seal(attention: Any, quant: QuantConfig) -> bool:

@@ -185,6 +185,13 @@ def test_writes_sink_on_the_host():
     assert not kv_cache.writes_sink(mixed, np.array([5, 9, 9]), on)
     with pytest.raises(TypeError, match="bool"):
         kv_cache.writes_sink(KIVI, np.array([1]), np.array([1]))
+    from models.stepper import check_sinks  # the Stepper's check of a Step, per-layer formats included
+    step = lambda lens, sinks: Step.decode(np.zeros((3, 1)), lens, on, jax.random.key(0), "never", sinks)
+    with pytest.raises(ValueError, match=r"active slot\(s\) \[0\] write a sink"):
+        check_sinks(mixed, step([2, 9, 9], False))
+    check_sinks(mixed, step([2, 9, 9], True))
+    check_sinks(mixed, step([5, 9, 9], False))
+    check_sinks(parse_layer_formats("0:int8", QuantConfig(kv_format="bf16")), step([1, 1, 1], False))  # no sinks
 
 
 def test_a_broken_promise_raises_and_leaves_the_cache():

@@ -455,7 +455,8 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
     Raises ValueError on shape mismatch, an unknown `seal`, or (concrete inputs only) a negative
     kv_len or an active slot with kv_len 0 (no room for its new token), bad page ids / over capacity, NaN or
     inf in an active slot's k / v (or, "hack" / "int8" / "kivi2", |value| > 65504: write_prefill), seal="never" with a
-    slot that seals, sinks=False with a slot whose token is a sink; TypeError for non-integer kv_lens / page_indices. Under jit nothing can raise:
+    slot that seals, sinks=False with a slot whose token is a sink; TypeError for non-integer kv_lens /
+    page_indices. Under jit nothing can raise:
     a token at a negative position or beyond capacity, or bound for the null page or an id outside
     [0, num_pages), is dropped (never written elsewhere).
     """
