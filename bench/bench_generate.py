@@ -39,7 +39,8 @@ What is measured
            one without the sealing path on the steps where no slot fills its open block
            (kv_cache.seals_block) and the one that seals in every layer; where the backend defers the seal
            (models.stepper.defers_seal) one step (seal "after") plus the seal of every layer after the steps
-           that fill a region. Compiled in parallel threads (compile_s = the wall incl. lowering,
+           that fill a region. The sink rows' writes are compiled out (Step.sinks False,
+           kv_cache.writes_sink: no context is shorter than the sinks; column sink_writes). Compiled in parallel threads (compile_s = the wall incl. lowering,
            compile_each per executable) and run once before the timed regions.
   prefill  batch 1 (`--prefill-batches`), one prompt of C random tokens (bucket = C) through
            `forward_step` (a prefill Step) into an empty cache of that format (write_prefill + prefill attention):
@@ -430,8 +431,12 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
     targets = jnp.zeros((batch,), jnp.int32)
     sampling = mgen.Sampling()
 
+    # as models.stepper.decode_record: the sink rows' writes compiled in only if a step writes one (a
+    # context shorter than the sinks: never at the contexts timed here), one step for every context
+    sinks = kv_cache.writes_sink(quant, np.full(batch, min(contexts) + 1), np.ones(batch, bool))
+
     def step_record(ctx, seal):  # the decode step after which every slot holds ctx tokens
-        return Step("decode", table, jnp.full((batch,), ctx, jnp.int32), active, key, seal)
+        return Step("decode", table, jnp.full((batch,), ctx, jnp.int32), active, key, seal, sinks=sinks)
 
     t0 = time.perf_counter()
     # --seal host: as models.generate.Generator. Where the backend defers the seal
@@ -490,7 +495,7 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
                    compile_s=round(compile_s, 3), compile_each=compile_each, fill_s=round(fill_s, 3),
                    cache_alloc_bytes=cache_bytes, bytes_per_token=bpt(quant, cfg),
                    kv_bytes=bpt(quant, cfg) * batch * ctx, steps=args.steps, reps=args.reps,
-                   seal=args.seal if hack else None,
+                   seal=args.seal if hack else None, sink_writes=sinks if hack else None,
                    seal_steps=sum(kv_cache.seals_block(quant, np.full(batch, ctx + 1 + i), np.ones(batch, bool))
                                   for i in range(args.steps)) if hack else None)
         try:

@@ -1,18 +1,21 @@
 """Offline (CPU-only) op count of a whole model's decode step, lowered for CUDA, per layer.
 
 Traces models.stepper.forward_step (the Generator's step: every slot, greedy head) for an abstract
-Llama-shaped model (Llama-3.1-8B's layer: embed 4096, 32 / 8 heads of 128, hidden 14336; a small
-vocabulary; --layers layers, unrolled over a stacked cache, the GPU default) with impl="pallas",
+model of --model's layer (models.config.PRESETS, default Llama-3.1-8B: embed 4096, 32 / 8 heads of 128,
+hidden 14336; a small vocabulary; --layers layers, unrolled over a stacked cache, the GPU default) with impl="pallas",
 batch --batch, a capacity of --context + 64 tokens, and lowers it with
 `jax.jit(..., donate cache).trace(...).lower(lowering_platforms=("cuda",))` (no GPU, no weights: every
-input is a ShapeDtypeStruct). Counts in the StableHLO, for seal="never" and seal="always", per format:
+input is a ShapeDtypeStruct). Counts in the StableHLO, for seal="never" and seal="always", each with the
+sink rows' writes (Step.sinks True) and without (False, what the Generator runs once every sequence holds
+its sinks; the same for formats without sinks), per format:
 custom calls (Pallas kernels: one launch each), scatters, dynamic-slice / dynamic-update-slice, other
 compute ops (candidates for XLA fusions) and layout ops, each divided by the layer count after
 subtracting the same count at one layer fewer (so the per-layer cost, without the embedding and head).
 XLA's GPU fusion is not run: the GPU profile (bench_generate.py --profile-steps) is the measure of
 launches; these counts say which ops XLA is handed.
 
-Usage: PYTHONPATH=$PWD python bench/model_step_offline.py [--batch 1] [--context 4096] [--layers 4]
+Usage: PYTHONPATH=$PWD python bench/model_step_offline.py [--model qwen2.5-7b] [--batch 1] [--context 4096]
+       [--layers 4]
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from hack_jax.backend import Backend
 from hack_jax.config import QuantConfig
 from hack_jax.step import Step
 from models import stepper
-from models.config import ModelConfig
+from models.config import PRESETS, ModelConfig
 from models.generate import Sampling
 from models.llama import Llama, init_cache
 
@@ -67,12 +70,11 @@ def count_ops(text: str) -> collections.Counter:
     return ops("main")
 
 
-def lowered_ops(fmt: str, layers: int, batch: int, context: int, seal: str) -> collections.Counter:
+def lowered_ops(fmt: str, layers: int, batch: int, context: int, seal: str, sinks: bool = True,
+                model: str = "llama-3.1-8b") -> collections.Counter:
     quant, options = FORMATS[fmt]
-    cfg = ModelConfig(architecture="llama", num_layers=layers, vocab_size=1024, embed_dim=4096, hidden_dim=14336,
-                      num_q_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5,
-                      max_seq_len=context + 64, tied_embeddings=False, qkv_bias=False, dtype=jnp.bfloat16,
-                      scan_layers=False, stack_cache=True, attention=Backend("pallas", options))
+    cfg = ModelConfig(**{**PRESETS[model], "num_layers": layers, "vocab_size": 1024, "max_seq_len": context + 64},
+                      dtype=jnp.bfloat16, scan_layers=False, stack_cache=True, attention=Backend("pallas", options))
     pps = paging.pages_needed(context + 64, page_size=quant.page_size,
                               num_sink_tokens=kv_cache.sink_tokens(quant))
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
@@ -83,7 +85,7 @@ def lowered_ops(fmt: str, layers: int, batch: int, context: int, seal: str) -> c
     sds = jax.ShapeDtypeStruct
     i32 = lambda *shape: sds(shape, jnp.int32)
     step = Step.decode(np.zeros((batch, pps), np.int32), np.ones(batch, np.int32), np.ones(batch, bool),
-                       jax.random.key(0), seal)
+                       jax.random.key(0), seal, sinks)
     step = jax.tree.map(lambda x: sds(x.shape, x.dtype), step)
     fn = functools.partial(stepper.forward_step, graphdef=graphdef, attention=cfg.attention,
                            head=stepper.SampleHead(Sampling()))
@@ -98,19 +100,22 @@ def main():
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--formats", nargs="+", default=list(FORMATS))
+    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS))
     args = ap.parse_args()
-    print(f"Llama-3.1-8B layer, batch {args.batch}, {args.context} + 64 tokens, stacked cache, unrolled, "
+    print(f"{args.model} layer, batch {args.batch}, {args.context} + 64 tokens, stacked cache, unrolled, "
           f"impl='pallas', per layer ({args.layers} vs {args.layers - 1} layers), jax {jax.__version__}")
-    print("| format | seal | custom calls | scatter | dynamic_slice | dynamic_update_slice | other compute | layout |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| format | seal | sinks | custom calls | scatter | dynamic_slice | dynamic_update_slice | other compute "
+          "| layout |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for fmt in args.formats:
-        for seal in ("never", "always"):
-            big, small = (lowered_ops(fmt, n, args.batch, args.context, seal) for n in (args.layers, args.layers - 1))
+        for seal, sinks in ((seal, sinks) for seal in ("never", "always") for sinks in (True, False)):
+            big, small = (lowered_ops(fmt, n, args.batch, args.context, seal, sinks, args.model)
+                          for n in (args.layers, args.layers - 1))
             per = {k: big[k] - small[k] for k in set(big) | set(small)}
             compute = {k: n for k, n in per.items() if k not in LAYOUT and k not in COLUMNS and n}
             layout = sum(n for k, n in per.items() if k in LAYOUT)
             detail = ", ".join(f"{k} {n}" for k, n in sorted(compute.items(), key=lambda kv: -kv[1]))
-            print(f"| {fmt} | {seal} | " + " | ".join(str(per.get(k, 0)) for k in COLUMNS)
+            print(f"| {fmt} | {seal} | {sinks} | " + " | ".join(str(per.get(k, 0)) for k in COLUMNS)
                   + f" | {sum(compute.values())} ({detail}) | {layout} |")
 
 

@@ -429,11 +429,11 @@ def _homomorphic(q, layer, page_indices, kv_lens, q_pos):
 
 
 def decode_step(q, k, v, layer: kv_cache.LayerCache | stacked.StackedLayer, *, page_indices, kv_lens, active,
-                impl="reference", seal="always", key=None, fuse=None, **kernel_options):
+                impl="reference", seal="always", sinks=True, key=None, fuse=None, **kernel_options):
     """One decode step of a layer: append each active slot's new token, then attend over the cache.
 
     The same as `layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active,
-    page_indices=page_indices, key=key, seal=seal)` followed by `decode_attention(q, layer,
+    page_indices=page_indices, key=key, seal=seal, sinks=sinks)` followed by `decode_attention(q, layer,
     page_indices=page_indices, kv_lens=kv_lens, impl=impl, **kernel_options)`, which is what
     runs, except for impl="pallas" with seal="never" on a kivi layer when `fuse`: one fused Pallas call
     (pallas_kernels.fused_decode_attention) writes the token's sink / open-block rows in place and
@@ -457,7 +457,8 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache | stacked.StackedLayer, *, p
       layer: a LayerCache or a StackedLayer; page_indices: i32[max_seqs, pages_per_seq].
       kv_lens: i32[max_seqs] tokens held after this step (the new token at kv_lens - 1 of each active
         slot: hack_jax.step's one meaning); active: bool[max_seqs].
-      impl, kernel_options: as decode_attention. seal, key: as kv_cache.append. seal="after" (kivi, impl
+      impl, kernel_options: as decode_attention. seal, sinks, key: as kv_cache.append (sinks=False: no sink
+        row is written on any path, the fused kernel's included). seal="after" (kivi, impl
         "reference" / "pallas"; NotImplementedError otherwise): the rows only, and a slot whose token fills its
         open region attends over the region's W 16-bit rows (the Pallas kernel's open_full); the caller seals
         with kv_cache.seal_filled afterwards (hack_jax.backend.Backend.finish; docs/DESIGN.md "Deferred sealing").
@@ -466,7 +467,7 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache | stacked.StackedLayer, *, p
     """
     if isinstance(layer, stacked.StackedLayer):
         return _stacked_decode_step(q, k, v, layer, page_indices=page_indices, kv_lens=kv_lens, active=active,
-                                    impl=impl, seal=seal, key=key, fuse=fuse, **kernel_options)
+                                    impl=impl, seal=seal, sinks=sinks, key=key, fuse=fuse, **kernel_options)
     can_fuse = impl == "pallas" and seal == "never" and isinstance(layer, kv_cache.KiviPages)
     if fuse and not can_fuse:
         raise ValueError(f"fuse=True needs impl='pallas', seal='never' and a kivi layer, got {impl=} {seal=} "
@@ -477,27 +478,28 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache | stacked.StackedLayer, *, p
             raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
         _check_after(impl)
         layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active, page_indices=page_indices,
-                                key=key, seal="after")
+                                key=key, seal="after", sinks=sinks)
         page_indices, kv_lens = _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
         return layer, _attend_after(q, k, v, layer, page_indices, kv_lens, jnp.asarray(active, bool), impl,
                                     None, kernel_options)
     if not (can_fuse and fuse):
         layer = kv_cache.append(layer, k, v, kv_lens=kv_lens, active=active, page_indices=page_indices,
-                                key=key, seal=seal)
+                                key=key, seal=seal, sinks=sinks)
         return layer, decode_attention(q, layer, page_indices=page_indices, kv_lens=kv_lens, impl=impl,
                                        **kernel_options)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if q.ndim != 3:
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
-    page_indices, kv_lens, active = _check_append(layer, k, v, page_indices, kv_lens, active)
+    page_indices, kv_lens, active = _check_append(layer, k, v, page_indices, kv_lens, active, sinks=sinks)
     _check(q[:, None], layer, page_indices, kv_lens, impl, kernel_options)
-    out, written = _fused_step(q, k, v, layer, page_indices, kv_lens, active, impl, None, kernel_options)
+    out, written = _fused_step(q, k, v, layer, page_indices, kv_lens, active, impl, None, kernel_options, sinks)
     layer = dataclasses.replace(layer, **written)
     return layer, _unrotate(out, layer)
 
 
-def _fused_step(q, k, v, layer, page_indices, kv_lens, active, impl, layer_index, kernel_options):
-    """The fused kernel's call on a checked kivi layer (stacked with layer_index): (out, written arrays)."""
+def _fused_step(q, k, v, layer, page_indices, kv_lens, active, impl, layer_index, kernel_options, sinks):
+    """The fused kernel's call on a checked kivi layer (stacked with layer_index): (out, written arrays);
+    sinks=False: the kernel writes no sink row and the sink arrays are not among the written ones."""
     fn = functools.partial(_run_kernel, impl, _fused_decode_module().hack_fused_decode_attention)
     arrays, static = kernel_args(layer)
     before = kv_lens - active.astype(jnp.int32)  # the fused kernel's position of the new token
@@ -505,11 +507,13 @@ def _fused_step(q, k, v, layer, page_indices, kv_lens, active, impl, layer_index
     if layer_index is not None:
         static["layer_index"] = layer_index
     out, open_k, open_v, sink_k, sink_v = fn(q, k, v, *arrays, page_indices, before, active, **static,
-                                             **kernel_options)
-    return out, dict(open_k=open_k, open_v=open_v, sink_k=sink_k, sink_v=sink_v)
+                                             write_sinks=sinks, **kernel_options)
+    written = dict(open_k=open_k, open_v=open_v)
+    return out, dict(written, sink_k=sink_k, sink_v=sink_v) if sinks else written
 
 
-def _stacked_decode_step(q, k, v, view, *, page_indices, kv_lens, active, impl, seal, key, fuse, **kernel_options):
+def _stacked_decode_step(q, k, v, view, *, page_indices, kv_lens, active, impl, seal, sinks, key, fuse,
+                         **kernel_options):
     """decode_step on layer view.index of a stacked cache (decode_step's docstring)."""
     kivi = isinstance(view.stacked, kv_cache.KiviPages)
     in_place = impl == "pallas" and (seal == "never" or seal == "after" and kivi and not fuse) and (
@@ -517,7 +521,7 @@ def _stacked_decode_step(q, k, v, view, *, page_indices, kv_lens, active, impl, 
     if not in_place:
         layer, table = stacked.take(view, page_indices)
         layer, out = decode_step(q, k, v, layer, page_indices=table, kv_lens=kv_lens, active=active, impl=impl,
-                                 seal=seal, key=key, fuse=fuse, **kernel_options)
+                                 seal=seal, sinks=sinks, key=key, fuse=fuse, **kernel_options)
         return stacked.give(view, layer), out
     if fuse and not kivi:
         raise ValueError(f"fuse=True needs impl='pallas', seal='never' and a kivi layer, got {impl=} {seal=} "
@@ -526,15 +530,15 @@ def _stacked_decode_step(q, k, v, view, *, page_indices, kv_lens, active, impl, 
     if q.ndim != 3:
         raise ValueError(f"decode q must be [max_seqs, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens, active = _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl,
-                                                   kernel_options, seal)
+                                                   kernel_options, seal, sinks)
     if kivi and fuse:
         out, written = _fused_step(q, k, v, view.stacked, page_indices, kv_lens, active, impl, view.index,
-                                   kernel_options)
+                                   kernel_options, sinks)
         view = stacked.StackedLayer(dataclasses.replace(view.stacked, **written), view.index)
         return view, _unrotate(out, view)
     position = kv_lens - active.astype(jnp.int32)  # of the new token, as kv_cache.append
     view = stacked.append_in_place(view, k, rotate_v(v, view.config.v_rotation), position,
-                                   active & (position >= 0), page_indices)
+                                   active & (position >= 0), page_indices, sinks=sinks)
     if seal == "after":
         return view, _attend_after(q, k, v, view.stacked, page_indices, kv_lens, active, impl, view.index,
                                    kernel_options)
@@ -593,7 +597,7 @@ def _reference_after(q, layer, page_indices, kv_lens, fills, k_new, v_new):
     return jnp.where(fills[:, None, None], merged, usual)
 
 
-def _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl, kernel_options, seal="never"):
+def _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl, kernel_options, seal="never", sinks=True):
     """decode_step's checks for layer view.index of a stacked cache: those of the layer taken out
     (kv_cache.stacked.take), run abstractly (jax.eval_shape) when anything is traced. Returns
     (page_indices, kv_lens, active) as arrays."""
@@ -603,7 +607,7 @@ def _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl, kernel_op
 
     def checks(view, q, k, v, page_indices, kv_lens, active):
         layer, table = stacked.take(view, page_indices)
-        _check_append(layer, k, v, table, kv_lens, active, seal)
+        _check_append(layer, k, v, table, kv_lens, active, seal, sinks)
         _check(q[:, None], layer, table, kv_lens, impl, kernel_options)
 
     args = (view, q, k, v, page_indices, kv_lens, active)
@@ -614,7 +618,7 @@ def _check_stacked(view, q, k, v, page_indices, kv_lens, active, impl, kernel_op
     return page_indices, kv_lens, active
 
 
-def _check_append(layer, k, v, page_indices, kv_lens, active, seal="never"):
+def _check_append(layer, k, v, page_indices, kv_lens, active, seal="never", sinks=True):
     """kv_cache.append's checks of a seal="never" (or "after") step, with its messages: traced lengths get the shape
     checks (an abstract append), concrete ones all of them (an eager append whose result is dropped: the
     eager path is for tests and tools). Returns (page_indices, kv_lens, active) as arrays."""
@@ -622,7 +626,7 @@ def _check_append(layer, k, v, page_indices, kv_lens, active, seal="never"):
     page_indices, kv_lens = jnp.asarray(page_indices, jnp.int32), jnp.asarray(kv_lens, jnp.int32)
     active = jnp.asarray(active, bool)
     probe = functools.partial(kv_cache.append, layer, k, v, kv_lens=kv_lens, active=active,
-                              page_indices=page_indices, seal=seal)
+                              page_indices=page_indices, seal=seal, sinks=sinks)
     if any(isinstance(x, jax.core.Tracer) for x in (page_indices, kv_lens, active, k, v)):
         jax.eval_shape(probe)
     else:

@@ -50,7 +50,7 @@ def write(layer: kv_cache.LayerCache | stacked.StackedLayer, k, v, step: Step, *
         return kv_cache.write_prefill(layer, k, v, lengths=step.write_lens, page_indices=step.page_indices,
                                       start=step.start if step.mode == "chunk" else None, key=key)
     return kv_cache.append(layer, k, v, kv_lens=step.kv_lens, active=step.active,
-                           page_indices=step.page_indices, key=key, seal=step.seal)
+                           page_indices=step.page_indices, key=key, seal=step.seal, sinks=step.sinks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ class Backend:
     def decode(self, q, k, v, layer, step: Step, *, layer_index):
         """q float[max_seqs, num_q_heads, head_dim], k, v float[max_seqs, num_kv_heads, head_dim]
         -> (new layer, f32[max_seqs, num_q_heads, head_dim]); layer a LayerCache or a StackedLayer
-        (attention.decode_step)."""
+        (attention.decode_step, with the Step's seal and sinks)."""
         options = dict(self.options)
         base = layer.stacked if isinstance(layer, stacked.StackedLayer) else layer
         if self.impl == "pallas" and isinstance(base, kv_cache.KiviPages) and not {"dot_dtype", "config"} & set(options):
@@ -148,6 +148,6 @@ class Backend:
         # in-place stacked path (a per-layer-format cache's bf16 layers in a seal="after" step)
         seal = step.seal if kv_cache.FORMATS[kv_cache.format_of(base.config)].blocked else "never"
         return attention.decode_step(q, k, v, layer, page_indices=step.page_indices, kv_lens=step.kv_lens,
-                                     active=step.active, impl=self.impl, seal=seal,
+                                     active=step.active, impl=self.impl, seal=seal, sinks=step.sinks,
                                      key=jax.random.fold_in(step.key, layer_index), **options)
 

@@ -26,7 +26,7 @@ Seal = Literal["always", "never", "after"]
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["page_indices", "kv_lens", "active", "key", "start"],
-                   meta_fields=["mode", "seal"])
+                   meta_fields=["mode", "seal", "sinks"])
 @dataclasses.dataclass(frozen=True)
 class Step:
     """What one cached forward step writes into the cache and attends over.
@@ -48,6 +48,10 @@ class Step:
         hack_jax.backend.Backend.finish, docs/DESIGN.md "Deferred sealing"). Static.
       start: i32[max_seqs] tokens each slot held before this step (0 for a prefill, kv_lens - active
         for a decode).
+      sinks: decode only, kv_cache.append's `sinks`: False when the host knows that no active slot's
+        new token is a sink (kv_cache.writes_sink is False: every slot holds num_sink_tokens or more
+        before the step), so the step writes no sink rows at all; True (default) writes them where
+        a token is one. Static.
     """
     mode: Mode
     page_indices: jax.Array
@@ -56,6 +60,7 @@ class Step:
     key: jax.Array
     seal: Seal = "always"
     start: jax.Array | None = None
+    sinks: bool = True
 
     def __post_init__(self):
         if self.start is None:  # prefill: empty slots; decode: one token per active slot
@@ -82,8 +87,8 @@ class Step:
                    start=start)
 
     @classmethod
-    def decode(cls, page_indices, kv_lens, active, key, seal: Seal = "always") -> "Step":
+    def decode(cls, page_indices, kv_lens, active, key, seal: Seal = "always", sinks: bool = True) -> "Step":
         """The decode step after which slot s holds kv_lens[s] tokens (its new one included when
         active[s])."""
         return cls("decode", np.array(page_indices, np.int32), np.array(kv_lens, np.int32),
-                   np.array(active, bool), key, seal)
+                   np.array(active, bool), key, seal, sinks=bool(sinks))

@@ -15,7 +15,8 @@ Each `step()`:
   4. runs one decode step for every request that was decoding (one token each, all max_seqs rows).
 Shapes never depend on which slots are busy, so the compiled steps are reused: one prefill
 executable per (length bucket <= C, greedy), one chunk executable per greedy, and for decode one
-per (seal, greedy) pair (kv_cache.seals_block; greedy = every request of the step has temperature
+per (seal, sinks, greedy) triple (kv_cache.seals_block; sinks: kv_cache.writes_sink, True only while a
+request shorter than num_sink_tokens decodes; greedy = every request of the step has temperature
 0). Nothing recompiles when a request is admitted. The steps are models/stepper.py's, shared with
 the fixed-batch Generator.
 
@@ -43,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from hack_jax import handoff, paging
+from hack_jax import handoff, kv_cache, paging
 from hack_jax.config import QuantConfig
 from hack_jax.kv_cache import mixed
 from hack_jax.layer_formats import LayerFormats, with_layer_formats
@@ -354,7 +355,8 @@ class Engine:
   def warmup(self, prompt_lengths: Iterable[int], *, greedy: bool = True) -> None:
     """Compiles ahead of time every step that requests with these prompt lengths can use (one
     prefill per length bucket up to prefill_chunk, the chunk step if a prompt is longer; decode
-    with and without block sealing), so that no compile falls inside the run; they compile in
+    with and without block sealing, and with the sink writes only if a prompt is shorter than the
+    sinks), so that no compile falls inside the run; they compile in
     parallel (Stepper.compile_many). greedy: compile the greedy variants (all temperatures 0) or
     the sampling ones."""
     s, r, pages = self.max_seqs, self.prefill_rows, self.allocator.page_indices
@@ -373,9 +375,12 @@ class Engine:
     samp, _ = self._sampling_arrays([None] * s, greedy)
     blocked = any(c.kv_format == "hack" for c in mixed.formats_of(self.quant))
     seals = (("after",) if self.stepper.deferred_seal else ("never", "always")) if blocked else ("never",)
-    for seal in seals:
-      step = Step.decode(pages, zeros, np.zeros(s, bool), _round_key(0), seal)
-      calls.append(((state, zeros, step, self.cache, None, samp), head, f"decode step ({seal} seals)"))
+    # a prompt shorter than the sinks: its first decode step writes one (per-layer formats: some layer's)
+    short = any(kv_cache.writes_sink(self.quant, np.array([n + 1]), np.array([True])) for n in lengths)
+    for seal, sinks in itertools.product(seals, (False, True) if short else (False,)):
+      step = Step.decode(pages, zeros, np.zeros(s, bool), _round_key(0), seal, sinks)
+      calls.append(((state, zeros, step, self.cache, None, samp), head,
+                    f"decode step ({seal} seals{', sinks' if sinks else ''})"))
     self.stepper.compile_many(calls)
     self.stats["compile_s"] = self.stepper.compile_s
 

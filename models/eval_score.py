@@ -201,7 +201,8 @@ def _batch(gen, pre, prompts, forced, key, take, stats, shared=None, keep_prefil
     kv_lens += active
     seal = "after" if gen.stepper.deferred_seal else "always" if kv_cache.seals_block(gen.quant, kv_lens, active) \
         else "never"
-    step = Step.decode(alloc.page_indices, kv_lens, active, keys[i], seal)
+    step = Step.decode(alloc.page_indices, kv_lens, active, keys[i], seal,
+                       kv_cache.writes_sink(gen.quant, kv_lens, active))
     cache, logp = gen._run(targets[:, i - 1], step, cache, LogpHead(), None, stats)  # pylint: disable=protected-access
     take(i, logp)
     stats["decode_steps"] += 1

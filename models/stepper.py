@@ -209,11 +209,27 @@ def decode_record(alloc: PageAllocator, quant: QuantConfig, kv_lens, active, key
   reserves the page each new token needs. deferred (Stepper.deferred_seal): seal "after" on every
   step (one decode executable; Stepper.__call__ seals after the steps that fill a region); else the
   sealing path compiled out (seal "never") where no active slot fills its open block
-  (kv_cache.seals_block), "always" where one does."""
+  (kv_cache.seals_block), "always" where one does. The sink rows' writes compiled out (sinks False)
+  unless some active slot's token is a sink (kv_cache.writes_sink: a prompt shorter than the sinks),
+  so prompts of num_sink_tokens tokens or more never compile the sinks=True step."""
   for s in np.nonzero(active)[0]:
     alloc.reserve(int(s), int(kv_lens[s]))
   seal = "after" if deferred else "always" if kv_cache.seals_block(quant, kv_lens, active) else "never"
-  return Step.decode(alloc.page_indices, kv_lens, active, key, seal)
+  return Step.decode(alloc.page_indices, kv_lens, active, key, seal, kv_cache.writes_sink(quant, kv_lens, active))
+
+
+def check_sinks(quant: QuantConfig, step: Step) -> None:
+  """ValueError if a decode Step says sinks=False while its host lengths (NumPy arrays; traced or
+  device ones are not read) have an active slot write a sink token (kv_cache.writes_sink): under jit
+  the token would be dropped. Raised before the step runs, so the caller's cache is untouched."""
+  if step.mode != "decode" or step.sinks or not isinstance(step.kv_lens, np.ndarray):
+    return
+  lens, active = step.kv_lens, np.asarray(step.active)
+  if kv_cache.writes_sink(quant, lens, active):
+    slots = [s for s in range(len(lens)) if kv_cache.writes_sink(quant, lens[s:s + 1], active[s:s + 1])]
+    raise ValueError(f"decode Step with sinks=False, but active slot(s) {slots} write a sink token "
+                     f"(kv_lens={lens.tolist()}); build it with Step.decode(..., "
+                     f"sinks=kv_cache.writes_sink(quant, kv_lens, active))")
 
 
 def defers_seal(attention: Any, quant: QuantConfig) -> bool:
@@ -237,6 +253,12 @@ def seal_step(cache, step, rows, *, attention):
   sub = cache if rows is None else take_rows(cache, rows)
   sub = attention.finish(sub, step)
   return (sub if rows is None else put_rows(cache, sub, rows),)
+
+
+def _seal_record(step: Step) -> Step:
+  """The Step seal_step is compiled for and called with: its sinks flag normalized (the seal writes no
+  sink), so decode steps with and without the sink writes share one seal executable."""
+  return dataclasses.replace(step, sinks=True)
 
 
 # -------------------------------------------------------------------------------- the stepper
@@ -294,11 +316,14 @@ class Stepper:
     """forward_step(state, tokens, step, cache, rows, head_args) through its executable (compiled
     on first use); returns (cache, *head outputs). A decode step with seal "after" in which some
     active slot fills its open region (kv_cache.seals_block on the step's host lengths) is followed
-    by seal_step's executable."""
+    by seal_step's executable. ValueError (check_sinks) for a decode Step whose sinks=False its host
+    lengths contradict, before anything runs."""
+    check_sinks(self.quant, step)
     args = (self.state, tokens, step, cache, rows, head_args)
     cache, *out = self.compiled(args, head, what)(*args)
     if step.mode == "decode" and step.seal == "after" and kv_cache.seals_block(
         self.quant, np.asarray(step.kv_lens), np.asarray(step.active)):
+      step = _seal_record(step)
       (cache,) = self._seal_executable(cache, step, rows)(cache, step, rows)
     return (cache, *out)
 
@@ -338,7 +363,7 @@ class Stepper:
       futures = {}
       for k in order:
         args, head, what = todo[k]
-        low = (seal_step.lower(args[3], args[2], args[4], attention=self.attention) if what == "seal" else
+        low = (seal_step.lower(args[3], _seal_record(args[2]), args[4], attention=self.attention) if what == "seal" else
                forward_step.lower(*args, graphdef=self.graphdef, attention=self.attention, head=head))
         futures[k] = pool.submit(low.compile)
       self._executables.update({k: f.result() for k, f in futures.items()})
@@ -348,7 +373,7 @@ class Stepper:
 
   def _seal_key(self, args):
     """The executable key of seal_step for forward_step's args (its Step and rows)."""
-    return ("seal", self._key((None, None, args[2], None, args[4], None), None))
+    return ("seal", self._key((None, None, _seal_record(args[2]), None, args[4], None), None))
 
   @staticmethod
   def _key(args, head):

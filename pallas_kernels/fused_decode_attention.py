@@ -22,7 +22,9 @@ Shapes (decode_attention.py's, plus):
 Returns (out f32[S, num_q_heads, head_dim], open_k, open_v, sink_k, sink_v) with the token written:
 slot s takes token kv_lens[s] when active[s] and kv_lens[s] >= 0: into sink row kv_lens[s] if
 < num_sink_tokens, else open-block row (kv_lens[s] - ns) % P if within the capacity, else nowhere
-(dropped, as append does); the attention sees kv_lens + active tokens.
+(dropped, as append does); the attention sees kv_lens + active tokens. write_sinks=False (the caller
+promises no token is a sink: kv_cache.writes_sink is False) leaves the sink rows out: sink_k / sink_v
+are read, not written, not aliased, and come back as given (append(sinks=False)).
 
 Reference twin: hack_jax.kv_cache.append(seal="never") then decode_attention.hack_decode_attention
 (bit-identical cache; the output equal up to the float32 order), reached via
@@ -63,12 +65,13 @@ RESIDENT_PROGRAMS_PER_SM = {"int8": 2, "folded_f16": 2, "folded_bf16": 2}
 
 
 def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_ref, k_ref, v_ref, *refs,
-                  num_sink_tokens, partition_size, max_blocks, num_splits, open_split, **kernel_kwargs):
+                  num_sink_tokens, partition_size, max_blocks, num_splits, open_split, write_sinks, **kernel_kwargs):
     # kv_lens_ref   i32[S] after this token; prev_lens_ref i32[S] before it
     # offsets_ref   i32[2] (first page, first sequence row) of the layer: _hack_decode_kernel's
     # k_ref, v_ref  float[S, H, D] the new token
     # refs = 8 page-pool refs, open_k, open_v bf16[S, H, W, D], (sink_k, sink_v bf16[S, H, ns, D] if ns)
-    #        + outputs acc, m, l (as _hack_decode_kernel's) + open_k, open_v (, sink_k, sink_v): aliased
+    #        + outputs acc, m, l (as _hack_decode_kernel's) + open_k, open_v (, sink_k, sink_v if ns and
+    #        write_sinks): aliased
     ns, P = num_sink_tokens, partition_size
     n_cache = 10 + 2 * bool(ns)
     cache_in, (acc_ref, m_ref, l_ref), cache_out = refs[:n_cache], refs[n_cache:n_cache + 3], refs[n_cache + 3:]
@@ -76,7 +79,7 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_r
     row = offsets_ref[1] + b  # the slot's row in the per-sequence arrays
     prev, kv_len = prev_lens_ref[b], kv_lens_ref[b]
     written = (kv_len > prev) & (prev >= 0)  # active; a negative position is dropped, as append does
-    to_sink = written & (prev < ns)
+    to_sink = written & (prev < ns) & write_sinks  # write_sinks=False: a sink token is dropped, as append's
     to_open = written & (prev >= ns) & (prev < ns + max_blocks * P)
     open_row = jnp.where(to_open, (prev - ns) % cache_in[8].shape[2], -1)  # mod W, the open region's length
     sink_row = jnp.where(to_sink, prev, -1)
@@ -96,7 +99,7 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_r
                 v_out[row, h, at, pl.ds(p * Pc, Pc)] = new_v[p]
 
         pl.when(to_open)(lambda: write(open_row, cache_out[0], cache_out[1]))
-        if ns:
+        if ns and write_sinks:
             pl.when(to_sink)(lambda: write(sink_row, cache_out[2], cache_out[3]))
         return common.sinks_and_open_block_state(*args, new_token=(new_k, new_v, open_row, sink_row))
 
@@ -106,10 +109,10 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_r
 
 
 @functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "num_layers", "config",
-                                             "interpret", "bits"))
+                                             "interpret", "bits", "write_sinks"))
 def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                   sink_k, sink_v, page_indices, kv_lens, active, offsets, *, partition_size, num_sink_tokens,
-                  num_layers, config, interpret, bits):
+                  num_layers, config, interpret, bits, write_sinks):
     # the arrays of num_layers layers seen flat, offsets picking the layer (decode_attention._hack_decode)
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
@@ -123,7 +126,8 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size, partition_size,
                                         num_channel_groups) for x in (k_sums, v_scale, v_min))
     cache = [k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
-    written = [open_k, open_v] + ([sink_k, sink_v] if num_sink_tokens else [])
+    writes_sinks = bool(num_sink_tokens) and write_sinks
+    written = [open_k, open_v] + ([sink_k, sink_v] if writes_sinks else [])
     if num_sink_tokens:
         cache += [sink_k, sink_v]
     inputs = [after, prev, page_indices.astype(jnp.int32), offsets, q, k, v] + cache
@@ -136,7 +140,7 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         packing_groups_per_page=page_size // (planes * partition_size), num_sink_tokens=num_sink_tokens,
         num_pages=num_pages // num_layers, max_blocks=page_indices.shape[1] * (page_size // partition_size),
         num_splits=config.num_splits, open_split=config.open_split, dot_dtype=config.dot_dtype,
-        interpret=interpret, bits=bits)
+        interpret=interpret, bits=bits, write_sinks=write_sinks)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
@@ -150,7 +154,7 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         in_specs=[common.full_spec(x) for x in inputs], out_specs=out_specs,
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
         input_output_aliases=aliases, name="hack_fused_decode_attention")(*inputs)
-    sinks = tuple(new[2:]) if num_sink_tokens else (sink_k, sink_v)
+    sinks = tuple(new[2:]) if writes_sinks else (sink_k, sink_v)
     return (common.combine_splits(acc, m, l, num_q_heads), new[0], new[1]) + sinks
 
 
@@ -170,7 +174,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
                                 partition_size: int, num_sink_tokens: int, v_group: int | None = None,
                                 window: int | None = None, bits: int = 2, dot_dtype: DotDtype = "int8",
                                 num_splits: int | None = None, config: KernelConfig | None = None,
-                                layer_index=None, interpret: bool = False):
+                                layer_index=None, write_sinks: bool = True, interpret: bool = False):
     """Append one token per active slot and attend (module docstring; shapes there).
 
     Args:
@@ -183,10 +187,13 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
         decode_attention.hack_decode_attention; config None: `default_config` (this kernel's occupancy).
         With layer_index i (a stacked cache) the token is written into layer i's rows of the stacked
         open_k ... sink_v, in place when the caller donates them.
+      write_sinks: False: the caller promises no active slot's token is a sink (module docstring); sink_k /
+        sink_v are only read and come back as given.
 
     Returns:
       (out f32[batch, num_q_heads, head_dim], open_k, open_v, sink_k, sink_v), the last four in their
-      input dtypes and shapes with the token written (sink_k / sink_v as given when num_sink_tokens == 0).
+      input dtypes and shapes with the token written (sink_k / sink_v as given when num_sink_tokens == 0 or
+      not write_sinks).
 
     Raises:
       ValueError: shapes/dtypes off the layout (as hack_decode_attention), k / v not
@@ -213,6 +220,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
                             config=config, bits=bits)
     out, *written = _fused_decode(q, k, v, *view.flat, page_indices, kv_lens, active, view.offsets,
                                   partition_size=partition_size, num_sink_tokens=num_sink_tokens,
-                                  num_layers=view.num_layers, config=config, interpret=interpret, bits=bits)
+                                  num_layers=view.num_layers, config=config, interpret=interpret, bits=bits,
+                                  write_sinks=bool(write_sinks))
     return (out,) + tuple(x if x is None or x.shape == y.shape else x.reshape(y.shape)
                           for x, y in zip(written, cache[8:]))

@@ -174,8 +174,10 @@ def test_chunked_prefill_tokens_equal_each_request_alone(model, tok, requests):
                prefill_chunk=CHUNK)
   free0 = eng.allocator.num_free_pages
   eng.warmup([len(r.prompt_ids) for r in requests])
-  compiled = eng.stepper.num_executables  # one prefill (40 tokens), one chunk, two decode
-  assert compiled == 4
+  # one prefill (40 tokens), one chunk, the decode step with and without the sink writes (a 3-token
+  # prompt writes sinks 3 in its first decode step: kv_cache.writes_sink) and one seal shared by both
+  compiled = eng.stepper.num_executables
+  assert compiled == 5
   out = eng.generate(requests)
   assert [c.tokens for c in out] == alone
   assert all(c.finish_reason == "length" for c in out)

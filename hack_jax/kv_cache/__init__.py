@@ -50,7 +50,9 @@ slots that do not seal, so it is correct at every step; `seal="never"` is a seco
 for the steps where the host knows no block fills (`seals_block`); `seal="after"` writes the rows
 only and leaves the sealing to one `seal_filled` call after every layer has attended (a model step
 then seals all its layers at once, vectorized over a stacked cache's layer axis, instead of
-compiling the seal into every layer: docs/DESIGN.md "Deferred sealing").
+compiling the seal into every layer: docs/DESIGN.md "Deferred sealing"). Likewise `sinks=False`
+leaves the sink rows' scatters out of the steps where the host knows no token is a sink
+(`writes_sink`: every sequence past its first num_sink_tokens tokens, the common case).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ __all__ = [
     "Int4Pages", "Int8Pages", "KVCache", "Kivi2Pages", "KiviPages", "LayerCache", "LayerFormats", "LayerGroups",
     "Seal", "SeedPages", "TurboPages", "append", "bytes_per_token",
     "cache_bytes_report", "dequantize_cache", "format_of", "init_cache", "init_layer",
-    "kv_rotation", "read_blocks", "seal_filled", "seals_block", "sink_tokens", "write_prefill",
+    "kv_rotation", "read_blocks", "seal_filled", "seals_block", "sink_tokens", "write_prefill", "writes_sink",
 ]
 
 
@@ -391,8 +393,28 @@ def seals_block(config: QuantConfig, kv_lens, active) -> bool:
     return bool(np.any(on & ((lens - config.num_sink_tokens) % config.open_window == 0)))
 
 
+def writes_sink(config: QuantConfig, kv_lens, active) -> bool:
+    """Host-side: does an `append` after which the slots hold kv_lens (int[S], the new token included)
+    write some active slot's token into its sinks? True iff the format keeps sinks (2-bit) and some
+    active slot s has 1 <= kv_lens[s] <= num_sink_tokens (its new token's position kv_lens[s] - 1 <
+    num_sink_tokens); per-layer formats: some layer's format does. A decode loop that knows its
+    lengths on the host passes sinks=False to `append` on the other steps (every step once each
+    sequence holds num_sink_tokens tokens: always after a prompt of that many). NumPy only."""
+    if isinstance(config, LayerFormats):
+        return any(writes_sink(c, kv_lens, active) for c in config.distinct)
+    lens, act = np.asarray(kv_lens), np.asarray(active)
+    if lens.ndim != 1 or act.shape != lens.shape:
+        raise ValueError(f"writes_sink: kv_lens and active must be [max_seqs] of one shape, got "
+                         f"{lens.shape=} {act.shape=}")
+    paging.check_index_dtype("writes_sink", kv_lens=lens)
+    if act.size and act.dtype != bool:
+        raise TypeError(f"writes_sink: active must be bool, got dtype {act.dtype}")
+    ns = sink_tokens(config)
+    return bool(np.any(act & (lens >= 1) & (lens <= ns)))
+
+
 def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
-           seal: Seal = "always") -> LayerCache:
+           seal: Seal = "always", sinks: bool = True) -> LayerCache:
     """Writes one token per active sequence: token number kv_lens[s] - 1 of slot s.
 
     Args:
@@ -418,6 +440,13 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
         slot that fills its block anyway keeps it unsealed while kv_lens count it as sealed
         (attention then reads a stale page slot), so pass "never" only from host-side knowledge of
         the lengths, as models.generate.Generator does.
+      sinks: (2-bit formats; ignored by the others) whether the sink rows' writes are compiled in.
+        True (default): a token at a position < num_sink_tokens goes into its sink rows (two masked
+        row scatters per layer and step, whatever the positions). False: the caller promises that no
+        active slot's token is a sink (`writes_sink(config, kv_lens, active)` is False): sink_k /
+        sink_v are returned as they are, nothing is scattered. Concrete inputs: a broken promise
+        raises ValueError; under jit such a token would be dropped while kv_lens count it, so pass
+        False only from host-side knowledge of the lengths.
     Returns the new LayerCache. 2-bit formats: the token goes into its sink or open-block row (row
     (kv_len - 1 - ns) % W of the open region, W = config.open_window); a slot whose open region
     becomes full has its W // P blocks sealed (each quantized into its page slot with code sums: the
@@ -426,7 +455,8 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
     Raises ValueError on shape mismatch, an unknown `seal`, or (concrete inputs only) a negative
     kv_len or an active slot with kv_len 0 (no room for its new token), bad page ids / over capacity, NaN or
     inf in an active slot's k / v (or, "hack" / "int8" / "kivi2", |value| > 65504: write_prefill), seal="never" with a
-    slot that seals; TypeError for non-integer kv_lens / page_indices. Under jit nothing can raise:
+    slot that seals, sinks=False with a slot whose token is a sink; TypeError for non-integer kv_lens /
+    page_indices. Under jit nothing can raise:
     a token at a negative position or beyond capacity, or bound for the null page or an id outside
     [0, num_pages), is dropped (never written elsewhere).
     """
@@ -463,10 +493,17 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
                          f"(kv_lens={np.asarray(kv_lens).tolist()}, "
                          f"open_window={layer.config.open_window}, "
                          f"num_sink_tokens={layer.config.num_sink_tokens}); use seal='always'")
+    if not sinks and not is_traced(kv_lens, active) and writes_sink(layer.config, kv_lens, active):
+        slots = np.nonzero(np.asarray(active) & (np.asarray(kv_lens) <= sink_tokens(layer.config)))[0]
+        raise ValueError(f"append: sinks=False but active slot(s) {slots.tolist()} write a sink token at this "
+                         f"step (kv_lens={np.asarray(kv_lens).tolist()}, "
+                         f"num_sink_tokens={layer.config.num_sink_tokens}); use sinks=True")
     position = kv_lens - active.astype(jnp.int32)  # of the new token
     active = active & (position >= 0)  # under jit: a negative position is dropped, never wrapped
     v = rotate_v(v, layer.config.v_rotation)
-    return _compiled(ops.append, "seal")(layer, k, v, position, active, page_indices, key, seal=seal)
+    sinks = bool(sinks) or not ops.blocked  # one compile for the formats without sinks
+    return _compiled(ops.append, "seal", "sinks")(layer, k, v, position, active, page_indices, key, seal=seal,
+                                                  sinks=sinks)
 
 
 def seal_filled(layer: LayerCache, *, kv_lens, active, page_indices, key=None) -> LayerCache:

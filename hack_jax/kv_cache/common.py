@@ -60,7 +60,8 @@ class FormatOps:
         formats); False: token t lives in page column t // page_size, no sinks.
       init(config, n, h, d, s): the all-zero layer (sizes already validated).
       write_prefill(layer, k, v, lengths, page_indices, start, key) and
-      append(layer, k, v, kv_lens, active, page_indices, key, seal): the writers, inputs validated.
+      append(layer, k, v, kv_lens, active, page_indices, key, seal, sinks): the writers, inputs validated
+        (seal, sinks: kv_cache.append's, static; the formats without open blocks / sinks ignore them).
       dequantize(layer, page_indices, kv_lens) -> (k, v, k_step, v_step) f32[S, capacity, H, D],
         before the mask at kv_lens.
       read_blocks: (layer, page_indices, kv_lens) -> HackBlocks for the blocked formats, else None.
@@ -171,7 +172,7 @@ def per_token_writers(encode):
         pages, rows = token_targets(layer, lengths, page_indices, k.shape[1], start)
         return write(layer, (pages, ALL, rows), k, v)
 
-    def append(layer, k, v, kv_lens, active, page_indices, key, seal):
+    def append(layer, k, v, kv_lens, active, page_indices, key, seal, sinks):
         ps = layer.config.page_size
         pages = page_ids(page_indices, kv_lens // ps, active, layer.num_pages)  # [S]
         return write(layer, (pages, ALL, kv_lens % ps), k, v)

@@ -212,7 +212,11 @@ class AppendStep:
         index = (jnp.arange(row.shape[0]), ALL, jnp.where(ok, row, a.shape[-2]))
         return put(a, index if layer_index is None else (layer_index,) + index, x)
 
-    def sinks(self, layer, k, v, layer_index=None):
+    def sinks(self, layer, k, v, layer_index=None, write=True):
+        """The sink arrays with each sink token's rows set; write=False (kv_cache.append's sinks=False,
+        the host knows no token is a sink): {} (no scatter: sink_k / sink_v stay the arrays they are)."""
+        if not write:
+            return {}
         return dict(sink_k=self.put_row(layer.sink_k, k, self.is_sink, self.kv_lens, layer_index),
                     sink_v=self.put_row(layer.sink_v, v, self.is_sink, self.kv_lens, layer_index))
 

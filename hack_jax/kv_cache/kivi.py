@@ -90,12 +90,12 @@ def write_prefill(layer, k, v, lengths, page_indices, start, key):
         sink_k=st.sinks(st.kt, layer.sink_k), sink_v=st.sinks(st.vt, layer.sink_v))
 
 
-def append(layer, k, v, kv_lens, active, page_indices, key, seal):
-    """The token into its sink or open-region row; with seal="always", a slot whose open region
-    fills is sealed, block by block (W // P consecutive blocks): K per channel over the block's
-    tokens, V per token over channel groups ("never" / "after": the rows only)."""
+def append(layer, k, v, kv_lens, active, page_indices, key, seal, sinks):
+    """The token into its sink (sinks=True only) or open-region row; with seal="always", a slot whose
+    open region fills is sealed, block by block (W // P consecutive blocks): K per channel over the
+    block's tokens, V per token over channel groups ("never" / "after": the rows only)."""
     step = hack.AppendStep(layer, kv_lens, active, page_indices)
-    layer = dataclasses.replace(layer, **step.sinks(layer, k, v), open_k=step.put_open(layer.open_k, k),
+    layer = dataclasses.replace(layer, **step.sinks(layer, k, v, write=sinks), open_k=step.put_open(layer.open_k, k),
                                 open_v=step.put_open(layer.open_v, v))
     return _seal_filled(layer, step, key) if seal == "always" else layer
 

@@ -160,7 +160,7 @@ def write_prefill(layer, k, v, lengths, page_indices, start, key):
     return _write(layer, k, v, lengths, page_indices, start)
 
 
-def append(layer, k, v, position, active, page_indices, key, seal):
+def append(layer, k, v, position, active, page_indices, key, seal, sinks):
     return _write(layer, k[:, None], v[:, None], active.astype(jnp.int32), page_indices, position)
 
 

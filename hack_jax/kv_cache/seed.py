@@ -84,9 +84,10 @@ def write_prefill(layer, k, v, lengths, page_indices, start, key):
         sink_k=st.sinks(st.kt, layer.sink_k), sink_v=st.sinks(st.vt, layer.sink_v))
 
 
-def append(layer, k, v, kv_lens, active, page_indices, key, seal):
+def append(layer, k, v, kv_lens, active, page_indices, key, seal, sinks):
     """K quantized at once into its page row and plane (every step); V into the open block, sealed
-    per channel over its tokens when it fills (seal="always")."""
+    per channel over its tokens when it fills (seal="always"); a sink token into its sink rows
+    (sinks=True only)."""
     cfg = layer.config
     n = layer.num_pages
     step = hack.AppendStep(layer, kv_lens, active, page_indices)
@@ -99,7 +100,7 @@ def append(layer, k, v, kv_lens, active, page_indices, key, seal):
     old = layer.k_codes[jnp.minimum(tok_pages, n - 1), :, prow]  # [S, H, D]
     kbytes = hack.set_plane(old, kc, (step.slot % step.c)[:, None, None], step.bits)
     put_tok = lambda a, x: put(a, (tok_pages, slice(None), step.u % step.ps), x)
-    out = dict(step.sinks(layer, k, v),
+    out = dict(step.sinks(layer, k, v, write=sinks),
                k_codes=put(layer.k_codes, (tok_pages, slice(None), prow), kbytes),
                k_scale=put_tok(layer.k_scale, ksc), k_min=put_tok(layer.k_min, kmn),
                k_sums=put_tok(layer.k_sums, ksum), open_v=step.put_open(layer.open_v, v))

@@ -184,11 +184,12 @@ def reads_in_place(view: StackedLayer) -> bool:
     return isinstance(view.stacked, (KiviPages, DensePages))
 
 
-def append_in_place(view: StackedLayer, k, v, position, active, page_indices) -> StackedLayer:
-    """kv_cache.append(seal="never")'s writes (the same bytes) into layer view.index of the stacked
-    arrays, one scatter per written array: kivi the token's sink / open-block rows, bf16 / float32 its
-    page row (layer-local page ids, written only in [1, num_pages)). position i32[S] of the new token,
-    active bool[S] (False where position < 0), k, v float[S, H, D] (v already rotated, as append does)."""
+def append_in_place(view: StackedLayer, k, v, position, active, page_indices, sinks: bool = True) -> StackedLayer:
+    """kv_cache.append(seal="never", sinks=sinks)'s writes (the same bytes) into layer view.index of the
+    stacked arrays, one scatter per written array: kivi the token's sink (sinks=True only) / open-block
+    rows, bf16 / float32 its page row (layer-local page ids, written only in [1, num_pages)). position
+    i32[S] of the new token, active bool[S] (False where position < 0), k, v float[S, H, D] (v already
+    rotated, as append does)."""
     stacked, i = view.stacked, view.index
     if isinstance(stacked, DensePages):
         ps = stacked.config.page_size
@@ -197,5 +198,5 @@ def append_in_place(view: StackedLayer, k, v, position, active, page_indices) ->
         return StackedLayer(dataclasses.replace(stacked, k=put(stacked.k, index, k), v=put(stacked.v, index, v)), i)
     step = hack.AppendStep(view.shapes(), position, active, page_indices)
     return StackedLayer(dataclasses.replace(
-        stacked, **step.sinks(stacked, k, v, layer_index=i), open_k=step.put_open(stacked.open_k, k, i),
+        stacked, **step.sinks(stacked, k, v, layer_index=i, write=sinks), open_k=step.put_open(stacked.open_k, k, i),
         open_v=step.put_open(stacked.open_v, v, i)), i)
