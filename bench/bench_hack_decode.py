@@ -18,7 +18,7 @@ Stages (--stages): bench, accuracy, resources (ptxas report of the device's own 
 (plain calls for an outside profiler: bench/gpu_check.sh NCU=1), sass (CPU-only, below).
 CPU-only static report (registers, loop SASS counts; pip triton importable, e.g. installed with
 `pip install --target /tmp/tri triton==3.6.0` and /tmp/tri in PYTHONPATH):
-  python3 bench/bench_hack_decode.py --out DIR --stages sass --variants int8=int8 folded=folded_f16
+  python3 bench/bench_hack_decode.py --out DIR --stages sass --variants int8=int8 folded=folded_f16 [--bits 4]
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ DEFAULT_VARIANTS = ["hack=int8", "hack_folded=folded_f16", "dequant=dequant:d:4:
 DOTS = ("int8", "folded_f16", "folded_bf16")  # decode_attention.DOT_DTYPES
 
 
-def variants(batch, kv_len, specs):
+def variants(batch, kv_len, specs, bits=2):
     """specs: NAME=DOT (default_config of operand mode DOT: int8 | folded_f16 | folded_bf16; "default" =
     int8), NAME=bf16paged (the bf16 paged kernel on a bf16 cache of the same length), or
     NAME=DOT:SPLITS:WARPS:STAGES with DOT an operand mode or dequant, SPLITS a number or d
@@ -76,7 +76,7 @@ def variants(batch, kv_len, specs):
         if dot not in DOTS + ("dequant",):
             raise ValueError(f"variant {spec!r}: operand mode must be one of {DOTS + ('dequant',)}")
         base = default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=pps, page_size=PAGE, partition_size=P,
-                              dot_dtype="int8" if dot == "dequant" else dot)
+                              dot_dtype="int8" if dot == "dequant" else dot, bits=bits)
         fn = dequant_decode_attention if dot == "dequant" else hack_decode_attention
         if not launch:
             out.append((name, fn, base))
@@ -304,36 +304,41 @@ def resources(out_dir, log):
     log(dict(resources=[ln.replace("\n", " | ")[-400:] for ln in lines]))
 
 
-def sass(out_dir, log, specs):
+def sass(out_dir, log, specs, bits=2):
     """CPU-only static report (bench/NOTES_decode.md v3): lower each variant at Llama-heads b8_32k for
     cuda (TTIR from the Pallas-Triton lowering), compile it with pip `triton` (e.g. 3.6.0 in
     PYTHONPATH; XLA's bundled Triton may differ a little) for sm_90, and report ptxas' registers /
-    stack and the main loop's SASS: instructions per warp and packing group, BAR.SYNC, shared-memory
-    and global loads, shuffles, IMMA. No GPU needed. The compile and SASS parsing are
+    stack and the main loop's SASS: instructions per warp and loop trip (and per 64-token block: the trip
+    covers `blocks_per_trip` blocks), BAR.SYNC, shared-memory and global loads, shuffles, IMMA. bits: the
+    code width (QuantConfig.bits; --bits). No GPU needed. The compile and SASS parsing are
     bench/triton_offline.py's (shared with bench_prefill_attention.py --sass)."""
     import triton_offline
+    from pallas_kernels import common
     batch, kv_len = SHAPES["b8_32k"]
     pps = kv_len // PAGE + 1
-    N, NP, bpp = batch * pps + 1, D // min(P, D), PAGE // P
+    N, NP, bpp, rows = batch * pps + 1, D // min(P, D), PAGE // P, PAGE // common.num_planes(bits)
+    trip = getattr(common, "blocks_per_trip", lambda b, *_: common.num_planes(b))(bits, PAGE, P)
     S = jax.ShapeDtypeStruct
-    args = [S((batch, HQ, D), jnp.float32), S((N, HKV, PAGE // 4, D), jnp.uint8), S((N, HKV, bpp, D), jnp.float16),
-            S((N, HKV, bpp, D), jnp.float16), S((N, HKV, PAGE, NP), jnp.uint8), S((N, HKV, D, PAGE // 4), jnp.uint8),
+    args = [S((batch, HQ, D), jnp.float32), S((N, HKV, rows, D), jnp.uint8), S((N, HKV, bpp, D), jnp.float16),
+            S((N, HKV, bpp, D), jnp.float16), S((N, HKV, PAGE, NP), jnp.uint8), S((N, HKV, D, rows), jnp.uint8),
             S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, bpp, D), jnp.uint8),
             S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, NS, D), jnp.bfloat16),
             S((batch, HKV, NS, D), jnp.bfloat16), S((batch, pps), jnp.int32), S((batch,), jnp.int32)]
-    for name, fn, cfg in variants(batch, kv_len, specs):
+    for name, fn, cfg in variants(batch, kv_len, specs, bits):
         if fn == "bf16paged":
             continue
+        extra = dict(bits=bits) if bits != 2 else {}
         ttir = triton_offline.lower_ttir(
-            lambda *xs: fn(*xs, partition_size=P, num_sink_tokens=NS, config=cfg), *args)
+            lambda *xs: fn(*xs, partition_size=P, num_sink_tokens=NS, config=cfg, **extra), *args)
         c = triton_offline.compile_sm90(ttir, out_dir, name, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         loops = triton_offline.loops(c["sass"], innermost=False)  # the widest loop, as before
         lo, hi, _ = max(loops, key=lambda x: x[1] - x[0]) if loops else (0, -1, 0)
         ops = triton_offline.op_counts(c["sass"], lo, hi)
         regs, stack = triton_offline.resources(c["res"])
-        log(dict(sass=name, config=str(cfg), regs=regs, stack=stack, shared=c["shared"], loop_instr=sum(ops.values()),
-                 STL=ops["STL"], LDL=ops["LDL"],
-                 **{k_: ops[k_] for k_ in ("BAR", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "SHFL", "IMMA", "MUFU")}))
+        n = sum(ops.values())
+        log(dict(sass=name, bits=bits, config=str(cfg), regs=regs, stack=stack, shared=c["shared"], loop_instr=n,
+                 blocks_per_trip=trip, loop_instr_per_block=round(n / trip, 1), STL=ops["STL"], LDL=ops["LDL"],
+                 **{k_: ops[k_] for k_ in ("BAR", "LDG", "LDGSTS", "LDS", "LDSM", "STS", "SHFL", "IMMA", "HMMA", "MUFU")}))
 
 
 def main(argv=None):
@@ -347,6 +352,7 @@ def main(argv=None):
                          "~25-30 us, see NOTES_decode.md; the bf16 benchmark uses 8)")
     ap.add_argument("--target-ms", type=float, default=40.0)
     ap.add_argument("--stages", nargs="+", default=["bench", "accuracy", "resources"])
+    ap.add_argument("--bits", type=int, default=2, choices=(2, 4), help="code width of the sass stage's kernel")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test of the script (numbers mean nothing)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -362,7 +368,7 @@ def main(argv=None):
         try:
             {"bench": lambda: bench(args, log), "accuracy": lambda: accuracy(log, "interpret" if args.interpret else "gpu"),
              "resources": lambda: resources(args.out, log), "profile": lambda: profile(args, log),
-             "sass": lambda: sass(args.out, log, args.variants)}[stage]()
+             "sass": lambda: sass(args.out, log, args.variants, args.bits)}[stage]()
         except Exception as e:
             log(dict(stage=stage, error=f"{type(e).__name__}: {str(e)[:600]}"))
             traceback.print_exc()
