@@ -327,10 +327,12 @@ def select_rows(row_plane: jax.Array, parts) -> jax.Array:
     return out
 
 
-def masked_plane_weights(row_plane: jax.Array, bits: int = 2) -> jax.Array:
-    """f32[rows]: 2**-MASKED_PLANE_EXP[bits][row_plane], undoing `plane_int8_masked`'s scaling on the dot."""
+def masked_plane_weights(row_plane: jax.Array, bits: int = 2, planes: int | None = None) -> jax.Array:
+    """f32[rows]: 2**-MASKED_PLANE_EXP[bits][row_plane], undoing `plane_int8_masked`'s scaling on the dot.
+    planes: the (virtual) planes of a loop trip, `trip_plane`'s j (None: num_planes(bits))."""
+    C = num_planes(bits)
     w = jnp.full(row_plane.shape, 1.0, jnp.float32)
-    for j, e in enumerate(MASKED_PLANE_EXP[bits]):
+    for j, e in enumerate(MASKED_PLANE_EXP[bits][j % C] for j in range(planes or C)):
         if e:
             w = jnp.where(row_plane == j, 2.0 ** -e, w)
     return w
@@ -536,6 +538,24 @@ NUM_PLANES = 4  # 2-bit codes per byte = blocks per packing group (DESIGN.md "2-
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def blocks_per_trip(bits: int, page_size: int, partition_size: int) -> int:
+    """Blocks one loop trip of the paged-kivi decode kernels covers = its row streams (R = trip x
+    q_per_kv_pad rows): NUM_PLANES = 4, one 2-bit packing group, or at 4 bits two consecutive packing
+    groups of one page as 4 virtual planes (`trip_plane`), so a 4-bit trip carries a 2-bit trip's work
+    per block; a page of an odd number of 4-bit packing groups (page_size not a multiple of
+    4 * partition_size; QuantConfig allows 2 * partition_size multiples) keeps one packing group per trip."""
+    return NUM_PLANES if page_size % (NUM_PLANES * partition_size) == 0 else num_planes(bits)
+
+
+def trip_plane(tiles, j: int, plane_fn, *args, bits: int = 2, **kwargs) -> jax.Array:
+    """Virtual plane j of a loop trip's code tiles (`blocks_per_trip`): plane j % C of tiles[j // C]
+    (C = num_planes(bits)), i.e. block j of the trip. tiles: the trip's packing-group tiles in page order
+    (one at 2 bits; two at 4 bits: rows [0, P) and [P, 2P) of the trip's K rows / V columns); plane_fn:
+    `plane_int8_masked` or `folded_plane`, called as plane_fn(tile, plane, *args, bits=bits, **kwargs)."""
+    C = num_planes(bits)
+    return plane_fn(tiles[j // C], j % C, *args, bits=bits, **kwargs)
 
 
 def q_per_kv_pad(q_per_kv: int, *, at_least: int = 1) -> int:

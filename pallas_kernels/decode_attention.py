@@ -96,7 +96,7 @@ RESIDENT_PROGRAMS_PER_SM = {"int8": 3, "folded_f16": 3, "folded_bf16": 3}
 def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_codes_ref, k_scale_ref, k_min_ref,
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_channel_groups, q_per_kv, q_per_kv_pad,
-                        packing_groups_per_page, num_sink_tokens, num_pages, max_blocks, num_splits, open_split,
+                        num_sink_tokens, num_pages, max_blocks, num_splits, open_split,
                         sm_scale, dot_dtype, interpret, open_full=False, bits=2, open_state=common.sinks_and_open_block_state):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]   layer-local page ids
@@ -118,8 +118,11 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     ns, P, NP = num_sink_tokens, partition_size, num_channel_groups
     acc_ref, m_ref, l_ref = refs[-3:]
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    C = common.num_planes(bits)  # blocks per packing group = rows streams per program
-    R = C * q_per_kv_pad
+    C = common.num_planes(bits)  # blocks per packing group (planes per byte)
+    bpp = k_scale_ref.shape[2]
+    T = common.blocks_per_trip(bits, bpp * P, P)  # blocks per loop trip = row streams per program
+    trips_per_page = bpp // T
+    R = T * q_per_kv_pad
     Pc = q_ref.shape[-1] // NP
 
     kv_len = kv_lens_ref[b]
@@ -130,41 +133,44 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     # 16-bit rows read: kv_cache.append(seal="after") sealed nothing yet), so it holds 1..W tokens
     num_blocks = ((jnp.maximum(after_sinks - 1, 0) if open_full else after_sinks) // W) * (W // P)
     num_open = after_sinks - num_blocks * P
-    num_packing_groups = (num_blocks + C - 1) // C
+    num_trips = (num_blocks + T - 1) // T
     # open_split: programs 0..num_splits-1 take the sealed blocks, program num_splits the sinks and the
-    # open block alone; otherwise split 0 takes them besides its (fewest) groups
+    # open block alone; otherwise split 0 takes them besides its (fewest) trips
     prologue_split = num_splits if open_split else 0
-    g_lo, g_hi = common.split_range(jnp.minimum(split, num_splits - 1), num_packing_groups, num_splits)
+    g_lo, g_hi = common.split_range(jnp.minimum(split, num_splits - 1), num_trips, num_splits)
     if open_split:
         g_hi = jnp.where(split < num_splits, g_hi, g_lo)
 
-    row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // q_per_kv_pad  # [R] block j of the row
+    row_plane = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) // q_per_kv_pad  # [R] block j of the trip
     q = common.load_q_rows(q_ref, b, h, q_per_kv=q_per_kv, q_per_kv_pad=q_per_kv_pad, num_channel_groups=NP,
-                           sm_scale=sm_scale, planes=C)
+                           sm_scale=sm_scale, planes=T)
     asm = not interpret  # inline PTX has no interpret-mode rule; the jnp forms give the same values
     exp = functools.partial(common.exp, fast=True)
     int8 = dot_dtype == "int8"
     if int8:
-        plane_w = common.masked_plane_weights(row_plane, bits)  # [R]
+        plane_w = common.masked_plane_weights(row_plane, bits, T)  # [R]
     else:
         fold_dtype = common.FOLDED_PLANES[dot_dtype][0]
         fold_w, fold_off = common.folded_plane_constants(dot_dtype, bits)
 
-    def int8_dot(x, tile):
-        """x f32[R, n] quantized INT8 per row, dotted with each row's own plane of the u8 tile [m, n]
-        (the inner dim n is the tile's contiguous axis) -> (f32[R, m] integer dot, scale [R], min [R])."""
+    def int8_dot(x, tiles):
+        """x f32[R, n] quantized INT8 per row, dotted with each row's own (virtual) plane of the trip's u8
+        tiles [m, n] (the inner dim n is the tiles' contiguous axis) -> (f32[R, m] integer dot, scale [R],
+        min [R])."""
         xc, xs, xm = common.quantize_rows_int8_codes(x, interpret=interpret, fast=True, fast_div=True)
-        dots = [jnp.dot(xc, common.plane_int8_masked(tile, j, asm=asm, bits=bits).T, preferred_element_type=jnp.int32)
-                for j in range(C)]
+        dots = [jnp.dot(xc, common.trip_plane(tiles, j, common.plane_int8_masked, asm=asm, bits=bits).T,
+                        preferred_element_type=jnp.int32)
+                for j in range(T)]
         return common.select_rows(row_plane, dots).astype(jnp.float32), xs, xm
 
-    def fold_dot(x, tile):
-        """x f32[R, n] rounded to 16 bits, dotted with each row's own plane of the u8 tile [m, n] ->
-        (f32[R, m] = dot of the rounded x with the codes up to the plane offset, the rounded x f32[R, n])."""
+    def fold_dot(x, tiles):
+        """x f32[R, n] rounded to 16 bits, dotted with each row's own (virtual) plane of the trip's u8 tiles
+        [m, n] -> (f32[R, m] = dot of the rounded x with the codes up to the plane offset, the rounded x
+        f32[R, n])."""
         xr = x.astype(fold_dtype)
-        dots = [jnp.dot(xr, common.folded_plane(tile, j, dot_dtype, asm=asm, bits=bits).T,
+        dots = [jnp.dot(xr, common.trip_plane(tiles, j, common.folded_plane, dot_dtype, asm=asm, bits=bits).T,
                         preferred_element_type=jnp.float32)
-                for j in range(C)]
+                for j in range(T)]
         return fold_w * common.select_rows(row_plane, dots), xr.astype(jnp.float32)
 
     init = jax.lax.cond(
@@ -173,43 +179,44 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                            row_plane),
         lambda: common.empty_state(R, Pc, NP))
 
-    def body(packing_group, carry):
-        # One packing group gc = packing_group: blocks C gc + j (j < C), row (j, g) handles block C gc + j.
+    def body(trip, carry):
+        # One trip: blocks T trip + j (j < T) of one page (T // C packing groups), row (j, g) handles block
+        # T trip + j, read as plane j % C of the trip's packing group j // C (common.trip_plane).
         m, l, accs = carry
-        page, packing_group_in_page = ((packing_group, 0) if packing_groups_per_page == 1 else
-                                       (packing_group // packing_groups_per_page,
-                                        packing_group % packing_groups_per_page))
+        page, trip_in_page = ((trip, 0) if trips_per_page == 1 else
+                              (trip // trips_per_page, trip % trips_per_page))
         pid = page_indices_ref[b, page]
         pid = first_page + jnp.where((pid >= 0) & (pid < num_pages), pid, 0)  # outside the layer: its null page
-        code_row0 = packing_group_in_page * P
-        slot0 = packing_group_in_page * C  # block slot of plane 0 in the page
-        valid = C * packing_group + row_plane < num_blocks  # [R]
+        code_row0 = trip_in_page * (T // C * P)
+        code_rows = [code_row0 + i * P if i else code_row0 for i in range(T // C)]  # per packing group
+        slot0 = trip_in_page * T  # block slot of plane 0 in the page
+        valid = T * trip + row_plane < num_blocks  # [R]
 
-        def rows(xc):  # [C, X] per block of the group -> f32[R, X], row (j, g) = xc[j]
+        def rows(xc):  # [T, X] per block of the trip -> f32[R, X], row (j, g) = xc[j]
             xc = xc.astype(jnp.float32)
-            return jnp.broadcast_to(xc[:, None, :], (C, q_per_kv_pad, xc.shape[1])).reshape(R, xc.shape[1])
+            return jnp.broadcast_to(xc[:, None, :], (T, q_per_kv_pad, xc.shape[1])).reshape(R, xc.shape[1])
 
-        def per_channel(ref, channels):  # [C, Pc] block metadata (sigma, mu, omega) -> [R, Pc]
-            return rows(ref[pid, h, pl.ds(slot0, C), channels])
+        def per_channel(ref, channels):  # [T, Pc] block metadata (sigma, mu, omega) -> [R, Pc]
+            return rows(ref[pid, h, pl.ds(slot0, T), channels])
 
-        def per_token(ref, p):  # [C, P] per-token metadata (kappa, tau, nu), one strided tile -> [R, P]
-            return rows(ref[pid, h, pl.ds(slot0, C), :, p])
+        def per_token(ref, p):  # [T, P] per-token metadata (kappa, tau, nu), one strided tile -> [R, P]
+            return rows(ref[pid, h, pl.ds(slot0, T), :, p])
 
         # QK^T. int8: logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu;
         # folded: logit_j = sum_c r(q_c sigma_c) k_jc + q . mu (the plane offset folded into the constant)
         logits = jnp.zeros((R, P), jnp.float32)
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
-            k_tile = k_codes_ref[pid, h, pl.ds(code_row0, P), channels]  # u8[P, Pc]
+            k_tiles = [k_codes_ref[pid, h, pl.ds(r0, P), channels] for r0 in code_rows]  # T // C x u8[P, Pc]
             sigma = per_channel(k_scale_ref, channels)  # [R, Pc]
             mu = per_channel(k_min_ref, channels)  # [R, Pc]
             if int8:
                 kappa = per_token(k_sums_ref, p)  # [R, P]
-                dot, qs, qm = int8_dot(q[p] * sigma, k_tile)  # [R, P], [R], [R]
+                dot, qs, qm = int8_dot(q[p] * sigma, k_tiles)  # [R, P], [R], [R]
                 logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
                            + jnp.sum(q[p] * mu, axis=1)[:, None])
             else:
-                dot, a = fold_dot(q[p] * sigma, k_tile)  # [R, P], [R, Pc]
+                dot, a = fold_dot(q[p] * sigma, k_tiles)  # [R, P], [R, Pc]
                 logits += dot + jnp.sum(q[p] * mu - fold_off * a, axis=1)[:, None]
 
         mb = jnp.max(logits, axis=1)  # [R] block-local max (sealed blocks are full: no mask)
@@ -223,22 +230,22 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         new_accs = []
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
-            # u8[Pc, P], token-major: 4 consecutive tokens per 32-bit word, the MMA's B layout
-            v_tile = v_codes_ref[pid, h, channels, pl.ds(code_row0, P)]
+            # T // C x u8[Pc, P], token-major: 4 consecutive tokens per 32-bit word, the MMA's B layout
+            v_tiles = [v_codes_ref[pid, h, channels, pl.ds(r0, P)] for r0 in code_rows]
             tau = per_token(v_scale_ref, p)  # [R, P]
             nu = per_token(v_min_ref, p)  # [R, P]
             if int8:
                 omega = per_channel(v_sums_ref, channels)  # [R, Pc]
-                pv, ws, wm = int8_dot(w * tau, v_tile)  # [R, Pc], [R], [R]
+                pv, ws, wm = int8_dot(w * tau, v_tiles)  # [R, Pc], [R], [R]
                 out = (jnp.sum(w * nu, axis=1)[:, None] + wm[:, None] * omega) + (ws * plane_w)[:, None] * pv
             else:
-                pv, wt = fold_dot(w * tau, v_tile)  # [R, Pc], [R, P]
+                pv, wt = fold_dot(w * tau, v_tiles)  # [R, Pc], [R, P]
                 out = jnp.sum(w * nu - fold_off * wt, axis=1)[:, None] + pv
             new_accs.append(common.merge_acc(accs[p], out, alpha, beta, valid))
         return m_new, l_new, tuple(new_accs)
 
     m, l, accs = jax.lax.fori_loop(g_lo, g_hi, body, init)
-    m, l, accs = common.merge_streams(m, l, accs, C)  # [q_per_kv_pad], [q_per_kv_pad], NP x [q_per_kv_pad, Pc]
+    m, l, accs = common.merge_streams(m, l, accs, T)  # [q_per_kv_pad], [q_per_kv_pad], NP x [q_per_kv_pad, Pc]
     for p in range(NP):
         acc_ref[:, pl.ds(p * Pc, Pc)] = accs[p]
     m_ref[...] = m
@@ -276,9 +283,10 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     `choose_num_splits` minimizes that (a partial last wave costs a whole one)."""
     if dot_dtype not in DOT_DTYPES:
         raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {dot_dtype=}")
-    groups = max(1, pages_per_seq * page_size // (common.num_planes(bits) * partition_size))
+    trips = max(1, pages_per_seq * page_size // (common.blocks_per_trip(bits, page_size, partition_size)
+                                                 * partition_size))
     slots = RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms
-    splits, open_split = choose_num_splits(batch * num_kv_heads, groups, slots)
+    splits, open_split = choose_num_splits(batch * num_kv_heads, trips, slots)
     return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
 
 
@@ -323,8 +331,8 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     page_size = k_sums.shape[2]
     num_channel_groups = k_sums.shape[3]
     pages_per_seq = page_indices.shape[1]
-    planes = common.num_planes(bits)
-    pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=16 // planes)  # R = planes * pad >= 16
+    trip = common.blocks_per_trip(bits, page_size, partition_size)
+    pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=16 // trip)  # R = trip * pad >= 16
     splits = config.num_splits
     programs = splits + config.open_split
     # per-token metadata as [N, H, bpp, P, NP] (a free reshape): the kernel reads a block group's [4, P]
@@ -338,8 +346,8 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     kernel = functools.partial(
         _hack_decode_kernel, partition_size=partition_size, num_channel_groups=num_channel_groups,
         q_per_kv=num_q_heads // num_kv_heads, q_per_kv_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
-        packing_groups_per_page=page_size // (planes * partition_size), num_sink_tokens=num_sink_tokens,
-        num_pages=num_pages // num_layers, max_blocks=pages_per_seq * (page_size // partition_size),
+        num_sink_tokens=num_sink_tokens, num_pages=num_pages // num_layers,
+        max_blocks=pages_per_seq * (page_size // partition_size),
         num_splits=splits, open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret,
         open_full=open_full, bits=bits)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),

@@ -118,8 +118,8 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
     page_size = k_sums.shape[2]
     num_channel_groups = k_sums.shape[3]
-    planes = common.num_planes(bits)
-    pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=16 // planes)
+    pad = common.q_per_kv_pad(num_q_heads // num_kv_heads,
+                              at_least=16 // common.blocks_per_trip(bits, page_size, partition_size))
     programs = config.num_splits + config.open_split
     prev = kv_lens.astype(jnp.int32)
     after = prev + active.astype(jnp.int32)  # what the attention sees: append's kv_lens + active
@@ -137,8 +137,8 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         _fused_kernel, partition_size=partition_size, num_channel_groups=num_channel_groups,
         q_per_kv=num_q_heads // num_kv_heads,
         q_per_kv_pad=pad, sm_scale=1.0 / math.sqrt(head_dim),
-        packing_groups_per_page=page_size // (planes * partition_size), num_sink_tokens=num_sink_tokens,
-        num_pages=num_pages // num_layers, max_blocks=page_indices.shape[1] * (page_size // partition_size),
+        num_sink_tokens=num_sink_tokens, num_pages=num_pages // num_layers,
+        max_blocks=page_indices.shape[1] * (page_size // partition_size),
         num_splits=config.num_splits, open_split=config.open_split, dot_dtype=config.dot_dtype,
         interpret=interpret, bits=bits, write_sinks=write_sinks)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
@@ -163,8 +163,9 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     """decode_attention.default_config's split choice with this kernel's RESIDENT_PROGRAMS_PER_SM."""
     if dot_dtype not in DOT_DTYPES:
         raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {dot_dtype=}")
-    groups = max(1, pages_per_seq * page_size // (common.num_planes(bits) * partition_size))
-    splits, open_split = choose_num_splits(batch * num_kv_heads, groups, RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms)
+    trips = max(1, pages_per_seq * page_size // (common.blocks_per_trip(bits, page_size, partition_size)
+                                                 * partition_size))
+    splits, open_split = choose_num_splits(batch * num_kv_heads, trips, RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms)
     return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
 
 

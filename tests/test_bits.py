@@ -181,6 +181,52 @@ def test_decode(name, impl):
     assert (out[cache.lengths == 0] == 0).all()
 
 
+# 4 sinks, blocks of 32, pages of 4 blocks (B4_PAGE4, one 4-block loop trip per page): 100 = blocks 0-2 of
+# page 0 sealed, open block empty; 233 = page 1's blocks 4-6 sealed (its second packing group half
+# filled: block 6's nibble only) + 5 open tokens; 615 = 4 full pages + blocks 16-18 + 7 open; 37 = 1 block
+TRIP_LENGTHS = (100, 233, 615, 37)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dot_dtype", ["int8", "folded_f16", "folded_bf16"])
+def test_decode_four_block_trips(dot_dtype, num_splits):
+    """At 4 bits a page of 4 blocks is one loop trip of 4 virtual planes (common.blocks_per_trip): pages
+    whose second packing group is partly sealed, and 3 splits cutting the sequences inside (615 tokens:
+    5 trips, splits of 1 / 2 / 2). "int8": code for code with the twin; folded: within 2x the naive
+    rounding's error, as test_decode_folded_within_2x_naive."""
+    assert common.blocks_per_trip(4, B4_PAGE4.page_size, P) == 4 and common.blocks_per_trip(4, B4.page_size, P) == 2
+    cache = _cache(B4_PAGE4, lengths=TRIP_LENGTHS)
+    # make_q's default seed: seed 9 puts one of these 16 rows on a transient INT8 near-tie (err 7e-5, the same
+    # in the 2-block-trip kernel), more than FLIP_ROWS' 1% of so few rows
+    q = make_q((len(TRIP_LENGTHS), NUM_Q_HEADS, HEAD_DIM))
+    out = np.asarray(attention.decode_attention(q, cache.layer, page_indices=cache.table, kv_lens=cache.lengths,
+                                                **_impl("interpret", dot_dtype=dot_dtype, num_splits=num_splits)))
+    q_pos = (cache.lengths - 1)[:, None]
+    if dot_dtype == "int8":
+        check(out, twin.np_cache_attention(q[:, None], cache, q_pos)[:, 0], cache, "interpret", "kivi")
+        return
+    exact = twin.np_cache_attention(q[:, None], cache, q_pos, transient_int8=False)[:, 0]
+    rnd = {"folded_f16": np.float16, "folded_bf16": ml_dtypes.bfloat16}[dot_dtype]
+    naive = twin.np_cache_attention(q[:, None], cache, q_pos, round_to=rnd)[:, 0]
+    err, naive_err = np.abs(out - exact).max(), np.abs(naive - exact).max()
+    assert 0 < naive_err and err <= 2 * naive_err + TIGHT * np.abs(cache.v).max(), (err, naive_err)
+
+
+def test_split_heuristics_count_trips():
+    """default_config counts 4-block trips at 4 bits where the page allows, packing groups of 2 blocks
+    where it does not (pages of 2 P), as 2 bits counts its 4-block packing groups."""
+    from pallas_kernels import decode_attention, fused_decode_attention
+    for mod in (decode_attention, fused_decode_attention):
+        for page, trip in ((256, 4), (128, 2), (384, 2)):
+            kw = dict(batch=8, num_kv_heads=8, pages_per_seq=32768 // page, page_size=page, partition_size=64,
+                      dot_dtype="folded_f16")
+            cfg = mod.default_config(**kw, bits=4)
+            slots = mod.RESIDENT_PROGRAMS_PER_SM["folded_f16"] * decode_attention.H200_NUM_SMS
+            assert (cfg.num_splits, cfg.open_split) == decode_attention.choose_num_splits(64, 32768 // (trip * 64), slots)
+        assert mod.default_config(**dict(kw, page_size=256, pages_per_seq=128), bits=4) == mod.default_config(
+            **dict(kw, page_size=256, pages_per_seq=128), bits=2)
+
+
 def test_decode_seed_reference():
     cache = _cache(SEED4)
     q = make_q((len(LENGTHS), NUM_Q_HEADS, HEAD_DIM))
