@@ -18,7 +18,8 @@
 - Online softmax: `merge_state` or its two halves `merge_weights` + `merge_acc`, `merge_streams` (row
   blocks of one program), `lse_combine` (split-K partials, plain jnp).
 - The paged-kivi decode kernels' shared launch pieces (HACK and fused-dequant): `check_kivi_inputs`
-  and `q_per_kv_pad` (prefill's too), `split_range`, `load_q_rows`, `empty_state`,
+  and `q_per_kv_pad` (prefill's too), `blocks_per_trip` / `trip_plane` (a loop trip's 4 blocks: one 2-bit
+  packing group or two 4-bit ones), `split_range`, `load_q_rows`, `empty_state`,
   `sinks_and_open_block_state`,
   `combine_splits`, `full_spec`.
 - The per-token decode kernels' (fp8, int8, int4 / turbo) tile walk `per_token_tiles` and launch

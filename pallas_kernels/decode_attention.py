@@ -29,13 +29,16 @@ two nibble planes) and everything below that says 4 blocks / planes says C = 8 /
   page_indices i32[S, pages_per_seq];  kv_lens i32[S] (sinks + sealed + open tokens, the new one included)
 
 Structure. Grid (batch, num_kv_heads, programs): one program serves the q_per_kv query heads of a kv
-head over a contiguous range of packing groups (4 blocks: one u8[P, Pc] K tile and one u8[Pc, P] V tile
-per channel group; `common.split_range` balances the groups over the splits). Its R = 4 * q_per_kv_pad
-rows (q_per_kv_pad = max(4, next_pow2(q_per_kv)), so R >= 16, the dot's M; 4 bits: R = 2 * q_per_kv_pad
-with q_per_kv_pad = max(8, ...)) are (plane j, head g): row
-(j, g) handles block j of every group and carries its own online softmax; the 4 dots per tile (one per
-2-bit plane) keep each row's own plane. Block metadata are read once per group as [4, X] tiles and
-broadcast to the rows. The 4 row streams merge at the end of the program, the splits by log-sum-exp outside the kernel. Sinks and
+head over a contiguous range of loop trips of 4 blocks each (2 bits: one packing group, one u8[P, Pc] K tile
+and one u8[Pc, P] V tile per channel group; 4 bits: two consecutive packing groups of one page, two tiles
+each, read as 4 virtual planes, plane j = nibble j % 2 of tile j // 2 (`common.trip_plane`); a 4-bit page
+of an odd number of packing groups keeps trips of one group, 2 blocks: `common.blocks_per_trip`;
+`common.split_range` balances the trips over the splits). Its R = 4 * q_per_kv_pad rows (q_per_kv_pad =
+max(4, next_pow2(q_per_kv)), so R >= 16, the dot's M; 2-block trips: R = 2 * q_per_kv_pad with
+q_per_kv_pad = max(8, ...)) are (plane j, head g): row (j, g) handles block j of every trip and carries its
+own online softmax; the 4 dots per tile set (one per plane) keep each row's own plane. Block metadata are
+read once per trip as [4, X] tiles and broadcast to the rows. The 4 row streams merge at the end of the
+program, the splits by log-sum-exp outside the kernel. Sinks and
 the open block run in split 0, or in a program of their own (KernelConfig.open_split). On the GPU the
 code planes are unpacked by inline PTX (4 codes per 32-bit register) and the INT8 rounding / division /
 exp use single PTX instructions (common.py); interpret mode computes the same values with jnp.
@@ -103,7 +106,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     # offsets_ref       i32[2]: (first page, first sequence row) of the layer read, in the arrays below
     #                   (0, 0) for one layer's own arrays; (i N, i S) for layer i of a stacked cache seen flat
     # q_ref             float[S, Hq, D]
-    # k_codes_ref       u8[N, H, page_size // C, D]   C = 8 // bits planes (blocks) per packing group
+    # k_codes_ref       u8[N, H, page_size // C, D]   C = 8 // bits planes (blocks) per packing group; a
+    #                   loop trip reads T = common.blocks_per_trip blocks = T // C packing groups of one page
     # k_scale_ref, k_min_ref  f16[N, H, bpp, D]
     # k_sums_ref        u8|u16[N, H, bpp, P, NP]   (the wrapper's free reshape of [N, H, page_size, NP])
     # v_codes_ref       u8[N, H, D, page_size // C]   (token-major)
@@ -278,7 +282,8 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
                    partition_size: int, dot_dtype: DotDtype = "int8", num_sms: int = H200_NUM_SMS,
                    bits: int = 2) -> KernelConfig:
     """Splits from the H200 runs (bench/NOTES_decode.md): the kernel is latency-bound and a program's
-    time is ~linear in its packing groups, so the time is ~ waves x groups per program, with
+    time is ~linear in its loop trips (`common.blocks_per_trip` blocks: one 2-bit packing group, two
+    4-bit ones where the page allows), so the time is ~ waves x trips per program, with
     RESIDENT_PROGRAMS_PER_SM[dot_dtype] x num_sms programs per wave (set by the register count);
     `choose_num_splits` minimizes that (a partial last wave costs a whole one)."""
     if dot_dtype not in DOT_DTYPES:
