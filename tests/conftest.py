@@ -1,9 +1,4 @@
-"""Shared pytest setup: the `gpu` marker's auto-skip, float32 JAX, fast deterministic hypothesis, a
-per-session compilation cache."""
-
-import os
-import shutil
-import tempfile
+"""Shared pytest setup: the `gpu` marker's auto-skip, float32 JAX, fast deterministic hypothesis."""
 
 import jax
 import numpy as np
@@ -16,22 +11,6 @@ jax.config.update("jax_enable_x64", False)
 # Derandomized so CI is reproducible; no example database written into the work tree.
 settings.register_profile("hack", max_examples=20, deadline=None, derandomize=True, database=None)
 settings.load_profile("hack")
-
-# Every Stepper (so every Generator / Engine) compiles its own executables, and many tests build the same
-# programs again (the same tiny model and cache geometry): a persistent compilation cache, fresh per session
-# (nothing carries over between runs), turns those repeats into loads. It changes which compile runs, not
-# what is compiled. Subprocesses (tests/test_sharding.py's pytest) find it in the environment and keep it.
-_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
-_COMPILE_CACHE = tempfile.mkdtemp(prefix="hack-jax-test-xla-") if _OWN_CACHE else os.environ["JAX_COMPILATION_CACHE_DIR"]
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILE_CACHE
-jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def pytest_unconfigure(config):
-    if _OWN_CACHE:
-        shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
