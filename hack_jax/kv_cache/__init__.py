@@ -369,6 +369,19 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
     return _compiled(ops.write_prefill)(layer, k, v, lengths, page_indices, start, key)
 
 
+def _host_lengths(name: str, kv_lens, active):
+    """(kv_lens, active) as NumPy arrays, checked for seals_block / writes_sink: [max_seqs] each, integer
+    lengths, bool active (ValueError / TypeError naming `name` otherwise)."""
+    lens, act = np.asarray(kv_lens), np.asarray(active)
+    if lens.ndim != 1 or act.shape != lens.shape:
+        raise ValueError(f"{name}: kv_lens and active must be [max_seqs] of one shape, got "
+                         f"{lens.shape=} {act.shape=}")
+    paging.check_index_dtype(name, kv_lens=lens)
+    if act.size and act.dtype != bool:
+        raise TypeError(f"{name}: active must be bool, got dtype {act.dtype}")
+    return lens, act
+
+
 def seals_block(config: QuantConfig, kv_lens, active) -> bool:
     """Host-side: does an `append` after which the slots hold kv_lens (int[S], as append's kv_lens:
     the new token included) fill some active slot's open region, so that its blocks must be sealed
@@ -379,13 +392,7 @@ def seals_block(config: QuantConfig, kv_lens, active) -> bool:
     W tokens at batch 1). NumPy only (no device sync)."""
     if isinstance(config, LayerFormats):  # a step seals if some layer's format seals
         return any(seals_block(c, kv_lens, active) for c in config.distinct)
-    lens, act = np.asarray(kv_lens), np.asarray(active)
-    if lens.ndim != 1 or act.shape != lens.shape:
-        raise ValueError(f"seals_block: kv_lens and active must be [max_seqs] of one shape, got "
-                         f"{lens.shape=} {act.shape=}")
-    paging.check_index_dtype("seals_block", kv_lens=lens)
-    if act.size and act.dtype != bool:
-        raise TypeError(f"seals_block: active must be bool, got dtype {act.dtype}")
+    lens, act = _host_lengths("seals_block", kv_lens, active)
     if not FORMATS[format_of(config)].blocked:
         return False
     lens = lens.astype(np.int64)
@@ -402,13 +409,7 @@ def writes_sink(config: QuantConfig, kv_lens, active) -> bool:
     sequence holds num_sink_tokens tokens: always after a prompt of that many). NumPy only."""
     if isinstance(config, LayerFormats):
         return any(writes_sink(c, kv_lens, active) for c in config.distinct)
-    lens, act = np.asarray(kv_lens), np.asarray(active)
-    if lens.ndim != 1 or act.shape != lens.shape:
-        raise ValueError(f"writes_sink: kv_lens and active must be [max_seqs] of one shape, got "
-                         f"{lens.shape=} {act.shape=}")
-    paging.check_index_dtype("writes_sink", kv_lens=lens)
-    if act.size and act.dtype != bool:
-        raise TypeError(f"writes_sink: active must be bool, got dtype {act.dtype}")
+    lens, act = _host_lengths("writes_sink", kv_lens, active)
     ns = sink_tokens(config)
     return bool(np.any(act & (lens >= 1) & (lens <= ns)))
 
