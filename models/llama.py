@@ -97,6 +97,11 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
   return nnx.Param((std * jax.random.normal(rngs.params(), shape, f32)).astype(dtype))
 
 
+def pad_rows(x: jax.Array, rows: int = 2) -> jax.Array:
+  """x [B, ...] with zero rows appended up to `rows` along B."""
+  return jnp.concatenate([x, jnp.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)])
+
+
 class Attention(nnx.Module):
   """GQA self-attention with RoPE and optional q/k/v bias (qwen2)."""
 
@@ -118,9 +123,10 @@ class Attention(nnx.Module):
     attention: the backend (prefill / decode methods). Returns (new layer cache or None,
     out [B, T, D] in x.dtype)."""
     c = self.config
-    q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...])
-    k = jnp.einsum("BTD,DKH->BTKH", x, self.k[...])
-    v = jnp.einsum("BTD,DKH->BTKH", x, self.v[...])
+    rows = positions.shape[0]  # x may carry zero rows past them (Llama.run, one token)
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...])[:rows]
+    k = jnp.einsum("BTD,DKH->BTKH", x, self.k[...])[:rows]
+    v = jnp.einsum("BTD,DKH->BTKH", x, self.v[...])[:rows]
     if c.qkv_bias:
       q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
     q = rope(q, positions, c.rope_theta, c.rope_freq_factors)
@@ -132,7 +138,10 @@ class Attention(nnx.Module):
     else:
       cache, out = attention.decode(q[:, 0], k[:, 0], v[:, 0], cache, step, layer_index=layer_index)
       out = out[:, None]
-    return cache, jnp.einsum("BTNH,NHD->BTD", out.astype(x.dtype), self.o[...])
+    out = out.astype(x.dtype)
+    if x.shape[0] > rows:
+      out = pad_rows(out, x.shape[0])
+    return cache, jnp.einsum("BTNH,NHD->BTD", out, self.o[...])
 
 
 class MLP(nnx.Module):
@@ -273,6 +282,14 @@ class Llama(nnx.Module):
     """
     attention = self.config.attention if attention is None else attention
     x = jnp.take(self.embed[...], tokens, axis=0)
+    # One token (a batch-1 decode step) runs the layers on two rows, the second zero, dropped at the
+    # end (the attention computes the real rows only): XLA:GPU rewrites a vector x matrix dot whose
+    # operands hold < 1e7 elements (the K / V projections of 7-8B models) into a product it writes out
+    # and a reduction, and its one-row GEMMs are slower than two-row ones: 15-20% of a Llama-3.1-8B
+    # batch-1 step (bench/probe_gemv.py, bench/NOTES_generate.md).
+    one_row = x.shape[0] * x.shape[1] == 1
+    if one_row:
+      x = pad_rows(x)
     layers = None if cache is None else cache.layers
     if self.config.scan_layers and layers is None:
       x, _ = self._scan(x, positions, None, step, attention)
@@ -290,7 +307,7 @@ class Llama(nnx.Module):
       layers = tuple(layers)
     if cache is not None:
       cache = dataclasses.replace(cache, layers=layers)
-    return cache, self.final_norm(x)
+    return cache, self.final_norm(x[:1] if one_row else x)
 
   def _unrolled_in_place(self, x, positions, layers, step, attention):
     """The unrolled layer loop over a stacked cache, nothing copied per layer. A backend that takes

@@ -102,6 +102,15 @@ def test_logits_match_float64_oracle(ckpt, model, speech_ids):
   assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
+def test_one_token_forward_matches_float64_oracle(ckpt, model, speech_ids):
+  # One token runs the layers on two rows, the second zero (models.llama.Llama.run, for XLA:GPU's
+  # batch-1 dots); a row mix-up or a padding row leaking into the attention changes the logits by O(1).
+  got = np.asarray(_full_forward(model)(model, jnp.asarray([speech_ids[:1]])))[0]
+  want = oracle_logits(ckpt.path, speech_ids[:1])
+  assert got.shape == want.shape
+  assert np.abs(got - want).max() < 5e-4
+
+
 def test_perplexity_check_value(model, ckpt, speech_ids):
   gen = Generator(model, ckpt.tokenizer, QuantConfig(kv_format="float32"), max_seqs=1,
                   max_len=512)
@@ -559,3 +568,4 @@ def test_generator_edge_inputs_on_a_tiny_model():
     gen.generate_ids([[5, 6]], 2, forced=np.array([[1.5, 2.5]]))
   with pytest.raises(TypeError, match="max_len must be an int"):
     Generator(model, ckpt.tokenizer, QuantConfig(), max_len=100.0)
+
