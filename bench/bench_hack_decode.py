@@ -59,8 +59,8 @@ DOTS = ("int8", "folded_f16", "folded_bf16")  # decode_attention.DOT_DTYPES
 
 
 def variants(batch, kv_len, specs, bits=2):
-    """specs: NAME=DOT (default_config of operand mode DOT: int8 | folded_f16 | folded_bf16; "default" =
-    int8), NAME=bf16paged (the bf16 paged kernel on a bf16 cache of the same length), or
+    """specs: NAME=DOT (default_config of operand mode DOT: int8 | folded_f16 | folded_bf16 | folded_f16i
+    (folded_f16 with KernelConfig.interleaved); "default" = int8), NAME=bf16paged (the bf16 paged kernel on a bf16 cache of the same length), or
     NAME=DOT:SPLITS:WARPS:STAGES with DOT an operand mode or dequant, SPLITS a number or d
     (default_config's, with its open_split), e.g. fold_w8=folded_f16:d:8:2. (The INT8-in-float dots and the
     KernelConfig flags of earlier runs are gone: their settled choices are the code; bench/NOTES_decode.md.)"""
@@ -73,10 +73,13 @@ def variants(batch, kv_len, specs, bits=2):
             continue
         dot, *launch = rest.split(":")
         dot = "int8" if dot == "default" else dot
+        interleaved = dot == "folded_f16i"  # folded_f16 with KernelConfig.interleaved
+        dot = "folded_f16" if interleaved else dot
         if dot not in DOTS + ("dequant",):
-            raise ValueError(f"variant {spec!r}: operand mode must be one of {DOTS + ('dequant',)}")
+            raise ValueError(f"variant {spec!r}: operand mode must be one of {DOTS + ('dequant', 'folded_f16i')}")
         base = default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=pps, page_size=PAGE, partition_size=P,
                               dot_dtype="int8" if dot == "dequant" else dot, bits=bits)
+        base = dataclasses.replace(base, interleaved=interleaved)
         fn = dequant_decode_attention if dot == "dequant" else hack_decode_attention
         if not launch:
             out.append((name, fn, base))

@@ -178,6 +178,74 @@ def folded_plane(tile: jax.Array, j: int, dot_dtype: str, *, asm: bool, bits: in
     return out
 
 
+# Interleaved f16 planes (KernelConfig.interleaved): a 32-bit word of 4 code bytes k..k+3 unpacks without
+# byte permutes, bytes 0 and 2 into one f16x2 register, bytes 1 and 3 into the other, so a plane's
+# elements along the packed (contiguous) axis come in the order INTERLEAVE within each aligned group of
+# 4; the kernel reads the dot's other operand in the same order, which leaves the dot unchanged. Plane
+# j's field sits at bits INTERLEAVED_TOPS[bits][j] (value 1024 + code * 2**top): 2 bits 4 or 6, so the
+# 4 planes of a word need 3 shifts (<< 4, >> 4, >> 8) and one LOP3 (and + or) per 2 codes; the offset
+# is ~43x the mean code at top 4 (float32 sums keep all but ~5.4 bits; `folded_plane`'s top 6: ~3.5).
+INTERLEAVE = (0, 2, 1, 3)
+INTERLEAVED_TOPS = {2: (4, 6, 4, 6), 4: (4, 4)}
+
+
+def interleaved_plane_constants(bits: int = 2):
+    """Per plane j: (weight, offset) of `interleaved_plane`: dot(a, plane_j) * weight_j - offset_j * sum(a)
+    = dot(a, codes_j) (f16: magic 1024)."""
+    return tuple((2.0 ** -t, 1024.0 * 2.0 ** -t) for t in INTERLEAVED_TOPS[bits])
+
+
+def interleave(x: jax.Array, axis: int = -1) -> jax.Array:
+    """x with each aligned group of 4 along `axis` taken in INTERLEAVE order (its own inverse)."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    g = x.reshape(*x.shape[:axis], n // 4, 4, *x.shape[axis + 1:])
+    parts = [jax.lax.index_in_dim(g, i, axis + 1, keepdims=False) for i in INTERLEAVE]
+    return jnp.stack(parts, axis=axis + 1).reshape(x.shape)
+
+
+def interleaved_index(n: int) -> jax.Array:
+    """i32[n]: position i of an interleaved axis reads element interleaved_index(n)[i] (INTERLEAVE within
+    aligned groups of 4), for loads of the operand that meets an `interleaved_plane` in a dot."""
+    i = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+    low = i % 4
+    return i - low + jnp.where((low == 1) | (low == 2), 3 - low, low)
+
+
+def interleaved_word_ops(j: int, bits: int = 2):
+    """Plane j's two f16x2 results of a 32-bit word w as ((shift_lo, shift_hi), mask): lo = (w <<< shift_lo)
+    & mask | 0x64006400 holds bytes 0 and 2, hi = (w <<< shift_hi) & mask | 0x64006400 bytes 1 and 3
+    (<<< a left shift, negative: right)."""
+    top = INTERLEAVED_TOPS[bits][j]
+    lo = top - bits * j
+    mask = ((1 << bits) - 1) << top
+    return (lo, lo - 8), mask | (mask << 16)
+
+
+def interleaved_plane(tile: jax.Array, j: int, *, asm: bool, bits: int = 2) -> jax.Array:
+    """Plane j of a u8 code tile as f16 1024 + code_j * 2**INTERLEAVED_TOPS[bits][j], exact, its last axis
+    in INTERLEAVE order within aligned groups of 4 (`interleave`). asm (GPU only): per 32-bit word of 4
+    bytes, `interleaved_word_ops`' two shifts (shared by a word's planes: ptxas keeps one of each) and
+    two and+or (one LOP3 each); jnp (interpret mode): the same values, permuted by `interleave`."""
+    top = INTERLEAVED_TOPS[bits][j]
+    if not asm:
+        code = (tile >> jnp.uint8(bits * j)) & jnp.uint8((1 << bits) - 1) if j else tile & jnp.uint8((1 << bits) - 1)
+        value = (code.astype(jnp.uint16) << jnp.uint16(top)) | jnp.uint16(0x6400)
+        return interleave(jax.lax.bitcast_convert_type(value, jnp.float16))
+    (lo, hi), mask = interleaved_word_ops(j, bits)
+
+    def move(dst, shift):
+        return (f"shl.b32 {dst}, $2, {shift}; " if shift > 0 else f"shr.b32 {dst}, $2, {-shift}; " if shift < 0
+                else f"mov.b32 {dst}, $2; ")
+    # lop3 0xEA = (a & b) | c, the magic in a register (SASS LOP3 takes one immediate)
+    body = (f"{{ .reg .b32 t, u, m; mov.b32 m, 0x64006400; {move('t', lo)}{move('u', hi)}"
+            f"lop3.b32 $0, t, 0x{mask:08X}, m, 0xEA; lop3.b32 $1, u, 0x{mask:08X}, m, 0xEA; }}")
+    [out] = pltriton.elementwise_inline_asm(
+        body, args=[tile], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.float16)])
+    return out
+
+
 def int_dot(a: jax.Array, b: jax.Array, dot_dtype: str, *, trans_b: bool = False) -> jax.Array:
     """Exact dot of integer-valued operands (2-D, same dtype), returned as float32.
 
@@ -628,14 +696,21 @@ def split_range(split, num_packing_groups, num_splits):
     return split * num_packing_groups // num_splits, (split + 1) * num_packing_groups // num_splits
 
 
-def load_q_rows(q_ref, b, h, *, q_per_kv, q_per_kv_pad, num_channel_groups, sm_scale, planes=NUM_PLANES):
+def load_q_rows(q_ref, b, h, *, q_per_kv, q_per_kv_pad, num_channel_groups, sm_scale, planes=NUM_PLANES,
+                interleaved=False):
     """NP x f32[R, Pc]: q * sm_scale in the (plane j, head g) row layout, R = planes * q_per_kv_pad rows,
-    gathered from q_ref float[S, Hq, D] (row (j, g) = query head h * q_per_kv + g; rows g >= q_per_kv are 0)."""
+    gathered from q_ref float[S, Hq, D] (row (j, g) = query head h * q_per_kv + g; rows g >= q_per_kv are 0).
+    interleaved: each channel group's channels in `interleave` order (to meet `interleaved_plane` K codes)."""
     R = planes * q_per_kv_pad
     Pc = q_ref.shape[-1] // num_channel_groups
     g = jax.lax.broadcasted_iota(jnp.int32, (R,), 0) % q_per_kv_pad
     head = h * q_per_kv + jnp.minimum(g, q_per_kv - 1)  # [R]
-    return [jnp.where((g < q_per_kv)[:, None], q_ref[b, head, pl.ds(p * Pc, Pc)].astype(jnp.float32) * sm_scale, 0.0)
+
+    def load(p):
+        if not interleaved:
+            return q_ref[b, head, pl.ds(p * Pc, Pc)]
+        return q_ref[b, head[:, None], (p * Pc + interleaved_index(Pc))[None, :]]
+    return [jnp.where((g < q_per_kv)[:, None], load(p).astype(jnp.float32) * sm_scale, 0.0)
             for p in range(num_channel_groups)]
 
 

@@ -100,7 +100,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                         k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref, open_k_ref,
                         open_v_ref, *refs, partition_size, num_channel_groups, q_per_kv, q_per_kv_pad,
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split,
-                        sm_scale, dot_dtype, interpret, open_full=False, bits=2, open_state=common.sinks_and_open_block_state):
+                        sm_scale, dot_dtype, interpret, open_full=False, bits=2, interleaved=False,
+                        open_state=common.sinks_and_open_block_state):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]   layer-local page ids
     # offsets_ref       i32[2]: (first page, first sequence row) of the layer read, in the arrays below
@@ -153,9 +154,19 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     int8 = dot_dtype == "int8"
     if int8:
         plane_w = common.masked_plane_weights(row_plane, bits, T)  # [R]
+    elif interleaved:  # folded_f16 with common.interleaved_plane: per-plane constants, as [R, 1] columns
+        fold_dtype = jnp.float16
+        consts = common.interleaved_plane_constants(bits)
+        fold_w, fold_off = (sum(jnp.where(row_plane % C == j, c[i], 0.0) for j, c in enumerate(consts))[:, None]
+                            for i in range(2))
+        qi = common.load_q_rows(q_ref, b, h, q_per_kv=q_per_kv, q_per_kv_pad=q_per_kv_pad, num_channel_groups=NP,
+                                sm_scale=sm_scale, planes=T, interleaved=True)
+        perm_c, perm_t = common.interleaved_index(Pc), common.interleaved_index(P)
     else:
         fold_dtype = common.FOLDED_PLANES[dot_dtype][0]
         fold_w, fold_off = common.folded_plane_constants(dot_dtype, bits)
+    if not interleaved:
+        qi = q
 
     def int8_dot(x, tiles):
         """x f32[R, n] quantized INT8 per row, dotted with each row's own (virtual) plane of the trip's u8
@@ -172,8 +183,9 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         [m, n] -> (f32[R, m] = dot of the rounded x with the codes up to the plane offset, the rounded x
         f32[R, n])."""
         xr = x.astype(fold_dtype)
-        dots = [jnp.dot(xr, common.trip_plane(tiles, j, common.folded_plane, dot_dtype, asm=asm, bits=bits).T,
-                        preferred_element_type=jnp.float32)
+        plane = (functools.partial(common.trip_plane, plane_fn=common.interleaved_plane) if interleaved else
+                 functools.partial(common.trip_plane, plane_fn=common.folded_plane, dot_dtype=dot_dtype))
+        dots = [jnp.dot(xr, plane(tiles, j, asm=asm, bits=bits).T, preferred_element_type=jnp.float32)
                 for j in range(T)]
         return fold_w * common.select_rows(row_plane, dots), xr.astype(jnp.float32)
 
@@ -200,18 +212,30 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
             xc = xc.astype(jnp.float32)
             return jnp.broadcast_to(xc[:, None, :], (T, q_per_kv_pad, xc.shape[1])).reshape(R, xc.shape[1])
 
+        slots = (slot0 + jax.lax.broadcasted_iota(jnp.int32, (T,), 0))[:, None] if interleaved else None
+
         def per_channel(ref, channels):  # [T, Pc] block metadata (sigma, mu, omega) -> [R, Pc]
+            if interleaved:  # channels in the K planes' order
+                return rows(ref[pid, h, slots, (channels.start + perm_c)[None, :]])
             return rows(ref[pid, h, pl.ds(slot0, T), channels])
 
         def per_token(ref, p):  # [T, P] per-token metadata (kappa, tau, nu), one strided tile -> [R, P]
+            if interleaved:  # tokens in the order the permuted K rows gave the logits
+                return rows(ref[pid, h, slots, perm_t[None, :], p])
             return rows(ref[pid, h, pl.ds(slot0, T), :, p])
+
+        def k_tile(r0, channels):  # u8[P, Pc] of a packing group (interleaved: rows = tokens permuted)
+            if interleaved:
+                return k_codes_ref[pid, h, (r0 + perm_t)[:, None],
+                                   (channels.start + jax.lax.broadcasted_iota(jnp.int32, (Pc,), 0))[None, :]]
+            return k_codes_ref[pid, h, pl.ds(r0, P), channels]
 
         # QK^T. int8: logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu;
         # folded: logit_j = sum_c r(q_c sigma_c) k_jc + q . mu (the plane offset folded into the constant)
         logits = jnp.zeros((R, P), jnp.float32)
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
-            k_tiles = [k_codes_ref[pid, h, pl.ds(r0, P), channels] for r0 in code_rows]  # T // C x u8[P, Pc]
+            k_tiles = [k_tile(r0, channels) for r0 in code_rows]  # T // C x u8[P, Pc]
             sigma = per_channel(k_scale_ref, channels)  # [R, Pc]
             mu = per_channel(k_min_ref, channels)  # [R, Pc]
             if int8:
@@ -220,8 +244,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                 logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
                            + jnp.sum(q[p] * mu, axis=1)[:, None])
             else:
-                dot, a = fold_dot(q[p] * sigma, k_tiles)  # [R, P], [R, Pc]
-                logits += dot + jnp.sum(q[p] * mu - fold_off * a, axis=1)[:, None]
+                dot, a = fold_dot(qi[p] * sigma, k_tiles)  # [R, P], [R, Pc]
+                logits += dot + jnp.sum(qi[p] * mu - fold_off * a, axis=1)[:, None]
 
         mb = jnp.max(logits, axis=1)  # [R] block-local max (sealed blocks are full: no mask)
         w = exp(logits - mb[:, None])  # [R, P]
@@ -269,13 +293,17 @@ class KernelConfig:
     program per (sequence, kv head) for the sinks and the open block alone (short sequences; otherwise
     split 0 does them after its packing groups; the dequant baseline ignores it). dot_dtype: the operand
     mode (module docstring). num_warps, num_stages: Triton's (4 and 2 measured best for "int8"; the
-    folded modes use more registers, so their best warp count is still open)."""
+    folded modes use more registers, so their best warp count is still open). interleaved ("folded_f16",
+    2-bit codes only): the codes unpacked by `common.interleaved_plane` (no byte permutes; the K rows, q,
+    sigma, mu, tau and nu read in the matching order), the same dots; 4.6% fewer loop instructions offline
+    (bench/NOTES_decode.md, session 12), not yet timed on a GPU, so off by default."""
 
     num_splits: int = 1
     open_split: bool = False
     dot_dtype: DotDtype = "int8"
     num_warps: int = 4
     num_stages: int = 2
+    interleaved: bool = False
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
@@ -354,6 +382,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         num_sink_tokens=num_sink_tokens, num_pages=num_pages // num_layers,
         max_blocks=pages_per_seq * (page_size // partition_size),
         num_splits=splits, open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret,
+        interleaved=config.interleaved,
         open_full=open_full, bits=bits)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
@@ -447,4 +476,8 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
         config = dataclasses.replace(config, num_splits=num_splits)
     if not isinstance(config.num_splits, int) or config.num_splits < 1:
         raise ValueError(f"config.num_splits must be a positive int, got {config.num_splits=}")
+    if config.interleaved is not False and (config.interleaved is not True or config.dot_dtype != "folded_f16"
+                                            or bits != 2):
+        raise ValueError(f"config.interleaved=True needs dot_dtype 'folded_f16' and 2-bit codes (at 4 bits it "
+                         f"saves nothing), got {config.interleaved=}, {config.dot_dtype=}, {bits=}")
     return config

@@ -140,7 +140,7 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         num_sink_tokens=num_sink_tokens, num_pages=num_pages // num_layers,
         max_blocks=page_indices.shape[1] * (page_size // partition_size),
         num_splits=config.num_splits, open_split=config.open_split, dot_dtype=config.dot_dtype,
-        interpret=interpret, bits=bits, write_sinks=write_sinks)
+        interpret=interpret, bits=bits, write_sinks=write_sinks, interleaved=config.interleaved)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]

@@ -589,6 +589,55 @@ def test_folded_plane_bits():
             np.testing.assert_array_equal(weight * x - offset, (codes >> (2 * j)) & 3)
 
 
+def test_interleaved_plane_bits():
+    """common.interleaved_plane (jnp form) gives 1024 + code * 2**top for every byte and plane, in
+    INTERLEAVE order (0, 2, 1, 3) within each group of 4, and interleaved_plane_constants undo it; the
+    GPU form's word operations (interleaved_word_ops: shift, and, or on 32-bit words of 4 bytes, emulated
+    here in NumPy) give the same 16-bit values."""
+    rng = np.random.default_rng(11)
+    for bits in (2, 4):
+        tile = rng.integers(0, 256, (8, 32)).astype(np.uint8)
+        words = tile.view("<u4")  # [8, 8]: bytes k..k+3 of a row, byte 0 lowest
+        for j, (weight, offset) in enumerate(common.interleaved_plane_constants(bits)):
+            codes = (tile.astype(np.int64) >> (bits * j)) & ((1 << bits) - 1)
+            want = codes.reshape(8, 8, 4)[:, :, [0, 2, 1, 3]].reshape(8, 32)
+            got = np.asarray(common.interleaved_plane(jnp.asarray(tile), j, asm=False, bits=bits), np.float64)
+            np.testing.assert_array_equal(weight * got - offset, want)
+            (lo, hi), mask = common.interleaved_word_ops(j, bits)
+            halves = []
+            for shift in (lo, hi):
+                w = words.astype(np.uint64)
+                w = (w << np.uint64(shift)) if shift > 0 else (w >> np.uint64(-shift))
+                r = ((w & np.uint64(mask)) | np.uint64(0x64006400)).astype(np.uint32)
+                halves.append(r.view("<u2").reshape(8, 8, 2))  # (bytes 0, 2) or (bytes 1, 3) of each word
+            emulated = np.stack([halves[0][..., 0], halves[0][..., 1], halves[1][..., 0], halves[1][..., 1]], -1)
+            np.testing.assert_array_equal(emulated.reshape(8, 32).view(np.float16).astype(np.float64), got)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", [ODD_CASE, CASE["d64_P32_g4_s3"], CASE["d64_P64_g3_page8P_s4"]],
+                         ids=["llama", "d64_P32_s3", "g3_page8P_s4"])
+def test_interleaved_kernel_within_2x_naive_f16(case, mode):
+    """KernelConfig(interleaved=True): the folded f16 path with planes unpacked without byte permutes and
+    the K rows, q, sigma, mu, tau, nu read in the planes' order, vs float64 attention over the
+    dequantized cache: within 2x of the naive f16 math, as the folded path; open_split too."""
+    q, c = build(case, seed=2)
+    for open_split in (False, True):
+        cfg = KernelConfig(num_splits=case.num_splits, open_split=open_split, dot_dtype="folded_f16",
+                           interleaved=True)
+        out = run_config(q, c, case, cfg, mode)
+        assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
+        err, naive = within_2x_naive(out, q, c, case, "folded_f16")
+        assert err <= 2 * naive + TIGHT * v_scale_of(c), (err, naive, open_split)
+
+
+def test_interleaved_needs_folded_f16():
+    q, c = build(ODD_CASE, seed=0)
+    for dot in ("int8", "folded_bf16"):
+        with pytest.raises(ValueError, match="interleaved"):
+            run_config(q, c, ODD_CASE, KernelConfig(dot_dtype=dot, interleaved=True), "interpret")
+
+
 # ----------------------------------------------------------------------------------------------
 # Tests: dequant baseline
 # ----------------------------------------------------------------------------------------------

@@ -88,6 +88,32 @@ def test_fused_step_matches_append_then_attention(config, mode):
     assert err <= (TIGHT if mode == "interpret" else FLIP_BOUND) * scale, (err, scale)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_interleaved_matches_folded(mode):
+    """The fused kernel with KernelConfig.interleaved (folded f16 codes unpacked without byte permutes)
+    writes what append writes and attends as the unfused folded_f16 kernel does, up to the float32 sums
+    of its smaller plane offsets."""
+    q, k_new, v_new, layer, table, (_, v) = step_inputs()
+    kw = dict(page_indices=jnp.asarray(table), kv_lens=jnp.asarray(PREV + ACTIVE), active=jnp.asarray(ACTIVE),
+              impl="pallas", interpret=mode == "interpret")
+    inter = KernelConfig(num_splits=2, dot_dtype="folded_f16", interleaved=True)
+    fused_layer, out = attention.decode_step(q, k_new, v_new, layer, seal="never", fuse=True, config=inter, **kw)
+    _, ref = attention.decode_step(q, k_new, v_new, layer, seal="always",
+                                   config=KernelConfig(num_splits=2, dot_dtype="folded_f16"), **kw)
+    want = kv_cache.append(layer, k_new, v_new, kv_lens=PREV + ACTIVE, active=ACTIVE, page_indices=table,
+                           seal="never")
+    for f in dataclasses.fields(want):
+        if f.name != "config":
+            np.testing.assert_array_equal(_comparable(getattr(fused_layer, f.name)),
+                                          _comparable(getattr(want, f.name)), err_msg=f.name)
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert np.isfinite(out).all()
+    scale = float(np.abs(v).max())
+    # measured 1.8e-5 * max|V| (the planes at bits 4-5 keep ~2 fewer bits of the float32 sums, and the
+    # MMA sums run in another order); a plane, row or token order off gives errors of order max|V|
+    assert np.abs(out - ref).max() <= 1e-4 * scale
+
+
 def test_fused_step_rejects_what_append_rejects():
     """The fused path runs append's checks first: a broken seal="never" promise and a bad `active` raise
     ValueError naming the value, before any kernel runs (the layer is a value: nothing to roll back)."""
