@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-from pallas_kernels.decode_attention import default_config, hack_decode_attention  # noqa: E402
+from pallas_kernels.decode_attention import KernelConfig, default_config, hack_decode_attention  # noqa: E402
 from pallas_kernels.dequant_decode_attention import dequant_decode_attention  # noqa: E402
 
 HQ, HKV, D, P, PAGE, NS = 32, 8, 128, 64, 256, 4
@@ -227,9 +227,13 @@ def accuracy(log, mode="gpu"):
         naive = t.numpy_folded_decode(q, c, P=P, ns=NS, dtype=dtype)
         log(dict(accuracy=f"naive_{dot}_vs_exact", max_err=float(np.abs(naive - exact).max()),
                  mean_err=float(np.abs(naive - exact).mean()), scale=scale))
-    for dot, splits in (("int8", 1), ("int8", 5), ("folded_f16", 5), ("folded_bf16", 5)):
+    for dot, splits in (("int8", 1), ("int8", 5), ("folded_f16", 5), ("folded_bf16", 5), ("folded_f16i", 5)):
         kcase = t.Case("x", 128, 64, 256, 8, 4, 8, case.kv_lens, num_splits=splits)
-        out = t.run_kernel(hack_decode_attention, q, c, kcase, mode, dot_dtype=dot)
+        if dot == "folded_f16i":  # KernelConfig.interleaved
+            out = t.run_config(q, c, kcase, KernelConfig(num_splits=splits, dot_dtype="folded_f16",
+                                                         interleaved=True), mode)
+        else:
+            out = t.run_kernel(hack_decode_attention, q, c, kcase, mode, dot_dtype=dot)
         for rname, r in (("exact", exact), ("int8_twin", twin), ("hack_jax_ref", ref)):
             err = np.abs(out - r)
             log(dict(accuracy=f"hack_{dot}_splits{splits}_vs_{rname}", max_err=float(err.max()),

@@ -32,6 +32,9 @@
 #   HACK4=1 HACK4_ARGS="..."                       4-bit HACK cache (QuantConfig.bits=4): tests/test_bits.py's gpu
 #                                                  tests, then bench_decode_attention.py --impls bf16 hack hack4
 #                                                  -> OUT_DIR/hack4/ (HACK4_TIMEOUT=300)
+#   INTERLEAVED=1 INTERLEAVED_ARGS="--shapes ..."   KernelConfig.interleaved (2-bit folded f16 without byte permutes):
+#                                                  its gpu tests, then bench_hack_decode.py folded_f16 vs folded_f16i
+#                                                  -> OUT_DIR/interleaved/ (INTERLEAVED_TIMEOUT=240)
 #   GENERATE=1 GENERATE_ARGS="..."                 bench/bench_generate.py (end to end, random weights) ->
 #                                                  OUT_DIR/generate/ (GENERATE_TIMEOUT=200)
 #   COMPILE=1 COMPILE_ARGS="--models llama-3.1-8b --batches 8 --contexts 32768" COMPILE_FORMATS="hack bf16"
@@ -212,6 +215,18 @@ if [[ -n "${HACK4:-}" ]]; then
     --impls bf16 hack hack4 --hack-dots folded_f16 int8 \
     ${HACK4_ARGS:---heads llama3.1-8b --batches 1 8 --kv-lens 1024 32768 131072 --reps 3} 2>&1 | tee "$OUT/hack4/bench.log"
   echo "hack4 bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/hack4/bench.log"
+fi
+
+if [[ -n "${INTERLEAVED:-}" ]]; then
+  mkdir -p "$OUT/interleaved"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${TEST_TIMEOUT:-180}" python3 -m pytest -q -m gpu \
+    tests/test_decode_kernels.py tests/test_fused_decode.py -k interleaved 2>&1 | tee "$OUT/interleaved/tests.log"
+  echo "interleaved tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/interleaved/tests.log"
+  # shellcheck disable=SC2086
+  timeout -k 5 "${INTERLEAVED_TIMEOUT:-240}" python3 bench/bench_hack_decode.py --out "$OUT/interleaved" \
+    --stages bench --variants folded=folded_f16 inter=folded_f16i \
+    ${INTERLEAVED_ARGS:---shapes b8_32k b8_64k b1_32k b1_128k} 2>&1 | tee "$OUT/interleaved/bench.log"
+  echo "interleaved bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/interleaved/bench.log"
 fi
 
 if [[ -n "${GENERATE:-}" ]]; then
