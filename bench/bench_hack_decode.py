@@ -59,8 +59,8 @@ DOTS = ("int8", "folded_f16", "folded_bf16")  # decode_attention.DOT_DTYPES
 
 
 def variants(batch, kv_len, specs, bits=2):
-    """specs: NAME=DOT (default_config of operand mode DOT: int8 | folded_f16 | folded_bf16 | folded_f16i
-    (folded_f16 with KernelConfig.interleaved); "default" = int8), NAME=bf16paged (the bf16 paged kernel on a bf16 cache of the same length), or
+    """specs: NAME=DOT (default_config of operand mode DOT: int8 | folded_f16 | folded_bf16 |
+    folded_f16i (folded_f16 with KernelConfig.interleaved); "default" = int8), NAME=bf16paged (the bf16 paged kernel on a bf16 cache of the same length), or
     NAME=DOT:SPLITS:WARPS:STAGES with DOT an operand mode or dequant, SPLITS a number or d
     (default_config's, with its open_split), e.g. fold_w8=folded_f16:d:8:2. (The INT8-in-float dots and the
     KernelConfig flags of earlier runs are gone: their settled choices are the code; bench/NOTES_decode.md.)"""

@@ -8,8 +8,8 @@ This times `layers` projections of one token (distinct weights, so HBM is read e
   rows2   k and v of two rows (the token twice), the first row kept
   rows2z  the same with a zero second row
   qkv     one einsum over a fused [D, N + 2K, H] weight
-and prints microseconds per layer, the bytes the weights hold, the fraction of the HBM roof, and the
-number of reduce / gemm fusions in the optimized HLO.
+and prints microseconds per layer, the bytes the weights hold, the GB/s that makes, and the number of
+reduce / gemm fusions in the optimized HLO.
 
   PYTHONPATH=. python bench/probe_gemv.py [--layers 32] [--reps 20]
 """

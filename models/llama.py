@@ -119,11 +119,15 @@ class Attention(nnx.Module):
 
   def __call__(self, x: jax.Array, positions: jax.Array, cache: Any = None, step: Step | None = None,
                attention: Any = None, layer_index: Any = 0) -> tuple[Any, jax.Array]:
-    """x [B, T, D], positions i32[B, T]; cache: this layer's hack_jax LayerCache or None;
+    """x [B, T, D], positions i32[B, T] (or, from Llama.run's one-token path, x [2, 1, D] whose second
+    row is zero padding with positions [1, 1]: q, k, v of the real row only reach RoPE and the
+    backend, the output keeps x's rows); cache: this layer's hack_jax LayerCache or None;
     attention: the backend (prefill / decode methods). Returns (new layer cache or None,
-    out [B, T, D] in x.dtype)."""
+    out [B, T, D] in x.dtype). ValueError if positions' rows match neither form."""
     c = self.config
-    rows = positions.shape[0]  # x may carry zero rows past them (Llama.run, one token)
+    rows = positions.shape[0]
+    if rows != x.shape[0] and (rows, x.shape[:2]) != (1, (2, 1)):
+      raise ValueError(f"positions {tuple(positions.shape)} need one row per row of x {tuple(x.shape)}")
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...])[:rows]
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k[...])[:rows]
     v = jnp.einsum("BTD,DKH->BTKH", x, self.v[...])[:rows]

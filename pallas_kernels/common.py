@@ -181,7 +181,8 @@ def folded_plane(tile: jax.Array, j: int, dot_dtype: str, *, asm: bool, bits: in
 # Interleaved f16 planes (KernelConfig.interleaved): a 32-bit word of 4 code bytes k..k+3 unpacks without
 # byte permutes, bytes 0 and 2 into one f16x2 register, bytes 1 and 3 into the other, so a plane's
 # elements along the packed (contiguous) axis come in the order INTERLEAVE within each aligned group of
-# 4; the kernel reads the dot's other operand in the same order, which leaves the dot unchanged. Plane
+# 4; the kernel reads the dot's other operand in the same order, which leaves the dot unchanged (the
+# asm assumes Triton hands each call 4 consecutive, 4-aligned elements of a tile row). Plane
 # j's field sits at bits INTERLEAVED_TOPS[bits][j] (value 1024 + code * 2**top): 2 bits 4 or 6, so the
 # 4 planes of a word need 3 shifts (<< 4, >> 4, >> 8) and one LOP3 (and + or) per 2 codes; the offset
 # is ~43x the mean code at top 4 (float32 sums keep all but ~5.4 bits; `folded_plane`'s top 6: ~3.5).
@@ -209,6 +210,7 @@ def interleaved_index(n: int) -> jax.Array:
     aligned groups of 4), for loads of the operand that meets an `interleaved_plane` in a dot."""
     i = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
     low = i % 4
+    assert INTERLEAVE == (0, 2, 1, 3)  # the swap below (no array constant: kernels may not capture one)
     return i - low + jnp.where((low == 1) | (low == 2), 3 - low, low)
 
 

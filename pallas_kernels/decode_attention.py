@@ -295,8 +295,9 @@ class KernelConfig:
     mode (module docstring). num_warps, num_stages: Triton's (4 and 2 measured best for "int8"; the
     folded modes use more registers, so their best warp count is still open). interleaved ("folded_f16",
     2-bit codes only): the codes unpacked by `common.interleaved_plane` (no byte permutes; the K rows, q,
-    sigma, mu, tau and nu read in the matching order), the same dots; 4.6% fewer loop instructions offline
-    (bench/NOTES_decode.md, session 12), not yet timed on a GPU, so off by default."""
+    sigma, mu, tau and nu read in the matching order), the same dots up to float32 rounding; 4.6% fewer
+    loop instructions offline (bench/NOTES_decode.md, session 12). Not yet run on a GPU, where it assumes
+    Triton gives each inline-asm call 4 consecutive elements of a tile row: off by default."""
 
     num_splits: int = 1
     open_split: bool = False

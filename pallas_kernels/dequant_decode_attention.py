@@ -181,7 +181,7 @@ def dequant_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scal
     """Fused-dequant decode attention over the paged INT2 kivi cache (module docstring).
 
     Same arguments as pallas_kernels.decode_attention.hack_decode_attention (the code sums k_sums /
-    v_sums are validated but not read; config.dot_dtype and config.open_split are ignored: the math
+    v_sums are validated but not read; config.dot_dtype, config.open_split and config.interleaved are ignored: the math
     is bf16 operands with float32 accumulation, the splits as the "int8" kernel's).
     Returns f32[batch, num_q_heads, head_dim]; ValueError as there; NotImplementedError for bits != 2.
     """

@@ -631,11 +631,18 @@ def test_interleaved_kernel_within_2x_naive_f16(case, mode):
         assert err <= 2 * naive + TIGHT * v_scale_of(c), (err, naive, open_split)
 
 
-def test_interleaved_needs_folded_f16():
+def test_interleaved_needs_folded_f16_and_2_bits():
     q, c = build(ODD_CASE, seed=0)
     for dot in ("int8", "folded_bf16"):
         with pytest.raises(ValueError, match="interleaved"):
             run_config(q, c, ODD_CASE, KernelConfig(dot_dtype=dot, interleaved=True), "interpret")
+    from pallas_kernels.decode_attention import resolve_config
+    args = (jnp.zeros((1, 4, 64)), jnp.zeros((3, 1, 64, 64), jnp.uint8), jnp.zeros((3, 1, 256, 1), jnp.uint8),
+            jnp.zeros((1, 2), jnp.int32))
+    cfg = KernelConfig(dot_dtype="folded_f16", interleaved=True)
+    assert resolve_config(*args, partition_size=64, config=cfg, bits=2) == cfg
+    with pytest.raises(ValueError, match="2-bit"):
+        resolve_config(*args, partition_size=64, config=cfg, bits=4)
 
 
 # ----------------------------------------------------------------------------------------------

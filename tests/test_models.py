@@ -104,8 +104,14 @@ def test_logits_match_float64_oracle(ckpt, model, speech_ids):
 
 def test_one_token_forward_matches_float64_oracle(ckpt, model, speech_ids):
   # One token runs the layers on two rows, the second zero (models.llama.Llama.run, for XLA:GPU's
-  # batch-1 dots); a row mix-up or a padding row leaking into the attention changes the logits by O(1).
-  got = np.asarray(_full_forward(model)(model, jnp.asarray([speech_ids[:1]])))[0]
+  # batch-1 dots): the hidden state handed back keeps the one real row, and its logits are the float64
+  # oracle's (a row mix-up gives errors of order 1). The cached batch-1 decode path is checked by
+  # test_decode_perplexity_equals_prefill_perplexity_for_float32 (a padding row reaching the cache
+  # would be a batch mismatch there).
+  tokens = jnp.asarray([speech_ids[:1]])
+  _, hidden = model.run(tokens, jnp.zeros((1, 1), jnp.int32))
+  assert hidden.shape == (1, 1, model.config.embed_dim)
+  got = np.asarray(_full_forward(model)(model, tokens))[0]
   want = oracle_logits(ckpt.path, speech_ids[:1])
   assert got.shape == want.shape
   assert np.abs(got - want).max() < 5e-4
@@ -568,4 +574,3 @@ def test_generator_edge_inputs_on_a_tiny_model():
     gen.generate_ids([[5, 6]], 2, forced=np.array([[1.5, 2.5]]))
   with pytest.raises(TypeError, match="max_len must be an int"):
     Generator(model, ckpt.tokenizer, QuantConfig(), max_len=100.0)
-
