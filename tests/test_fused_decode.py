@@ -62,6 +62,17 @@ def _comparable(x):
     return x.astype(np.float32) if x.dtype in (jnp.bfloat16, np.float16) else x
 
 
+def _assert_writes_what_append_writes(fused_layer, layer, k_new, v_new, table):
+    """Every array of the fused step's layer equals kv_cache.append's (seal="never"); returns append's layer."""
+    want = kv_cache.append(layer, k_new, v_new, kv_lens=PREV + ACTIVE, active=ACTIVE, page_indices=table,
+                           seal="never")
+    for f in dataclasses.fields(want):
+        if f.name != "config":
+            np.testing.assert_array_equal(_comparable(getattr(fused_layer, f.name)),
+                                          _comparable(getattr(want, f.name)), err_msg=f.name)
+    return want
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("config", [None, KernelConfig(num_splits=2, open_split=True)],
                          ids=["default", "splits2_open"])
@@ -71,12 +82,7 @@ def test_fused_step_matches_append_then_attention(config, mode):
               impl="pallas", interpret=mode == "interpret", config=config)
     fused_layer, out = attention.decode_step(q, k_new, v_new, layer, seal="never", fuse=True, **kw)
     ref_layer, ref = attention.decode_step(q, k_new, v_new, layer, seal="always", **kw)  # append + kernel
-    want = kv_cache.append(layer, k_new, v_new, kv_lens=PREV + ACTIVE, active=ACTIVE, page_indices=table,
-                           seal="never")
-    for f in dataclasses.fields(want):
-        if f.name != "config":
-            np.testing.assert_array_equal(_comparable(getattr(fused_layer, f.name)),
-                                          _comparable(getattr(want, f.name)), err_msg=f.name)
+    want = _assert_writes_what_append_writes(fused_layer, layer, k_new, v_new, table)
     out, ref = np.asarray(out), np.asarray(ref)
     assert np.isfinite(out).all()
     scale = float(np.abs(v).max())
@@ -100,12 +106,7 @@ def test_fused_interleaved_matches_folded(mode):
     fused_layer, out = attention.decode_step(q, k_new, v_new, layer, seal="never", fuse=True, config=inter, **kw)
     _, ref = attention.decode_step(q, k_new, v_new, layer, seal="always",
                                    config=KernelConfig(num_splits=2, dot_dtype="folded_f16"), **kw)
-    want = kv_cache.append(layer, k_new, v_new, kv_lens=PREV + ACTIVE, active=ACTIVE, page_indices=table,
-                           seal="never")
-    for f in dataclasses.fields(want):
-        if f.name != "config":
-            np.testing.assert_array_equal(_comparable(getattr(fused_layer, f.name)),
-                                          _comparable(getattr(want, f.name)), err_msg=f.name)
+    _assert_writes_what_append_writes(fused_layer, layer, k_new, v_new, table)
     out, ref = np.asarray(out), np.asarray(ref)
     assert np.isfinite(out).all()
     scale = float(np.abs(v).max())
