@@ -129,11 +129,13 @@ CONTEXTS = (4096, 16384, 65536)
 BATCHES = (1, 8, 32)
 FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
-EXTRA_FORMATS = ("hack4", "hack-clip")  # --formats choices outside the default run
-KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack-clip": "hack", "bf16": "bf16", "bf16_xla": "bf16",
+EXTRA_FORMATS = ("hack4", "hack-clip", "hack-i", "hack-st3")  # --formats choices outside the default run
+KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack-clip": "hack", "hack-i": "hack", "hack-st3": "hack", "bf16": "bf16", "bf16_xla": "bf16",
              "int8": "int8", "fp8": "fp8", "kivi2": "kivi2", "int4": "int4", "turbo3": "turbo3", "turbo4": "turbo4"}
 CODE_BITS = {"hack4": 4}  # QuantConfig.bits of a format (default 2)
 CLIP = {"hack-clip": 5}  # QuantConfig.clip of a format (default 0: min-max partitions)
+# Backend options of a format: KernelConfig.interleaved, the decode loop's pipeline depth
+DECODE_OPTIONS = {"hack-i": {"interleaved": True}, "hack-st3": {"num_stages": 3}}
 PREFILL_FORMATS = ("hack", "bf16")
 LINK_GBPS = (10, 25, 100)
 MESH = None          # --tp N > 1: the tensor-parallel mesh (models/sharding.py), set by main()
@@ -211,8 +213,8 @@ def model_config(name, fmt, impl, interpret, scan_layers=True, prefill_attention
     if fmt == "bf16_xla":
         attention = XlaDecodeBackend()
     else:
-        attention = Backend(impl, {"interpret": True} if interpret and impl != "reference" else {},
-                            prefill_attention=prefill_attention)
+        options = dict(DECODE_OPTIONS.get(fmt, {}), **({"interpret": True} if interpret and impl != "reference" else {}))
+        attention = Backend(impl, options, prefill_attention=prefill_attention)
     if MESH is not None:  # --tp: every layer's cache write + attention per shard of kv heads
         attention = sharding.ShardedBackend(attention, MESH)
     return ModelConfig(**fields, dtype=jnp.bfloat16, attention=attention, scan_layers=scan_layers,
@@ -623,6 +625,28 @@ def _layers(row):
     return {True: "scan", False: "unrolled"}.get(row.get("scan_layers"), "-")
 
 
+# Kernel names of a decode step's profile (XLA:GPU fusion names and our Pallas kernels' names) -> kind
+KINDS = (("attention", ("decode_attention",)),
+         ("append", ("dynamic_update_slice", "scatter")),
+         ("matmul", ("gemm", "cublas", "dot", "gemv")))
+
+
+def kernel_kinds(row):
+    """GPU us per step of a profiled decode row by kind: attention (our decode kernels), append (the
+    cache's row writes: XLA scatters and dynamic-update-slices), matmul (GEMM fusions / cuBLAS), other (the
+    rest of the step, incl. XLA's split combine, norms, RoPE, activations and the kernels beyond the
+    profile's top N: gpu_us_per_step minus the three). None without a profile."""
+    if not row.get("gpu_kernels") or not row.get("gpu_us_per_step"):
+        return None
+    out = dict.fromkeys([k for k, _ in KINDS], 0.0)
+    for name, us, _ in row["gpu_kernels"]:
+        kind = next((k for k, keys in KINDS if any(key in name for key in keys)), None)
+        if kind:
+            out[kind] += us
+    out["other"] = row["gpu_us_per_step"] - sum(out.values())
+    return out
+
+
 def write_markdown(rows, path, header):
     ok = lambda r: not r.get("error")  # noqa: E731
     lines = [header, ""]
@@ -646,6 +670,23 @@ def write_markdown(rows, path, header):
                          f"{r['tpot_ms']:.2f} | {r['tokens_per_s']:.1f} | "
                          f"{_f(r['tpot_ms'] / b if b else None)} | {r['kv_bytes'] / 2**30:.2f} | "
                          f"{r['cache_alloc_bytes'] / 2**30:.2f} | {r['compile_s']:.1f} |")
+        lines.append("")
+    prof = [(r, kernel_kinds(r)) for r in dec if ok(r) and kernel_kinds(r)]
+    if prof:
+        lines += ["## GPU time per decode step, by kind (rows with --profile-steps)", "",
+                  "From the profiler's device events over the profiled steps (`kernel_kinds`): attention = our decode "
+                  "kernels; append = the cache's row writes (scatters, dynamic-update-slices); matmul = GEMM fusions; "
+                  "other = the rest (XLA's split combine, norms, RoPE, activations, small kernels). kernels / TPOT = the "
+                  "summed kernel time of a profiled step over the timed TPOT: near or above 100% the GPU does not wait "
+                  "on the host (the profiled steps run under the tracer, and events of concurrent kernels overlap, "
+                  "so it can exceed 100%).", "",
+                  "| model | batch | context | format | TPOT ms | GPU us/step | kernels / TPOT | attention | append | matmul "
+                  "| other |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r, k in prof:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | {r['tpot_ms']:.2f} | "
+                         f"{r['gpu_us_per_step']:.0f} | {r['gpu_us_per_step'] / (10 * r['tpot_ms']):.0f}% | "
+                         + " | ".join(f"{k[name]:.0f}" for name in ("attention", "append", "matmul", "other"))
+                         + " |")
         lines.append("")
     pre = [r for r in rows if r.get("kind") == "prefill"]
     if pre:

@@ -32,6 +32,9 @@ from hack_jax.step import Step
 # requantization at batch 8 x 32K and at 128K tokens on the H200 and ~20x closer to the exact identity
 # (bench/NOTES_decode.md, "H200 session 4"); the kernel-level default stays "int8", the paper's numerics.
 DECODE_DOT_DTYPE = "folded_f16"
+# Backend options that only the HACK decode kernels read: not passed to prefill (interleaved and num_stages not to
+# the decode of other formats' layers either)
+DECODE_ONLY = ("fuse", "interleaved", "num_stages")
 
 
 def write(layer: kv_cache.LayerCache | stacked.StackedLayer, k, v, step: Step, *, layer_index):
@@ -62,7 +65,9 @@ class Backend:
       options: keyword options for the kernels as sorted (name, value) pairs (a dict is accepted and
         converted, so the backend stays hashable), e.g. {"interpret": True} to run them in Pallas
         interpret mode on the CPU; {"fuse": True}: the non-sealing decode steps through the fused append +
-        attention kernel (attention.decode_step). Must be empty with impl="reference".
+        attention kernel (attention.decode_step); {"interleaved": True}: the 2-bit HACK decode kernel's
+        KernelConfig.interleaved (folded f16 planes without byte permutes); {"num_stages": 3}: its
+        loop's pipeline depth. These reach the decode of kivi layers only (DECODE_ONLY). Must be empty with impl="reference".
       prefill_attention: hack_jax.prefill's `attention` ("auto" | "cudnn" | "xla" | "pallas" |
         "reference": exact causal attention of the prompt on its 16-bit K/V; "homomorphic": the paper's
         numerics over the 2-bit cache, not causal within a block).
@@ -100,7 +105,7 @@ class Backend:
             q, k, v, layer, page_indices=step.page_indices, lengths=step.write_lens,
             q_start=step.start if step.mode == "chunk" else None,
             key=jax.random.fold_in(step.key, layer_index), attention=self.prefill_attention,
-            impl=self.impl, **{name: value for name, value in self.options if name != "fuse"})
+            impl=self.impl, **{name: value for name, value in self.options if name not in DECODE_ONLY})
 
     @property
     def defers_seal(self) -> bool:
@@ -140,7 +145,10 @@ class Backend:
         (attention.decode_step, with the Step's seal and sinks)."""
         options = dict(self.options)
         base = layer.stacked if isinstance(layer, stacked.StackedLayer) else layer
-        if self.impl == "pallas" and isinstance(base, kv_cache.KiviPages) and not {"dot_dtype", "config"} & set(options):
+        if not isinstance(base, kv_cache.KiviPages):
+            options.pop("interleaved", None)
+            options.pop("num_stages", None)
+        elif self.impl == "pallas" and not {"dot_dtype", "config"} & set(options):
             options["dot_dtype"] = DECODE_DOT_DTYPE
         if step.seal != "never":  # option fuse=True: the fused kernel serves the non-sealing steps only
             options.pop("fuse", None)

@@ -409,8 +409,8 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
                           sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
                           v_group: int | None = None, window: int | None = None, bits: int = 2,
                           dot_dtype: DotDtype = "int8", num_splits: int | None = None,
-                          config: KernelConfig | None = None, layer_index=None, open_full: bool = False,
-                          interpret: bool = False):
+                          num_stages: int | None = None, config: KernelConfig | None = None, layer_index=None,
+                          open_full: bool = False, interleaved: bool = False, interpret: bool = False):
     """HACK decode attention over the paged INT2 (or INT4) kivi cache (module docstring; shapes there).
 
     Args:
@@ -427,10 +427,13 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
         code arrays [.., page_size // 2, ..]); checked against the arrays.
       dot_dtype: "int8" | "folded_f16" | "folded_bf16", the operand mode (ignored if config is given).
       num_splits: split-K programs per (sequence, kv head); overrides the config's.
+      num_stages: the loop's software-pipeline depth (loads in flight + 1); overrides the config's.
       config: KernelConfig; None picks default_config(...).
       layer_index: None, or an int / i32 scalar i: then every cache array (k_codes ... sink_v) carries a
         leading num_layers axis (a stacked cache: [L, num_pages, ...], [L, batch, ...]) and the kernel
         reads layer i in place (`common.stacked_view`); page ids stay layer-local.
+      interleaved: True sets KernelConfig.interleaved on the config (given or default): 2-bit codes with
+        dot_dtype "folded_f16" only (ValueError otherwise).
       open_full: False: a sequence whose kv_len fills its open region (kv_len - ns a positive multiple of W)
         reads the region's blocks as sealed codes (the cache's invariant). True: it reads the region's W
         16-bit rows instead: the blocks are not sealed yet (kv_cache.append(seal="after"): the decode step
@@ -451,7 +454,8 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
     common.check_kivi_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
                              num_sink_tokens=num_sink_tokens, v_group=v_group, window=window, bits=bits)
     config = resolve_config(q, view.layer[0], view.layer[3], page_indices, partition_size=partition_size,
-                            dot_dtype=dot_dtype, num_splits=num_splits, config=config, bits=bits)
+                            dot_dtype=dot_dtype, num_splits=num_splits, config=config, bits=bits,
+                            interleaved=interleaved, num_stages=num_stages)
     if not isinstance(open_full, bool):
         raise ValueError(f"open_full must be a bool, got {open_full=}")
     return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, partition_size=partition_size,
@@ -460,9 +464,10 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
 
 
 def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtype="int8", num_splits=None,
-                   config=None, bits=2) -> KernelConfig:
+                   config=None, bits=2, interleaved=False, num_stages=None) -> KernelConfig:
     """The KernelConfig to launch (inputs already validated): `config` or default_config(...),
-    num_splits overriding; ValueError on a bad dot_dtype, config or num_splits."""
+    num_splits, num_stages and interleaved=True overriding; ValueError on a bad dot_dtype, config,
+    num_splits, num_stages or interleaved."""
     if config is None:
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1],
                                 pages_per_seq=page_indices.shape[1], page_size=k_sums.shape[2],
@@ -475,6 +480,14 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
         if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int, got {num_splits=}")
         config = dataclasses.replace(config, num_splits=num_splits)
+    if num_stages is not None:
+        if not isinstance(num_stages, int) or isinstance(num_stages, bool) or not 1 <= num_stages <= 8:
+            raise ValueError(f"num_stages must be an int in [1, 8], got {num_stages=}")
+        config = dataclasses.replace(config, num_stages=num_stages)
+    if interleaved is not False:
+        if interleaved is not True:
+            raise ValueError(f"interleaved must be a bool, got {interleaved=}")
+        config = dataclasses.replace(config, interleaved=True)
     if not isinstance(config.num_splits, int) or config.num_splits < 1:
         raise ValueError(f"config.num_splits must be a positive int, got {config.num_splits=}")
     if config.interleaved is not False and (config.interleaved is not True or config.dot_dtype != "folded_f16"

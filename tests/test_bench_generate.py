@@ -154,3 +154,19 @@ def test_xla_adapter_matches_reference_attention():
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2 * scale)
     assert np.all(np.asarray(got)[2] == 0)
+
+
+def test_kernel_kinds_splits_a_profile_by_name():
+    """bench_generate.kernel_kinds: a profiled row's GPU time per step by kind, each kernel name counted once
+    (our decode kernels, XLA's scatters / dynamic-update-slices, GEMM fusions), the rest of
+    gpu_us_per_step (kernels beyond the profile's top N included) as other; None without a profile."""
+    spec = importlib.util.spec_from_file_location("bench_generate_kinds", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = dict(gpu_us_per_step=1000.0, gpu_kernels=[
+        ["hack_decode_attention", 400.0, 28], ["gemm_fusion_dot_4", 300.0, 56], ["cublas_gemm", 50.0, 1],
+        ["loop_dynamic_update_slice_fusion_3", 20.0, 2], ["input_scatter_fusion_7", 5.0, 1],
+        ["input_concatenate_fusion", 40.0, 28], ["loop_exponential_fusion_27", 35.0, 28]])
+    kinds = bench.kernel_kinds(row)
+    assert kinds == dict(attention=400.0, append=25.0, matmul=350.0, other=225.0)
+    assert bench.kernel_kinds(dict(gpu_us_per_step=5.0)) is None and bench.kernel_kinds({}) is None

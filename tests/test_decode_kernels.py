@@ -643,6 +643,20 @@ def test_interleaved_needs_folded_f16_and_2_bits():
     assert resolve_config(*args, partition_size=64, config=cfg, bits=2) == cfg
     with pytest.raises(ValueError, match="2-bit"):
         resolve_config(*args, partition_size=64, config=cfg, bits=4)
+    # the keyword sets the flag on the given or the default config; a non-bool is named
+    plain = KernelConfig(num_splits=3, dot_dtype="folded_f16")
+    assert resolve_config(*args, partition_size=64, config=plain, interleaved=True) == cfg.__class__(
+        num_splits=3, dot_dtype="folded_f16", interleaved=True)
+    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=True).interleaved is True
+    with pytest.raises(ValueError, match="interleaved must be a bool"):
+        resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=1)
+    with pytest.raises(ValueError, match="interleaved"):
+        resolve_config(*args, partition_size=64, dot_dtype="int8", interleaved=True)
+    # num_stages overrides the config's pipeline depth; out-of-range or non-int values are named
+    assert resolve_config(*args, partition_size=64, config=plain, num_stages=3).num_stages == 3
+    for bad in (0, 9, 2.0, True):
+        with pytest.raises(ValueError, match="num_stages"):
+            resolve_config(*args, partition_size=64, config=plain, num_stages=bad)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -574,3 +574,33 @@ def test_generator_edge_inputs_on_a_tiny_model():
     gen.generate_ids([[5, 6]], 2, forced=np.array([[1.5, 2.5]]))
   with pytest.raises(TypeError, match="max_len must be an int"):
     Generator(model, ckpt.tokenizer, QuantConfig(), max_len=100.0)
+
+
+def test_interleaved_backend_option_reaches_the_decode_kernel_only():
+  """Backend("pallas", {"interleaved": True}): the prefill runs without the option, every decode call
+  of the HACK kernel gets it (KernelConfig.interleaved on folded f16 operands), and the logits stay
+  those of the plain folded backend within float32 reassociation of the same f16 products (the kernel's
+  own accuracy against float64 is tests/test_decode_kernels.py's)."""
+  from hack_jax.backend import Backend
+  from pallas_kernels import decode_attention as dec
+  base = dict(architecture="llama", vocab_size=61, num_layers=2, embed_dim=32, hidden_dim=48,
+              num_q_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e4,
+              max_seq_len=1024, tied_embeddings=True, qkv_bias=False)
+  weights = _tiny_weights(ModelConfig(**base, attention=Backend()), seed=4)
+  quant = QuantConfig(kv_format="hack", partition_size=32, page_size=128)
+  table, lens = np.array([[3, 5], [6, 2]], np.int32), np.array([35, 50], np.int32)
+  ids = np.random.default_rng(6).integers(0, 61, size=(2, 64))
+  logits, configs = {}, {}
+  for inter in (False, True):
+    options = {"interpret": True, **({"interleaved": True} if inter else {})}
+    spy = mock.patch.object(dec, "_hack_decode", wraps=dec._hack_decode)
+    with spy as calls:
+      (logits[inter], _), _ = _decode_run(dict(base, attention=Backend("pallas", options)), weights, False,
+                                          quant, table, lens, ids, jax.random.key(1))
+    configs[inter] = {(c.kwargs["config"].dot_dtype, c.kwargs["config"].interleaved) for c in calls.call_args_list}
+  assert configs == {False: {("folded_f16", False)}, True: {("folded_f16", True)}}
+  for a, b in zip(logits[False], logits[True]):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(a).max())
+  with pytest.raises(ValueError, match="interleaved"):  # 4-bit codes: named, before anything runs
+    _decode_run(dict(base, attention=Backend("pallas", {"interpret": True, "interleaved": True})), weights, False,
+                dataclasses.replace(quant, bits=4), table, lens, ids, jax.random.key(1))
