@@ -270,8 +270,7 @@ def hack_variants(dots=("int8", "folded_f16"), p128=False, splits=(), stages=())
     count) again with the pipeline depth num_stages forced (rows hack_<mode>[_s<N>]_st<K>)."""
     out = [("hack_int8dot" if d == "int8" else f"hack_{d}", {"dot_dtype": d}) for d in dots]
     out += [(f"hack_{d}_s{n}", {"dot_dtype": d, "num_splits": n}) for d in dots for n in splits]
-    out += [(f"{name}_st{k}", dict(kw, num_stages=k)) for name, kw in list(out) for k in stages
-            if "partition_size" not in kw]
+    out += [(f"{name}_st{k}", dict(kw, num_stages=k)) for name, kw in list(out) for k in stages]
     if p128:
         out.append(("hack_p128_int8dot", {"dot_dtype": "int8", "partition_size": 128}))
     return out

@@ -130,7 +130,8 @@ BATCHES = (1, 8, 32)
 FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
 EXTRA_FORMATS = ("hack4", "hack-clip", "hack-i", "hack-st3")  # --formats choices outside the default run
-KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack-clip": "hack", "hack-i": "hack", "hack-st3": "hack", "bf16": "bf16", "bf16_xla": "bf16",
+KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack-clip": "hack", "hack-i": "hack", "hack-st3": "hack",
+             "bf16": "bf16", "bf16_xla": "bf16",
              "int8": "int8", "fp8": "fp8", "kivi2": "kivi2", "int4": "int4", "turbo3": "turbo3", "turbo4": "turbo4"}
 CODE_BITS = {"hack4": 4}  # QuantConfig.bits of a format (default 2)
 CLIP = {"hack-clip": 5}  # QuantConfig.clip of a format (default 0: min-max partitions)
@@ -213,7 +214,9 @@ def model_config(name, fmt, impl, interpret, scan_layers=True, prefill_attention
     if fmt == "bf16_xla":
         attention = XlaDecodeBackend()
     else:
-        options = dict(DECODE_OPTIONS.get(fmt, {}), **({"interpret": True} if interpret and impl != "reference" else {}))
+        options = dict(DECODE_OPTIONS.get(fmt, {}))
+        if interpret and impl != "reference":
+            options["interpret"] = True
         attention = Backend(impl, options, prefill_attention=prefill_attention)
     if MESH is not None:  # --tp: every layer's cache write + attention per shard of kv heads
         attention = sharding.ShardedBackend(attention, MESH)
@@ -676,12 +679,12 @@ def write_markdown(rows, path, header):
         lines += ["## GPU time per decode step, by kind (rows with --profile-steps)", "",
                   "From the profiler's device events over the profiled steps (`kernel_kinds`): attention = our decode "
                   "kernels; append = the cache's row writes (scatters, dynamic-update-slices); matmul = GEMM fusions; "
-                  "other = the rest (XLA's split combine, norms, RoPE, activations, small kernels). kernels / TPOT = the "
-                  "summed kernel time of a profiled step over the timed TPOT: near or above 100% the GPU does not wait "
+                  "other = the rest (XLA's split combine, norms, RoPE, activations, small kernels). "
+                  "kernels / TPOT = the summed kernel time of a profiled step over the timed TPOT: near or above 100% the GPU does not wait "
                   "on the host (the profiled steps run under the tracer, and events of concurrent kernels overlap, "
                   "so it can exceed 100%).", "",
-                  "| model | batch | context | format | TPOT ms | GPU us/step | kernels / TPOT | attention | append | matmul "
-                  "| other |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | batch | context | format | TPOT ms | GPU us/step | kernels / TPOT | attention | append "
+                  "| matmul | other |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r, k in prof:
             lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | {r['tpot_ms']:.2f} | "
                          f"{r['gpu_us_per_step']:.0f} | {r['gpu_us_per_step'] / (10 * r['tpot_ms']):.0f}% | "
@@ -873,6 +876,9 @@ def parse_args(argv):
                     help="tensor parallelism over this many devices (kv heads; models/sharding.py): "
                          "weights and cache sharded, rows carry tp; memory fits are per device")
     args = ap.parse_args(argv)
+    optioned = [f for f in args.formats if f in DECODE_OPTIONS]
+    if optioned and args.impl != "pallas":
+        ap.error(f"formats {optioned} set options of the Pallas decode kernel: they need --impl pallas")
     if args.quick:
         args.models, args.batches = ["llama-3.1-8b"], [b for b in args.batches if b in (1, 8)] or [1]
     if args.prefill_contexts is None:

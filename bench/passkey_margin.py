@@ -10,7 +10,9 @@ first format's greedy answer up to the end of the key, or the key itself (" " + 
 misses it. Each format scores them with models/eval.score_format (prefill, then the decode steps that
 generation runs, each step's whole next-token distribution); a row per needle, format and answer token
 gives p(token), the best other token and its probability, and the margin log p(token) - log p(other):
-greedy decoding keeps the token while the margin is > 0.
+greedy decoding keeps the token while the margin is > 0. Answer token 0 is scored by the prefill's last
+logits (exact 16-bit attention of the prompt in every format: `scored_by` "prefill"), the others by decode
+steps over the cache.
 """
 
 import argparse
@@ -61,7 +63,7 @@ def main(argv=None):
     ids = gen.generate_ids([p.ids], 8, stop_on_eos=True).tokens[0]
     ok = passkey.answer_of(tok.decode(ids)) == p.key
     cut = next((i + 1 for i in range(len(ids)) if p.key in tok.decode(ids[:i + 1])), None)
-    forced.append(list(ids[:cut]) if ok and cut else tok.encode(" " + p.key))
+    forced.append(list(ids[:cut]) if ok else tok.encode(" " + p.key, add_bos=False))
 
   rows = []
   groups = {}  # needles whose forced answers have the same length score in one batch
@@ -78,10 +80,11 @@ def main(argv=None):
       for i, t in enumerate(f):
         lp = logp[i].astype(np.float64)
         other = int(np.argmax(np.where(np.arange(lp.size) == t, -np.inf, lp)))
-        rows.append(dict(format=fmt.name, key=p.key, depth=p.depth, length=args.length, position=i,
-                         token=tok.decode([t]), p=float(np.exp(lp[t])), other=tok.decode([other]),
-                         p_other=float(np.exp(lp[other])), margin=float(lp[t] - lp[other])))
-        r = rows[-1]
+        r = dict(format=fmt.name, model=os.path.basename(ckpt.path), haystack=args.haystack, seed=args.seed,
+                 trials=args.trials, key=p.key, depth=p.depth, length=args.length, position=i,
+                 scored_by="prefill" if i == 0 else "decode", token=tok.decode([t]), p=float(np.exp(lp[t])),
+                 other=tok.decode([other]), p_other=float(np.exp(lp[other])), margin=float(lp[t] - lp[other]))
+        rows.append(r)
         print(f"{fmt.name:36s} key {p.key} depth {p.depth:.1f} pos {i}: {r['token']!r:8s} p={r['p']:.3f}  "
               f"best other {r['other']!r:8s} p={r['p_other']:.3f}  margin {r['margin']:+.2f}", flush=True)
   if args.out:

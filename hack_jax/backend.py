@@ -67,11 +67,13 @@ class Backend:
         interpret mode on the CPU; {"fuse": True}: the non-sealing decode steps through the fused append +
         attention kernel (attention.decode_step); {"interleaved": True}: the 2-bit HACK decode kernel's
         KernelConfig.interleaved (folded f16 planes without byte permutes); {"num_stages": 3}: its
-        loop's pipeline depth. These reach the decode of kivi layers only (DECODE_ONLY). Must be empty with impl="reference".
+        loop's pipeline depth. These reach the decode of kivi layers only (DECODE_ONLY); interleaved
+        and num_stages need impl="pallas". Must be empty with impl="reference".
       prefill_attention: hack_jax.prefill's `attention` ("auto" | "cudnn" | "xla" | "pallas" |
         "reference": exact causal attention of the prompt on its 16-bit K/V; "homomorphic": the paper's
         numerics over the 2-bit cache, not causal within a block).
-    Raises ValueError for an unknown impl / prefill_attention or options with impl="reference".
+    Raises ValueError for an unknown impl / prefill_attention, options with impl="reference", or
+    interleaved / num_stages with an impl other than "pallas".
     """
     impl: attention.Impl = "reference"
     options: Any = ()
@@ -88,6 +90,10 @@ class Backend:
         if self.options and self.impl == "reference":
             raise ValueError(f"kernel options only apply to the kernel impls, got {self.options=} "
                              f"with impl='reference'")
+        pallas_only = [name for name, _ in self.options if name in ("interleaved", "num_stages")]
+        if pallas_only and self.impl != "pallas":
+            raise ValueError(f"options {pallas_only} are the HACK Pallas decode kernel's: they need impl='pallas', "
+                             f"got impl={self.impl!r}")
         if self.prefill_attention not in hack_prefill.PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention must be one of {hack_prefill.PREFILL_ATTENTION}, "
                              f"got {self.prefill_attention=}")

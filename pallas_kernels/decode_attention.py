@@ -432,19 +432,20 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
       layer_index: None, or an int / i32 scalar i: then every cache array (k_codes ... sink_v) carries a
         leading num_layers axis (a stacked cache: [L, num_pages, ...], [L, batch, ...]) and the kernel
         reads layer i in place (`common.stacked_view`); page ids stay layer-local.
-      interleaved: True sets KernelConfig.interleaved on the config (given or default): 2-bit codes with
-        dot_dtype "folded_f16" only (ValueError otherwise).
       open_full: False: a sequence whose kv_len fills its open region (kv_len - ns a positive multiple of W)
         reads the region's blocks as sealed codes (the cache's invariant). True: it reads the region's W
         16-bit rows instead: the blocks are not sealed yet (kv_cache.append(seal="after"): the decode step
         that wrote the filling token; hack_jax.attention.decode_step). Other lengths read the same either way.
+      interleaved: True sets KernelConfig.interleaved on the config (given or default): 2-bit codes with
+        dot_dtype "folded_f16" only (ValueError otherwise).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
 
     Returns:
       f32[batch, num_q_heads, head_dim]; rows with kv_lens = 0 are 0.
 
     Raises:
-      ValueError: shapes/dtypes off the layout, unsupported sizes, bad dot_dtype or num_splits.
+      ValueError: shapes/dtypes off the layout, unsupported sizes, bad dot_dtype, num_splits, num_stages or
+        interleaved.
     """
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
     if num_sink_tokens == 0:

@@ -187,7 +187,8 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held before this token;
         active: bool[batch].
       partition_size, num_sink_tokens, v_group, window, bits, dot_dtype, num_splits, num_stages, config,
-        layer_index, interleaved, interpret: as decode_attention.hack_decode_attention; config None: `default_config` (this kernel's occupancy).
+        layer_index, interleaved, interpret: as decode_attention.hack_decode_attention; config None:
+        `default_config` (this kernel's occupancy).
         With layer_index i (a stacked cache) the token is written into layer i's rows of the stacked
         open_k ... sink_v, in place when the caller donates them.
       write_sinks: False: the caller promises no active slot's token is a sink (module docstring); sink_k /

@@ -645,7 +645,7 @@ def test_interleaved_needs_folded_f16_and_2_bits():
         resolve_config(*args, partition_size=64, config=cfg, bits=4)
     # the keyword sets the flag on the given or the default config; a non-bool is named
     plain = KernelConfig(num_splits=3, dot_dtype="folded_f16")
-    assert resolve_config(*args, partition_size=64, config=plain, interleaved=True) == cfg.__class__(
+    assert resolve_config(*args, partition_size=64, config=plain, interleaved=True) == KernelConfig(
         num_splits=3, dot_dtype="folded_f16", interleaved=True)
     assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=True).interleaved is True
     with pytest.raises(ValueError, match="interleaved must be a bool"):

@@ -576,11 +576,15 @@ def test_generator_edge_inputs_on_a_tiny_model():
     Generator(model, ckpt.tokenizer, QuantConfig(), max_len=100.0)
 
 
-def test_interleaved_backend_option_reaches_the_decode_kernel_only():
-  """Backend("pallas", {"interleaved": True}): the prefill runs without the option, every decode call
-  of the HACK kernel gets it (KernelConfig.interleaved on folded f16 operands), and the logits stay
-  those of the plain folded backend within float32 reassociation of the same f16 products (the kernel's
-  own accuracy against float64 is tests/test_decode_kernels.py's)."""
+@pytest.mark.parametrize("option,value,stacked,prefill", [("interleaved", True, True, "homomorphic"),
+                                                         ("num_stages", 3, False, "auto")])
+def test_decode_only_backend_options_reach_the_decode_kernel_only(option, value, stacked, prefill):
+  """Backend("pallas", {"interleaved": True}) / {"num_stages": 3} (hack_jax.backend.DECODE_ONLY): every call
+  of the HACK decode kernel launches the default config with that field set (the stacked cache's in-place
+  path and the sealing steps included), the prefill never sees the option (the homomorphic prefill's kernel
+  would reject it), and the logits stay those of the plain backend within float32 reassociation of the same
+  f16 products (the kernels' own accuracy against float64 is tests/test_decode_kernels.py's). Either option
+  with another impl, or interleaved on 4-bit codes, is a ValueError naming it."""
   from hack_jax.backend import Backend
   from pallas_kernels import decode_attention as dec
   base = dict(architecture="llama", vocab_size=61, num_layers=2, embed_dim=32, hidden_dim=48,
@@ -590,17 +594,23 @@ def test_interleaved_backend_option_reaches_the_decode_kernel_only():
   quant = QuantConfig(kv_format="hack", partition_size=32, page_size=128)
   table, lens = np.array([[3, 5], [6, 2]], np.int32), np.array([35, 50], np.int32)
   ids = np.random.default_rng(6).integers(0, 61, size=(2, 64))
-  logits, configs = {}, {}
-  for inter in (False, True):
-    options = {"interpret": True, **({"interleaved": True} if inter else {})}
-    spy = mock.patch.object(dec, "_hack_decode", wraps=dec._hack_decode)
-    with spy as calls:
-      (logits[inter], _), _ = _decode_run(dict(base, attention=Backend("pallas", options)), weights, False,
-                                          quant, table, lens, ids, jax.random.key(1))
-    configs[inter] = {(c.kwargs["config"].dot_dtype, c.kwargs["config"].interleaved) for c in calls.call_args_list}
-  assert configs == {False: {("folded_f16", False)}, True: {("folded_f16", True)}}
-  for a, b in zip(logits[False], logits[True]):
-    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(a).max())
-  with pytest.raises(ValueError, match="interleaved"):  # 4-bit codes: named, before anything runs
-    _decode_run(dict(base, attention=Backend("pallas", {"interpret": True, "interleaved": True})), weights, False,
-                dataclasses.replace(quant, bits=4), table, lens, ids, jax.random.key(1))
+
+  def run(options, q=quant, prefill=prefill):
+    backend = Backend("pallas", {"interpret": True, **options}, prefill_attention=prefill)
+    with mock.patch.object(dec, "_hack_decode", wraps=dec._hack_decode) as calls:
+      (logits, _), _ = _decode_run(dict(base, attention=backend), weights, stacked, q, table, lens, ids,
+                                   jax.random.key(1))
+    return logits, {c.kwargs["config"] for c in calls.call_args_list}
+
+  plain, plain_configs = run({})
+  got, configs = run({option: value})
+  assert plain_configs and all(c.dot_dtype == "folded_f16" for c in plain_configs)
+  assert configs == {dataclasses.replace(c, **{option: value}) for c in plain_configs} != plain_configs
+  for a, b in zip(plain, got):
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * np.abs(a).max())
+  for impl in ("pallas_dequant", "triton"):
+    with pytest.raises(ValueError, match=option):
+      Backend(impl, {option: value})
+  if option == "interleaved":
+    with pytest.raises(ValueError, match="interleaved"):  # 4-bit codes: named, before anything runs
+      run({option: value}, dataclasses.replace(quant, bits=4), "auto")  # (no 4-bit homomorphic prefill)
