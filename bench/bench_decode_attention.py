@@ -260,17 +260,20 @@ KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v
                "open_v", "sink_k", "sink_v")
 
 
-def hack_variants(dots=("int8", "folded_f16"), p128=False, splits=(), stages=()):
+def hack_variants(dots=("int8", "folded_f16"), p128=False, splits=(), stages=(), warps=()):
     """The operand modes of hack_decode_attention to time, as (row name, kwargs): hack_int8dot (INT8
     transients, the paper's numerics), hack_folded_f16 / hack_folded_bf16 (scale-folded 16-bit operands);
     p128 adds the int8 mode on a partition_size=128 cache (page 512): half the per-token INT8
     requantization work, lower accuracy (bench/results/accuracy.md), as a speed/accuracy data point.
     splits: each mode again with num_splits forced (rows hack_<mode>_s<N>), to check default_config's
     choice against its neighbours in one run. stages: each mode (default splits, and each forced split
-    count) again with the pipeline depth num_stages forced (rows hack_<mode>[_s<N>]_st<K>)."""
+    count) again with the pipeline depth num_stages forced (rows hack_<mode>[_s<N>]_st<K>); warps: likewise
+    with num_warps forced (rows ..._w<K>)."""
     out = [("hack_int8dot" if d == "int8" else f"hack_{d}", {"dot_dtype": d}) for d in dots]
     out += [(f"hack_{d}_s{n}", {"dot_dtype": d, "num_splits": n}) for d in dots for n in splits]
-    out += [(f"{name}_st{k}", dict(kw, num_stages=k)) for name, kw in list(out) for k in stages]
+    base = list(out)
+    out += [(f"{name}_st{k}", dict(kw, num_stages=k)) for name, kw in base for k in stages]
+    out += [(f"{name}_w{k}", dict(kw, num_warps=k)) for name, kw in base for k in warps]
     if p128:
         out.append(("hack_p128_int8dot", {"dot_dtype": "int8", "partition_size": 128}))
     return out
@@ -689,6 +692,8 @@ def main(argv=None):
                     help="also time each --hack-dots mode with num_splits forced to these values")
     ap.add_argument("--hack-stages", nargs="*", type=int, default=[],
                     help="also time each hack row with num_stages (the pipeline depth) forced to these values")
+    ap.add_argument("--hack-warps", nargs="*", type=int, default=[],
+                    help="also time each hack row (default or forced splits) with num_warps forced to these values")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--target-ms", type=float, default=60.0, help="wall time of one timed loop")
     ap.add_argument("--unroll", type=int, default=UNROLL, help="calls per loop iteration")
@@ -740,7 +745,7 @@ def main(argv=None):
             try:
                 impls += [(v, lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret, variant_kwargs=kw))
                           for v, kw in hack_variants(args.hack_dots, args.hack_p128, args.hack_splits,
-                                                     args.hack_stages)]
+                                                     args.hack_stages, args.hack_warps)]
             except Exception as e:  # the module itself is missing or broken: one row per shape says so
                 err = f"{type(e).__name__}: {e}"
                 impls.append(("hack", lambda s, k, err=err: (_ for _ in ()).throw(RuntimeError(err))))

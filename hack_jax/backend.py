@@ -34,7 +34,8 @@ from hack_jax.step import Step
 DECODE_DOT_DTYPE = "folded_f16"
 # Backend options that only the HACK decode kernels read: not passed to prefill (interleaved and num_stages not to
 # the decode of other formats' layers either)
-DECODE_ONLY = ("fuse", "interleaved", "num_stages")
+DECODE_ONLY = ("fuse", "interleaved", "num_stages", "num_warps")
+PALLAS_DECODE_ONLY = ("interleaved", "num_stages", "num_warps")  # ... of the HACK Pallas kernels: impl="pallas" 
 
 
 def write(layer: kv_cache.LayerCache | stacked.StackedLayer, k, v, step: Step, *, layer_index):
@@ -67,13 +68,13 @@ class Backend:
         interpret mode on the CPU; {"fuse": True}: the non-sealing decode steps through the fused append +
         attention kernel (attention.decode_step); {"interleaved": True}: the 2-bit HACK decode kernel's
         KernelConfig.interleaved (folded f16 planes without byte permutes); {"num_stages": 3}: its
-        loop's pipeline depth. These reach the decode of kivi layers only (DECODE_ONLY); interleaved
-        and num_stages need impl="pallas". Must be empty with impl="reference".
+        loop's pipeline depth; {"num_warps": 8}: its warps per program. These reach the decode of kivi
+        layers only (DECODE_ONLY); interleaved, num_stages and num_warps need impl="pallas". Must be empty with impl="reference".
       prefill_attention: hack_jax.prefill's `attention` ("auto" | "cudnn" | "xla" | "pallas" |
         "reference": exact causal attention of the prompt on its 16-bit K/V; "homomorphic": the paper's
         numerics over the 2-bit cache, not causal within a block).
     Raises ValueError for an unknown impl / prefill_attention, options with impl="reference", or
-    interleaved / num_stages with an impl other than "pallas".
+    interleaved / num_stages / num_warps with an impl other than "pallas".
     """
     impl: attention.Impl = "reference"
     options: Any = ()
@@ -90,7 +91,7 @@ class Backend:
         if self.options and self.impl == "reference":
             raise ValueError(f"kernel options only apply to the kernel impls, got {self.options=} "
                              f"with impl='reference'")
-        pallas_only = [name for name, _ in self.options if name in ("interleaved", "num_stages")]
+        pallas_only = [name for name, _ in self.options if name in PALLAS_DECODE_ONLY]
         if pallas_only and self.impl != "pallas":
             raise ValueError(f"options {pallas_only} are the HACK Pallas decode kernel's: they need impl='pallas', "
                              f"got impl={self.impl!r}")
@@ -152,8 +153,8 @@ class Backend:
         options = dict(self.options)
         base = layer.stacked if isinstance(layer, stacked.StackedLayer) else layer
         if not isinstance(base, kv_cache.KiviPages):
-            options.pop("interleaved", None)
-            options.pop("num_stages", None)
+            for name in PALLAS_DECODE_ONLY:
+                options.pop(name, None)
         elif self.impl == "pallas" and not {"dot_dtype", "config"} & set(options):
             options["dot_dtype"] = DECODE_DOT_DTYPE
         if step.seal != "never":  # option fuse=True: the fused kernel serves the non-sealing steps only

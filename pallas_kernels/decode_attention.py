@@ -409,7 +409,8 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
                           sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
                           v_group: int | None = None, window: int | None = None, bits: int = 2,
                           dot_dtype: DotDtype = "int8", num_splits: int | None = None,
-                          num_stages: int | None = None, config: KernelConfig | None = None, layer_index=None,
+                          num_stages: int | None = None, num_warps: int | None = None,
+                          config: KernelConfig | None = None, layer_index=None,
                           open_full: bool = False, interleaved: bool = False, interpret: bool = False):
     """HACK decode attention over the paged INT2 (or INT4) kivi cache (module docstring; shapes there).
 
@@ -428,6 +429,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
       dot_dtype: "int8" | "folded_f16" | "folded_bf16", the operand mode (ignored if config is given).
       num_splits: split-K programs per (sequence, kv head); overrides the config's.
       num_stages: the loop's software-pipeline depth (loads in flight + 1); overrides the config's.
+      num_warps: warps per program (a power of two in [1, 16]); overrides the config's.
       config: KernelConfig; None picks default_config(...).
       layer_index: None, or an int / i32 scalar i: then every cache array (k_codes ... sink_v) carries a
         leading num_layers axis (a stacked cache: [L, num_pages, ...], [L, batch, ...]) and the kernel
@@ -444,8 +446,8 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
       f32[batch, num_q_heads, head_dim]; rows with kv_lens = 0 are 0.
 
     Raises:
-      ValueError: shapes/dtypes off the layout, unsupported sizes, bad dot_dtype, num_splits, num_stages or
-        interleaved.
+      ValueError: shapes/dtypes off the layout, unsupported sizes, bad dot_dtype, num_splits, num_stages,
+        num_warps or interleaved.
     """
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
     if num_sink_tokens == 0:
@@ -456,7 +458,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
                              num_sink_tokens=num_sink_tokens, v_group=v_group, window=window, bits=bits)
     config = resolve_config(q, view.layer[0], view.layer[3], page_indices, partition_size=partition_size,
                             dot_dtype=dot_dtype, num_splits=num_splits, config=config, bits=bits,
-                            interleaved=interleaved, num_stages=num_stages)
+                            interleaved=interleaved, num_stages=num_stages, num_warps=num_warps)
     if not isinstance(open_full, bool):
         raise ValueError(f"open_full must be a bool, got {open_full=}")
     return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, partition_size=partition_size,
@@ -465,10 +467,10 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
 
 
 def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtype="int8", num_splits=None,
-                   config=None, bits=2, interleaved=False, num_stages=None) -> KernelConfig:
+                   config=None, bits=2, interleaved=False, num_stages=None, num_warps=None) -> KernelConfig:
     """The KernelConfig to launch (inputs already validated): `config` or default_config(...),
-    num_splits, num_stages and interleaved=True overriding; ValueError on a bad dot_dtype, config,
-    num_splits, num_stages or interleaved."""
+    num_splits, num_stages, num_warps and interleaved=True overriding; ValueError on a bad dot_dtype,
+    config, num_splits, num_stages, num_warps or interleaved."""
     if config is None:
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1],
                                 pages_per_seq=page_indices.shape[1], page_size=k_sums.shape[2],
@@ -485,6 +487,10 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
         if not isinstance(num_stages, int) or isinstance(num_stages, bool) or not 1 <= num_stages <= 8:
             raise ValueError(f"num_stages must be an int in [1, 8], got {num_stages=}")
         config = dataclasses.replace(config, num_stages=num_stages)
+    if num_warps is not None:
+        if not isinstance(num_warps, int) or isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be a power of two in [1, 16], got {num_warps=}")
+        config = dataclasses.replace(config, num_warps=num_warps)
     if interleaved is not False:
         if interleaved is not True:
             raise ValueError(f"interleaved must be a bool, got {interleaved=}")

@@ -175,7 +175,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
                                 partition_size: int, num_sink_tokens: int, v_group: int | None = None,
                                 window: int | None = None, bits: int = 2, dot_dtype: DotDtype = "int8",
                                 num_splits: int | None = None, num_stages: int | None = None,
-                                config: KernelConfig | None = None,
+                                num_warps: int | None = None, config: KernelConfig | None = None,
                                 layer_index=None, write_sinks: bool = True, interleaved: bool = False,
                                 interpret: bool = False):
     """Append one token per active slot and attend (module docstring; shapes there).
@@ -186,8 +186,8 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
         when num_sink_tokens == 0.
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held before this token;
         active: bool[batch].
-      partition_size, num_sink_tokens, v_group, window, bits, dot_dtype, num_splits, num_stages, config,
-        layer_index, interleaved, interpret: as decode_attention.hack_decode_attention; config None:
+      partition_size, num_sink_tokens, v_group, window, bits, dot_dtype, num_splits, num_stages, num_warps,
+        config, layer_index, interleaved, interpret: as decode_attention.hack_decode_attention; config None:
         `default_config` (this kernel's occupancy).
         With layer_index i (a stacked cache) the token is written into layer i's rows of the stacked
         open_k ... sink_v, in place when the caller donates them.
@@ -221,7 +221,8 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
                                 page_size=k_sums.shape[2], partition_size=partition_size, dot_dtype=dot_dtype,
                                 bits=bits)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, num_splits=num_splits,
-                            config=config, bits=bits, interleaved=interleaved, num_stages=num_stages)
+                            config=config, bits=bits, interleaved=interleaved, num_stages=num_stages,
+                            num_warps=num_warps)
     out, *written = _fused_decode(q, k, v, *view.flat, page_indices, kv_lens, active, view.offsets,
                                   partition_size=partition_size, num_sink_tokens=num_sink_tokens,
                                   num_layers=view.num_layers, config=config, interpret=interpret, bits=bits,

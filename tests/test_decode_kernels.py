@@ -657,6 +657,10 @@ def test_interleaved_needs_folded_f16_and_2_bits():
     for bad in (0, 9, 2.0, True):
         with pytest.raises(ValueError, match="num_stages"):
             resolve_config(*args, partition_size=64, config=plain, num_stages=bad)
+    assert resolve_config(*args, partition_size=64, config=plain, num_warps=8).num_warps == 8
+    for bad in (0, 3, 32, 8.0, True):
+        with pytest.raises(ValueError, match="num_warps"):
+            resolve_config(*args, partition_size=64, config=plain, num_warps=bad)
 
 
 # ----------------------------------------------------------------------------------------------
