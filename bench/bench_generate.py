@@ -130,8 +130,8 @@ BATCHES = (1, 8, 32)
 FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
 EXTRA_FORMATS = ("hack4", "hack-clip", "hack-i", "hack-st3", "hack-w8")  # --formats choices outside the default run
-KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack-clip": "hack", "hack-i": "hack", "hack-st3": "hack", "hack-w8": "hack",
-             "bf16": "bf16", "bf16_xla": "bf16",
+KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack-clip": "hack", "hack-i": "hack", "hack-st3": "hack",
+             "hack-w8": "hack", "bf16": "bf16", "bf16_xla": "bf16",
              "int8": "int8", "fp8": "fp8", "kivi2": "kivi2", "int4": "int4", "turbo3": "turbo3", "turbo4": "turbo4"}
 CODE_BITS = {"hack4": 4}  # QuantConfig.bits of a format (default 2)
 CLIP = {"hack-clip": 5}  # QuantConfig.clip of a format (default 0: min-max partitions)
@@ -680,9 +680,9 @@ def write_markdown(rows, path, header):
                   "From the profiler's device events over the profiled steps (`kernel_kinds`): attention = our decode "
                   "kernels; append = the cache's row writes (scatters, dynamic-update-slices); matmul = GEMM fusions; "
                   "other = the rest (XLA's split combine, norms, RoPE, activations, small kernels). "
-                  "kernels / TPOT = the summed kernel time of a profiled step over the timed TPOT: near or above 100% the GPU does not wait "
-                  "on the host (the profiled steps run under the tracer, and events of concurrent kernels overlap, "
-                  "so it can exceed 100%).", "",
+                  "kernels / TPOT = the summed kernel time of a profiled step over the timed TPOT: near or above "
+                  "100% the GPU does not wait on the host (the profiled steps run under the tracer, and events of "
+                  "concurrent kernels overlap, so it can exceed 100%).", "",
                   "| model | batch | context | format | TPOT ms | GPU us/step | kernels / TPOT | attention | append "
                   "| matmul | other |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r, k in prof:

@@ -32,10 +32,10 @@ from hack_jax.step import Step
 # requantization at batch 8 x 32K and at 128K tokens on the H200 and ~20x closer to the exact identity
 # (bench/NOTES_decode.md, "H200 session 4"); the kernel-level default stays "int8", the paper's numerics.
 DECODE_DOT_DTYPE = "folded_f16"
-# Backend options that only the HACK decode kernels read: not passed to prefill (interleaved and num_stages not to
-# the decode of other formats' layers either)
+# Backend options that only the HACK decode kernels read: never passed to prefill. PALLAS_DECODE_ONLY are launch
+# settings of the Pallas kernel (impl="pallas" only), not passed to the decode of other formats' layers either.
 DECODE_ONLY = ("fuse", "interleaved", "num_stages", "num_warps")
-PALLAS_DECODE_ONLY = ("interleaved", "num_stages", "num_warps")  # ... of the HACK Pallas kernels: impl="pallas" 
+PALLAS_DECODE_ONLY = ("interleaved", "num_stages", "num_warps")
 
 
 def write(layer: kv_cache.LayerCache | stacked.StackedLayer, k, v, step: Step, *, layer_index):
@@ -69,7 +69,8 @@ class Backend:
         attention kernel (attention.decode_step); {"interleaved": True}: the 2-bit HACK decode kernel's
         KernelConfig.interleaved (folded f16 planes without byte permutes); {"num_stages": 3}: its
         loop's pipeline depth; {"num_warps": 8}: its warps per program. These reach the decode of kivi
-        layers only (DECODE_ONLY); interleaved, num_stages and num_warps need impl="pallas". Must be empty with impl="reference".
+        layers only (DECODE_ONLY); interleaved, num_stages and num_warps need impl="pallas". Must be
+        empty with impl="reference".
       prefill_attention: hack_jax.prefill's `attention` ("auto" | "cudnn" | "xla" | "pallas" |
         "reference": exact causal attention of the prompt on its 16-bit K/V; "homomorphic": the paper's
         numerics over the 2-bit cache, not causal within a block).
