@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-from pallas_kernels.decode_attention import KernelConfig, default_config, hack_decode_attention  # noqa: E402
+from pallas_kernels.decode_attention import default_config, hack_decode_attention  # noqa: E402
 from pallas_kernels.dequant_decode_attention import dequant_decode_attention  # noqa: E402
 
 HQ, HKV, D, P, PAGE, NS = 32, 8, 128, 64, 256, 4
@@ -60,7 +60,8 @@ DOTS = ("int8", "folded_f16", "folded_bf16")  # decode_attention.DOT_DTYPES
 
 def variants(batch, kv_len, specs, bits=2):
     """specs: NAME=DOT (default_config of operand mode DOT: int8 | folded_f16 | folded_bf16 |
-    folded_f16i (folded_f16 with KernelConfig.interleaved); "default" = int8), NAME=bf16paged (the bf16 paged kernel on a bf16 cache of the same length), or
+    folded_f16i (folded_f16 with KernelConfig.interleaved); "default" = int8), NAME=bf16paged (the bf16 paged
+    kernel on a bf16 cache of the same length), or
     NAME=DOT:SPLITS:WARPS:STAGES with DOT an operand mode or dequant, SPLITS a number or d
     (default_config's, with its open_split), e.g. fold_w8=folded_f16:d:8:2. (The INT8-in-float dots and the
     KernelConfig flags of earlier runs are gone: their settled choices are the code; bench/NOTES_decode.md.)"""
@@ -229,11 +230,8 @@ def accuracy(log, mode="gpu"):
                  mean_err=float(np.abs(naive - exact).mean()), scale=scale))
     for dot, splits in (("int8", 1), ("int8", 5), ("folded_f16", 5), ("folded_bf16", 5), ("folded_f16i", 5)):
         kcase = t.Case("x", 128, 64, 256, 8, 4, 8, case.kv_lens, num_splits=splits)
-        if dot == "folded_f16i":  # KernelConfig.interleaved
-            out = t.run_config(q, c, kcase, KernelConfig(num_splits=splits, dot_dtype="folded_f16",
-                                                         interleaved=True), mode)
-        else:
-            out = t.run_kernel(hack_decode_attention, q, c, kcase, mode, dot_dtype=dot)
+        kw = dict(dot_dtype="folded_f16", interleaved=True) if dot == "folded_f16i" else dict(dot_dtype=dot)
+        out = t.run_kernel(hack_decode_attention, q, c, kcase, mode, **kw)
         for rname, r in (("exact", exact), ("int8_twin", twin), ("hack_jax_ref", ref)):
             err = np.abs(out - r)
             log(dict(accuracy=f"hack_{dot}_splits{splits}_vs_{rname}", max_err=float(err.max()),
