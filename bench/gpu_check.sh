@@ -35,6 +35,10 @@
 #   INTERLEAVED=1 INTERLEAVED_ARGS="--shapes ..."   KernelConfig.interleaved (2-bit folded f16 without byte permutes):
 #                                                  its gpu tests, then bench_hack_decode.py folded_f16 vs folded_f16i
 #                                                  -> OUT_DIR/interleaved/ (INTERLEAVED_TIMEOUT=240)
+#   DENORMAL=1 DENORMAL_ARGS="--shapes ..."         KernelConfig.denormal (folded f16 codes as f16 subnormals): its gpu
+#                                                  tests, then bench_decode_attention.py --impls hack hack4 bf16
+#                                                  --hack-dots folded_f16 folded_f16m (Llama heads, 6 shapes)
+#                                                  -> OUT_DIR/denormal/ (DENORMAL_TIMEOUT=400)
 #   GENERATE=1 GENERATE_ARGS="..."                 bench/bench_generate.py (end to end, random weights) ->
 #                                                  OUT_DIR/generate/ (GENERATE_TIMEOUT=200)
 #   COMPILE=1 COMPILE_ARGS="--models llama-3.1-8b --batches 8 --contexts 32768" COMPILE_FORMATS="hack bf16"
@@ -227,6 +231,20 @@ if [[ -n "${INTERLEAVED:-}" ]]; then
     --stages bench --variants folded=folded_f16 inter=folded_f16i \
     ${INTERLEAVED_ARGS:---shapes b8_32k b8_64k b1_32k b1_128k} 2>&1 | tee "$OUT/interleaved/bench.log"
   echo "interleaved bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/interleaved/bench.log"
+fi
+
+if [[ -n "${DENORMAL:-}" ]]; then
+  mkdir -p "$OUT/denormal"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${TEST_TIMEOUT:-180}" python3 -m pytest -q -m gpu \
+    tests/test_decode_kernels.py tests/test_fused_decode.py tests/test_bits.py -k denormal 2>&1 \
+    | tee "$OUT/denormal/tests.log"
+  echo "denormal tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/denormal/tests.log"
+  # shellcheck disable=SC2086
+  timeout -k 5 "${DENORMAL_TIMEOUT:-400}" python3 bench/bench_decode_attention.py --out "$OUT/denormal" \
+    --impls hack hack4 bf16 --hack-dots folded_f16 folded_f16m --reps 3 --no-plot \
+    ${DENORMAL_ARGS:---shapes llama3.1-8b:8:65536 llama3.1-8b:8:32768 llama3.1-8b:8:131072 llama3.1-8b:1:32768 \
+      llama3.1-8b:1:131072 llama3.1-8b:1:1024} 2>&1 | tee "$OUT/denormal/bench.log"
+  echo "denormal bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/denormal/bench.log"
 fi
 
 if [[ -n "${GENERATE:-}" ]]; then

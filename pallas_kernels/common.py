@@ -178,6 +178,33 @@ def folded_plane(tile: jax.Array, j: int, dot_dtype: str, *, asm: bool, bits: in
     return out
 
 
+# Subnormal f16 planes (KernelConfig.denormal): plane j's bits masked in place in a byte that is widened to a
+# 16-bit lane with a zero high byte make the f16 subnormal code_j * 2**(bits j) * 2**-24, exactly: no magic
+# exponent, so no offset term after the dot (no float32 cancellation: the plane's position in the byte costs
+# nothing) and no per-plane shift. Per 32-bit word of 4 code bytes: two PRMTs that widen the bytes (the same
+# for a word's planes: ptxas keeps one of each) and one AND per 2 codes, 10 instructions per 16 codes
+# where `folded_plane` takes 15. The tensor cores multiply f16 subnormals exactly (the gpu tests check it).
+def denormal_plane_weight(j: int, bits: int = 2) -> float:
+    """dot(a, denormal_plane(tile, j)) * denormal_plane_weight(j) = dot(a, codes_j)."""
+    return 2.0 ** (24 - bits * j)
+
+
+def denormal_plane(tile: jax.Array, j: int, *, asm: bool, bits: int = 2) -> jax.Array:
+    """Plane j of a u8 code tile as f16 subnormals code_j * 2**(bits j - 24), exact (comment above).
+    jnp (interpret mode): mask, widen, bitcast. asm (GPU only): per 4 packed bytes, 2 PRMTs (bytes
+    interleaved with zero bytes into two 32-bit registers) and one AND each."""
+    mask = ((1 << bits) - 1) << (bits * j)
+    if not asm:
+        return jax.lax.bitcast_convert_type((tile & jnp.uint8(mask)).astype(jnp.uint16), jnp.float16)
+    mask2 = mask | mask << 16
+    body = (f"{{ .reg .b32 z, lo, hi; mov.b32 z, 0; prmt.b32 lo, $2, z, 0x4140; prmt.b32 hi, $2, z, 0x4342; "
+            f"and.b32 $0, lo, 0x{mask2:08X}; and.b32 $1, hi, 0x{mask2:08X}; }}")
+    [out] = pltriton.elementwise_inline_asm(
+        body, args=[tile], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.float16)])
+    return out
+
+
 # Interleaved f16 planes (KernelConfig.interleaved): a 32-bit word of 4 code bytes k..k+3 unpacks without
 # byte permutes, bytes 0 and 2 into one f16x2 register, bytes 1 and 3 into the other, so a plane's
 # elements along the packed (contiguous) axis come in the order INTERLEAVE within each aligned group of

@@ -101,7 +101,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                         open_v_ref, *refs, partition_size, num_channel_groups, q_per_kv, q_per_kv_pad,
                         num_sink_tokens, num_pages, max_blocks, num_splits, open_split,
                         sm_scale, dot_dtype, interpret, open_full=False, bits=2, interleaved=False,
-                        open_state=common.sinks_and_open_block_state):
+                        denormal=False, open_state=common.sinks_and_open_block_state):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]   layer-local page ids
     # offsets_ref       i32[2]: (first page, first sequence row) of the layer read, in the arrays below
@@ -162,6 +162,10 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         qi = common.load_q_rows(q_ref, b, h, q_per_kv=q_per_kv, q_per_kv_pad=q_per_kv_pad, num_channel_groups=NP,
                                 sm_scale=sm_scale, planes=T, interleaved=True)
         perm_c, perm_t = common.interleaved_index(Pc), common.interleaved_index(P)
+    elif denormal:  # folded_f16 with common.denormal_plane: a weight per plane, no offset
+        fold_dtype, fold_off = jnp.float16, None
+        fold_w = sum(jnp.where(row_plane % C == j, common.denormal_plane_weight(j, bits), 0.0)
+                     for j in range(C))[:, None]
     else:
         fold_dtype = common.FOLDED_PLANES[dot_dtype][0]
         fold_w, fold_off = common.folded_plane_constants(dot_dtype, bits)
@@ -184,6 +188,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         f32[R, n])."""
         xr = x.astype(fold_dtype)
         plane = (functools.partial(common.trip_plane, plane_fn=common.interleaved_plane) if interleaved else
+                 functools.partial(common.trip_plane, plane_fn=common.denormal_plane) if denormal else
                  functools.partial(common.trip_plane, plane_fn=common.folded_plane, dot_dtype=dot_dtype))
         dots = [jnp.dot(xr, plane(tiles, j, asm=asm, bits=bits).T, preferred_element_type=jnp.float32)
                 for j in range(T)]
@@ -245,7 +250,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                            + jnp.sum(q[p] * mu, axis=1)[:, None])
             else:
                 dot, a = fold_dot(qi[p] * sigma, k_tiles)  # [R, P], [R, Pc]
-                logits += dot + jnp.sum(qi[p] * mu - fold_off * a, axis=1)[:, None]
+                bias = qi[p] * mu if fold_off is None else qi[p] * mu - fold_off * a
+                logits += dot + jnp.sum(bias, axis=1)[:, None]
 
         mb = jnp.max(logits, axis=1)  # [R] block-local max (sealed blocks are full: no mask)
         w = exp(logits - mb[:, None])  # [R, P]
@@ -268,7 +274,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                 out = (jnp.sum(w * nu, axis=1)[:, None] + wm[:, None] * omega) + (ws * plane_w)[:, None] * pv
             else:
                 pv, wt = fold_dot(w * tau, v_tiles)  # [R, Pc], [R, P]
-                out = jnp.sum(w * nu - fold_off * wt, axis=1)[:, None] + pv
+                out = jnp.sum(w * nu if fold_off is None else w * nu - fold_off * wt, axis=1)[:, None] + pv
             new_accs.append(common.merge_acc(accs[p], out, alpha, beta, valid))
         return m_new, l_new, tuple(new_accs)
 
@@ -296,8 +302,11 @@ class KernelConfig:
     folded modes use more registers, so their best warp count is still open). interleaved ("folded_f16",
     2-bit codes only): the codes unpacked by `common.interleaved_plane` (no byte permutes; the K rows, q,
     sigma, mu, tau and nu read in the matching order), the same dots up to float32 rounding; 4.6% fewer
-    loop instructions offline (bench/NOTES_decode.md, session 12). Not yet run on a GPU, where it assumes
-    Triton gives each inline-asm call 4 consecutive elements of a tile row: off by default."""
+    loop instructions offline (bench/NOTES_decode.md, session 12); on the H200 24% slower at batch 8:
+    off by default. denormal ("folded_f16" only, not with interleaved): the codes unpacked by
+    `common.denormal_plane` as exact f16 subnormals (no magic exponent: no offset term, no per-plane
+    shift; 15% fewer loop instructions); default_config's choice for "folded_f16" (False: the f16
+    1024 + 64c planes of `common.folded_plane`)."""
 
     num_splits: int = 1
     open_split: bool = False
@@ -305,6 +314,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     interleaved: bool = False
+    denormal: bool = False
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
@@ -314,14 +324,16 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     time is ~linear in its loop trips (`common.blocks_per_trip` blocks: one 2-bit packing group, two
     4-bit ones where the page allows), so the time is ~ waves x trips per program, with
     RESIDENT_PROGRAMS_PER_SM[dot_dtype] x num_sms programs per wave (set by the register count);
-    `choose_num_splits` minimizes that (a partial last wave costs a whole one)."""
+    `choose_num_splits` minimizes that (a partial last wave costs a whole one). "folded_f16" unpacks the
+    codes as f16 subnormals (KernelConfig.denormal: 8-10% faster at batch 8 on the H200, no offset term)."""
     if dot_dtype not in DOT_DTYPES:
         raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {dot_dtype=}")
     trips = max(1, pages_per_seq * page_size // (common.blocks_per_trip(bits, page_size, partition_size)
                                                  * partition_size))
     slots = RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms
     splits, open_split = choose_num_splits(batch * num_kv_heads, trips, slots)
-    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
+    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype,
+                        denormal=dot_dtype == "folded_f16")
 
 
 def choose_num_splits(num_pairs: int, num_packing_groups: int, slots: int) -> tuple[int, bool]:
@@ -383,7 +395,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         num_sink_tokens=num_sink_tokens, num_pages=num_pages // num_layers,
         max_blocks=pages_per_seq * (page_size // partition_size),
         num_splits=splits, open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret,
-        interleaved=config.interleaved,
+        interleaved=config.interleaved, denormal=config.denormal,
         open_full=open_full, bits=bits)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
@@ -411,7 +423,8 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
                           dot_dtype: DotDtype = "int8", num_splits: int | None = None,
                           num_stages: int | None = None, num_warps: int | None = None,
                           config: KernelConfig | None = None, layer_index=None,
-                          open_full: bool = False, interleaved: bool = False, interpret: bool = False):
+                          open_full: bool = False, interleaved: bool = False, denormal: bool | None = None,
+                          interpret: bool = False):
     """HACK decode attention over the paged INT2 (or INT4) kivi cache (module docstring; shapes there).
 
     Args:
@@ -440,6 +453,9 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
         that wrote the filling token; hack_jax.attention.decode_step). Other lengths read the same either way.
       interleaved: True sets KernelConfig.interleaved on the config (given or default): 2-bit codes with
         dot_dtype "folded_f16" only (ValueError otherwise).
+      denormal: None keeps the config's KernelConfig.denormal (default_config: True for "folded_f16");
+        True / False set it (True: dot_dtype "folded_f16" only, not with interleaved; interleaved=True
+        without it sets False).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
 
     Returns:
@@ -447,7 +463,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
 
     Raises:
       ValueError: shapes/dtypes off the layout, unsupported sizes, bad dot_dtype, num_splits, num_stages,
-        num_warps or interleaved.
+        num_warps, interleaved or denormal.
     """
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
     if num_sink_tokens == 0:
@@ -458,7 +474,8 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
                              num_sink_tokens=num_sink_tokens, v_group=v_group, window=window, bits=bits)
     config = resolve_config(q, view.layer[0], view.layer[3], page_indices, partition_size=partition_size,
                             dot_dtype=dot_dtype, num_splits=num_splits, config=config, bits=bits,
-                            interleaved=interleaved, num_stages=num_stages, num_warps=num_warps)
+                            interleaved=interleaved, num_stages=num_stages, num_warps=num_warps,
+                            denormal=denormal)
     if not isinstance(open_full, bool):
         raise ValueError(f"open_full must be a bool, got {open_full=}")
     return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, partition_size=partition_size,
@@ -467,10 +484,12 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
 
 
 def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtype="int8", num_splits=None,
-                   config=None, bits=2, interleaved=False, num_stages=None, num_warps=None) -> KernelConfig:
+                   config=None, bits=2, interleaved=False, num_stages=None, num_warps=None,
+                   denormal=None) -> KernelConfig:
     """The KernelConfig to launch (inputs already validated): `config` or default_config(...),
-    num_splits, num_stages, num_warps and interleaved=True overriding; ValueError on a bad dot_dtype,
-    config, num_splits, num_stages, num_warps or interleaved."""
+    num_splits, num_stages, num_warps, interleaved=True (with denormal=False unless denormal is given)
+    and denormal True / False overriding; ValueError on a bad dot_dtype, config, num_splits, num_stages,
+    num_warps, interleaved or denormal."""
     if config is None:
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1],
                                 pages_per_seq=page_indices.shape[1], page_size=k_sums.shape[2],
@@ -494,11 +513,19 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
     if interleaved is not False:
         if interleaved is not True:
             raise ValueError(f"interleaved must be a bool, got {interleaved=}")
-        config = dataclasses.replace(config, interleaved=True)
+        config = dataclasses.replace(config, interleaved=True, denormal=False)
+    if denormal is not None:
+        if not isinstance(denormal, bool):
+            raise ValueError(f"denormal must be a bool or None, got {denormal=}")
+        config = dataclasses.replace(config, denormal=denormal)
     if not isinstance(config.num_splits, int) or config.num_splits < 1:
         raise ValueError(f"config.num_splits must be a positive int, got {config.num_splits=}")
     if config.interleaved is not False and (config.interleaved is not True or config.dot_dtype != "folded_f16"
                                             or bits != 2):
         raise ValueError(f"config.interleaved=True needs dot_dtype 'folded_f16' and 2-bit codes (at 4 bits it "
                          f"saves nothing), got {config.interleaved=}, {config.dot_dtype=}, {bits=}")
+    if config.denormal is not False and (config.denormal is not True or config.dot_dtype != "folded_f16"
+                                         or config.interleaved):
+        raise ValueError(f"config.denormal=True needs dot_dtype 'folded_f16' (f16 subnormal planes) and not "
+                         f"interleaved, got {config.denormal=}, {config.dot_dtype=}, {config.interleaved=}")
     return config

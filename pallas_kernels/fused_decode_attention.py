@@ -140,7 +140,8 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         num_sink_tokens=num_sink_tokens, num_pages=num_pages // num_layers,
         max_blocks=page_indices.shape[1] * (page_size // partition_size),
         num_splits=config.num_splits, open_split=config.open_split, dot_dtype=config.dot_dtype,
-        interpret=interpret, bits=bits, write_sinks=write_sinks, interleaved=config.interleaved)
+        interpret=interpret, bits=bits, write_sinks=write_sinks, interleaved=config.interleaved,
+        denormal=config.denormal)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
@@ -160,13 +161,15 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int, partition_size: int,
                    dot_dtype: DotDtype = "int8", num_sms: int = H200_NUM_SMS, bits: int = 2) -> KernelConfig:
-    """decode_attention.default_config's split choice with this kernel's RESIDENT_PROGRAMS_PER_SM."""
+    """decode_attention.default_config's split choice (and plane encoding) with this kernel's
+    RESIDENT_PROGRAMS_PER_SM."""
     if dot_dtype not in DOT_DTYPES:
         raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {dot_dtype=}")
     trips = max(1, pages_per_seq * page_size // (common.blocks_per_trip(bits, page_size, partition_size)
                                                  * partition_size))
     splits, open_split = choose_num_splits(batch * num_kv_heads, trips, RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms)
-    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
+    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype,
+                        denormal=dot_dtype == "folded_f16")
 
 
 @common.quiet
@@ -177,7 +180,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
                                 num_splits: int | None = None, num_stages: int | None = None,
                                 num_warps: int | None = None, config: KernelConfig | None = None,
                                 layer_index=None, write_sinks: bool = True, interleaved: bool = False,
-                                interpret: bool = False):
+                                denormal: bool | None = None, interpret: bool = False):
     """Append one token per active slot and attend (module docstring; shapes there).
 
     Args:
@@ -187,7 +190,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held before this token;
         active: bool[batch].
       partition_size, num_sink_tokens, v_group, window, bits, dot_dtype, num_splits, num_stages, num_warps,
-        config, layer_index, interleaved, interpret: as decode_attention.hack_decode_attention; config None:
+        config, layer_index, interleaved, denormal, interpret: as decode_attention.hack_decode_attention; config None:
         `default_config` (this kernel's occupancy).
         With layer_index i (a stacked cache) the token is written into layer i's rows of the stacked
         open_k ... sink_v, in place when the caller donates them.
@@ -222,7 +225,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
                                 bits=bits)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, num_splits=num_splits,
                             config=config, bits=bits, interleaved=interleaved, num_stages=num_stages,
-                            num_warps=num_warps)
+                            num_warps=num_warps, denormal=denormal)
     out, *written = _fused_decode(q, k, v, *view.flat, page_indices, kv_lens, active, view.offsets,
                                   partition_size=partition_size, num_sink_tokens=num_sink_tokens,
                                   num_layers=view.num_layers, config=config, interpret=interpret, bits=bits,

@@ -236,15 +236,18 @@ def test_decode_seed_reference():
 
 
 @pytest.mark.parametrize("impl", ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("dot_dtype", ["folded_f16", "folded_bf16"])
-def test_decode_folded_within_2x_naive(dot_dtype, impl):
+@pytest.mark.parametrize("dot_dtype,denormal", [("folded_f16", False), ("folded_bf16", False), ("folded_f16", True)],
+                         ids=["folded_f16", "folded_bf16", "folded_f16-denormal"])
+def test_decode_folded_within_2x_naive(dot_dtype, denormal, impl):
     """The scale-folded operands (the model's decode path) round Q sigma and W tau to 16 bits on purpose:
     their error vs exact attention over the dequantized cache is at most 2x that of the same rounding
-    done naively (the twin with the transients rounded from float32), plus float32 order."""
+    done naively (the twin with the transients rounded from float32), plus float32 order; also with the
+    nibbles unpacked as f16 subnormals (KernelConfig.denormal)."""
     cache = _cache(B4_PAGE4)
     q = make_q((len(LENGTHS), NUM_Q_HEADS, HEAD_DIM))
+    extra = {"denormal": True} if denormal else {}
     out = np.asarray(attention.decode_attention(q, cache.layer, page_indices=cache.table, kv_lens=cache.lengths,
-                                                **_impl(impl, dot_dtype=dot_dtype)))
+                                                **_impl(impl, dot_dtype=dot_dtype, **extra)))
     q_pos = (cache.lengths - 1)[:, None]
     exact = twin.np_cache_attention(q[:, None], cache, q_pos, transient_int8=False)[:, 0]
     rnd = {"folded_f16": np.float16, "folded_bf16": ml_dtypes.bfloat16}[dot_dtype]
@@ -307,7 +310,7 @@ def test_quantization_error_vs_2bit():
     assert errs[4] < errs[2] / 3
 
 
-@pytest.mark.parametrize("dot_dtype", ["int8", "folded_f16", "folded_bf16"])
+@pytest.mark.parametrize("dot_dtype", ["int8", "folded_f16", "folded_bf16", "folded_f16-denormal"])
 def test_decode_kernel_lowers_to_triton_for_cuda(dot_dtype):
     """The 4-bit kernel's GPU forms (the inline-PTX nibble planes, which interpret mode does not run) have
     a Pallas-Triton lowering: what can be checked without a GPU. Llama-3.1-8B heads, P 64, pages of 256."""
@@ -317,8 +320,10 @@ def test_decode_kernel_lowers_to_triton_for_cuda(dot_dtype):
     q = jax.ShapeDtypeStruct((2, 32, 128), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((2, 4), jnp.int32)
     lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    dot_dtype, _, flag = dot_dtype.partition("-")
+    extra = {flag: True} if flag else {}
     fn = lambda q, layer, table, lens: attention.decode_attention(  # noqa: E731
-        q, layer, page_indices=table, kv_lens=lens, impl="pallas", dot_dtype=dot_dtype)
+        q, layer, page_indices=table, kv_lens=lens, impl="pallas", dot_dtype=dot_dtype, **extra)
     text = jax.jit(fn).trace(q, layer, table, lens).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
 

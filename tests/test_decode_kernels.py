@@ -614,24 +614,50 @@ def test_interleaved_plane_bits():
             np.testing.assert_array_equal(emulated.reshape(8, 32).view(np.float16).astype(np.float64), got)
 
 
+def test_denormal_plane_bits():
+    """common.denormal_plane (jnp form) gives code * 2**(bits j) * 2**-24 (an f16 subnormal) exactly for
+    every byte and plane, denormal_plane_weight undoes it, and the GPU form's word operations (two PRMTs
+    that put bytes (0, 1) and (2, 3) of a 32-bit word under zero bytes, then one AND each; emulated here
+    in NumPy) give the same 16-bit values in the same element order."""
+    rng = np.random.default_rng(12)
+    for bits in (2, 4):
+        tile = rng.integers(0, 256, (8, 32)).astype(np.uint8)
+        words = tile.view("<u4").astype(np.uint64)  # [8, 8]: bytes k..k+3 of a row, byte 0 lowest
+        for j in range(8 // bits):
+            codes = (tile.astype(np.int64) >> (bits * j)) & ((1 << bits) - 1)
+            got = np.asarray(common.denormal_plane(jnp.asarray(tile), j, asm=False, bits=bits), np.float64)
+            assert (got < 2.0 ** -14).all()  # subnormal (or zero): no exponent bits
+            np.testing.assert_array_equal(got * common.denormal_plane_weight(j, bits), codes)
+            mask = np.uint64((((1 << bits) - 1) << (bits * j)) * 0x10001)
+            byte = lambda k: (words >> np.uint64(8 * k)) & np.uint64(0xFF)  # noqa: E731
+            lo = (byte(0) | byte(1) << np.uint64(16)) & mask  # prmt 0x4140 with a zero register, and
+            hi = (byte(2) | byte(3) << np.uint64(16)) & mask  # prmt 0x4342, and
+            halves = [x.astype(np.uint32).view("<u2").reshape(8, 8, 2) for x in (lo, hi)]
+            emulated = np.concatenate(halves, -1).reshape(8, 32).view(np.float16).astype(np.float64)
+            np.testing.assert_array_equal(emulated, got)
+
+
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("flag", ["interleaved", "denormal"])
 @pytest.mark.parametrize("case", [ODD_CASE, CASE["d64_P32_g4_s3"], CASE["d64_P64_g3_page8P_s4"]],
                          ids=["llama", "d64_P32_s3", "g3_page8P_s4"])
-def test_interleaved_kernel_within_2x_naive_f16(case, mode):
+def test_plane_variants_within_2x_naive_f16(case, flag, mode):
     """KernelConfig(interleaved=True): the folded f16 path with planes unpacked without byte permutes and
-    the K rows, q, sigma, mu, tau, nu read in the planes' order, vs float64 attention over the
-    dequantized cache: within 2x of the naive f16 math, as the folded path; open_split too."""
+    the K rows, q, sigma, mu, tau, nu read in the planes' order; KernelConfig(denormal=True): the codes as
+    f16 subnormals (on the GPU this checks that the tensor cores multiply them exactly). Each vs float64
+    attention over the dequantized cache: within 2x of the naive f16 math, as the folded path; open_split
+    too."""
     q, c = build(case, seed=2)
     for open_split in (False, True):
         cfg = KernelConfig(num_splits=case.num_splits, open_split=open_split, dot_dtype="folded_f16",
-                           interleaved=True)
+                           **{flag: True})
         out = run_config(q, c, case, cfg, mode)
         assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
         err, naive = within_2x_naive(out, q, c, case, "folded_f16")
         assert err <= 2 * naive + TIGHT * v_scale_of(c), (err, naive, open_split)
 
 
-def test_interleaved_needs_folded_f16_and_2_bits():
+def test_resolve_config_validates_options():
     q, c = build(ODD_CASE, seed=0)
     for dot in ("int8", "folded_bf16"):
         with pytest.raises(ValueError, match="interleaved"):
@@ -652,6 +678,20 @@ def test_interleaved_needs_folded_f16_and_2_bits():
         resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=1)
     with pytest.raises(ValueError, match="interleaved"):
         resolve_config(*args, partition_size=64, dot_dtype="int8", interleaved=True)
+    # denormal: default_config's choice for folded_f16 only; interleaved=True turns it off; False opts out
+    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16").denormal is True
+    assert resolve_config(*args, partition_size=64, dot_dtype="int8").denormal is False
+    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", denormal=False).denormal is False
+    # denormal=True: folded_f16 only, not with interleaved; a bool or None
+    assert resolve_config(*args, partition_size=64, config=plain, denormal=True) == KernelConfig(
+        num_splits=3, dot_dtype="folded_f16", denormal=True)
+    for bad_dot in ("int8", "folded_bf16"):
+        with pytest.raises(ValueError, match="denormal"):
+            resolve_config(*args, partition_size=64, dot_dtype=bad_dot, denormal=True)
+    with pytest.raises(ValueError, match="denormal"):
+        resolve_config(*args, partition_size=64, config=cfg, denormal=True)
+    with pytest.raises(ValueError, match="denormal must be a bool"):
+        resolve_config(*args, partition_size=64, config=plain, denormal="yes")
     # num_stages overrides the config's pipeline depth; out-of-range or non-int values are named
     assert resolve_config(*args, partition_size=64, config=plain, num_stages=3).num_stages == 3
     for bad in (0, 9, 2.0, True):

@@ -95,24 +95,35 @@ def test_fused_step_matches_append_then_attention(config, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fused_interleaved_matches_folded(mode):
-    """The fused kernel with KernelConfig.interleaved (folded f16 codes unpacked without byte permutes)
-    writes what append writes and attends as the unfused folded_f16 kernel does, up to the float32 sums
-    of its smaller plane offsets."""
-    q, k_new, v_new, layer, table, (_, v) = step_inputs()
+@pytest.mark.parametrize("flag", ["interleaved", "denormal"])
+def test_fused_plane_variants_match_folded(flag, mode):
+    """The fused kernel with KernelConfig.interleaved (folded f16 codes unpacked without byte permutes) or
+    .denormal (the codes as f16 subnormals) writes what append writes and attends as the unfused
+    folded_f16 kernel does, up to float32 sums (interleaved: of its smaller plane offsets)."""
+    q, k_new, v_new, layer, table, (k, v) = step_inputs()
     kw = dict(page_indices=jnp.asarray(table), kv_lens=jnp.asarray(PREV + ACTIVE), active=jnp.asarray(ACTIVE),
               impl="pallas", interpret=mode == "interpret")
-    inter = KernelConfig(num_splits=2, dot_dtype="folded_f16", interleaved=True)
+    inter = KernelConfig(num_splits=2, dot_dtype="folded_f16", **{flag: True})
     fused_layer, out = attention.decode_step(q, k_new, v_new, layer, seal="never", fuse=True, config=inter, **kw)
-    _, ref = attention.decode_step(q, k_new, v_new, layer, seal="always",
-                                   config=KernelConfig(num_splits=2, dot_dtype="folded_f16"), **kw)
-    _assert_writes_what_append_writes(fused_layer, layer, k_new, v_new, table)
+    # the reference: the unfused kernel with the 1024 + 64c planes (interleaved) / with the same planes
+    # (denormal: unlike the magic planes' float32 sums of 1024-offset products, nothing cancels there)
+    plain = KernelConfig(num_splits=2, dot_dtype="folded_f16", denormal=flag == "denormal")
+    _, ref = attention.decode_step(q, k_new, v_new, layer, seal="always", config=plain, **kw)
+    want = _assert_writes_what_append_writes(fused_layer, layer, k_new, v_new, table)
     out, ref = np.asarray(out), np.asarray(ref)
     assert np.isfinite(out).all()
     scale = float(np.abs(v).max())
-    # measured 1.8e-5 * max|V| (the planes at bits 4-5 keep ~2 fewer bits of the float32 sums, and the
-    # MMA sums run in another order); a plane, row or token order off gives errors of order max|V|
+    # interleaved: measured 1.8e-5 * max|V| (the planes at bits 4-5 keep ~2 fewer bits of the float32 sums, and
+    # the MMA sums run in another order); a plane, row or token order off gives errors of order max|V|
     assert np.abs(out - ref).max() <= 1e-4 * scale
+    # and vs float64 attention over the dequantized cache: within 2x of the same f16 rounding done naively
+    after = PREV + ACTIVE
+    cache = twin.Cache(want, k, v, after, table)
+    q64, q_pos = np.asarray(q)[:, None], (after - 1)[:, None]
+    exact = twin.np_cache_attention(q64, cache, q_pos, transient_int8=False)[:, 0]
+    naive = twin.np_cache_attention(q64, cache, q_pos, round_to=np.float16)[:, 0]
+    err, naive_err = np.abs(out - exact).max(), np.abs(naive - exact).max()
+    assert err <= 2 * naive_err + TIGHT * scale, (err, naive_err, np.abs(ref - exact).max())
 
 
 def test_fused_step_rejects_what_append_rejects():
