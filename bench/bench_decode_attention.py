@@ -255,25 +255,25 @@ def _one_copy_slots(layer, shape):
     return dataclasses.replace(layer, **per)
 
 
-# decode_attention.DOT_DTYPES, the operand modes (folded_f16: default_config's, the f16 subnormal planes), and
-# folded_f16m: folded_f16 with KernelConfig.denormal=False (the 1024 + 64c planes, the default until session 14)
-HACK_DOTS = ("int8", "folded_f16", "folded_bf16", "folded_f16m")
+# decode_attention.DOT_DTYPES, the operand modes, and folded_f16d: folded_f16 with KernelConfig.denormal (the codes
+# as f16 subnormals)
+HACK_DOTS = ("int8", "folded_f16", "folded_bf16", "folded_f16d")
 KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k",
                "open_v", "sink_k", "sink_v")
 
 
 def hack_variants(dots=("int8", "folded_f16"), p128=False, splits=(), stages=(), warps=()):
     """The operand modes of hack_decode_attention to time, as (row name, kwargs): hack_int8dot (INT8
-    transients, the paper's numerics), hack_folded_f16 / hack_folded_bf16 (scale-folded 16-bit operands;
-    f16: the codes as f16 subnormals), hack_folded_f16m (f16 with the 1024 + 64c planes, denormal=False);
+    transients, the paper's numerics), hack_folded_f16 / hack_folded_bf16 (scale-folded 16-bit operands),
+    hack_folded_f16d (folded f16 with the codes as f16 subnormals, KernelConfig.denormal);
     p128 adds the int8 mode on a partition_size=128 cache (page 512): half the per-token INT8
     requantization work, lower accuracy (bench/results/accuracy.md), as a speed/accuracy data point.
     splits: each mode again with num_splits forced (rows hack_<mode>_s<N>), to check default_config's
     choice against its neighbours in one run. stages: each mode (default splits, and each forced split
     count) again with the pipeline depth num_stages forced (rows hack_<mode>[_s<N>]_st<K>); warps: likewise
     with num_warps forced (rows ..._w<K>)."""
-    def kw(d):  # folded_f16m: the magic-exponent planes (KernelConfig.denormal=False)
-        return {"dot_dtype": "folded_f16", "denormal": False} if d == "folded_f16m" else {"dot_dtype": d}
+    def kw(d):  # folded_f16d: the f16 subnormal planes (KernelConfig.denormal)
+        return {"dot_dtype": "folded_f16", "denormal": True} if d == "folded_f16d" else {"dot_dtype": d}
     out = [("hack_int8dot" if d == "int8" else f"hack_{d}", kw(d)) for d in dots]
     out += [(f"hack_{d}_s{n}", dict(kw(d), num_splits=n)) for d in dots for n in splits]
     base = list(out)
@@ -690,7 +690,7 @@ def main(argv=None):
                     help="extra runs of our bf16 kernel with these configs (a sweep; default config always runs)")
     ap.add_argument("--hack-dots", nargs="+", default=["int8", "folded_f16"], choices=HACK_DOTS,
                     help="operand modes of the hack kernel to time (rows hack_int8dot, hack_folded_f16, "
-                         "hack_folded_bf16, hack_folded_f16m)")
+                         "hack_folded_bf16, hack_folded_f16d)")
     ap.add_argument("--hack-p128", action="store_true",
                     help="also time the hack kernel on a partition_size=128 cache (hack_p128_int8dot)")
     ap.add_argument("--hack-splits", nargs="*", type=int, default=[],

@@ -694,7 +694,15 @@ def stacked_view(arrays, layer_index, *, batch: int) -> StackedView:
     Else an int or i32 scalar i: every array carries a leading num_layers axis L; each is viewed flat
     ([L * num_pages, ...], [L * batch, ...]: page p of layer i is flat page i * num_pages + p) and
     offsets = (i * num_pages, i * batch). A Python int gives constant offsets (no kernel); an int
-    outside [0, L) or arrays of different L raise ValueError."""
+    outside [0, L) or arrays of different L raise ValueError, as does a 1-byte operand (u8 codes) of more
+    than 2**31 and at most 2**32 bytes: Pallas-Triton indexes it with 32-bit offsets that Triton's pointer
+    arithmetic sign-extends, so it would read the wrong bytes past 2**31 (measured on the H200:
+    bench/probe_offsets.py; models.llama.cache_layout cuts such stacks into layer groups)."""
+    for x in arrays:  # (non-arrays are left to the callers' own checks, which name them)
+        if hasattr(x, "dtype") and hasattr(x, "size") and jnp.dtype(x.dtype).itemsize == 1 and 2**31 < x.size <= 2**32:
+            raise ValueError(f"a 1-byte cache array of {x.size} bytes ({tuple(x.shape)} {x.dtype}) is beyond "
+                             f"what the Pallas-Triton kernels address correctly (2**31 < bytes <= 2**32): use "
+                             f"fewer layers per stack (kv_cache.init_cache(group_layers=...)) or fewer pages")
     if layer_index is None:
         return StackedView(tuple(arrays), tuple(arrays), np.zeros(2, np.int32), 1)
     present = [x for x in arrays if x is not None]

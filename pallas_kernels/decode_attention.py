@@ -305,8 +305,8 @@ class KernelConfig:
     loop instructions offline (bench/NOTES_decode.md, session 12); on the H200 24% slower at batch 8:
     off by default. denormal ("folded_f16" only, not with interleaved): the codes unpacked by
     `common.denormal_plane` as exact f16 subnormals (no magic exponent: no offset term, no per-plane
-    shift; 15% fewer loop instructions); default_config's choice for "folded_f16" (False: the f16
-    1024 + 64c planes of `common.folded_plane`)."""
+    shift; 15% fewer loop instructions); opt-in: the kernel alone measured faster, whole-model steps
+    faster at some shapes and slower at others (docs/DESIGN.md "Decode numerics")."""
 
     num_splits: int = 1
     open_split: bool = False
@@ -324,16 +324,14 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     time is ~linear in its loop trips (`common.blocks_per_trip` blocks: one 2-bit packing group, two
     4-bit ones where the page allows), so the time is ~ waves x trips per program, with
     RESIDENT_PROGRAMS_PER_SM[dot_dtype] x num_sms programs per wave (set by the register count);
-    `choose_num_splits` minimizes that (a partial last wave costs a whole one). "folded_f16" unpacks the
-    codes as f16 subnormals (KernelConfig.denormal: 8-10% faster at batch 8 on the H200, no offset term)."""
+    `choose_num_splits` minimizes that (a partial last wave costs a whole one)."""
     if dot_dtype not in DOT_DTYPES:
         raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {dot_dtype=}")
     trips = max(1, pages_per_seq * page_size // (common.blocks_per_trip(bits, page_size, partition_size)
                                                  * partition_size))
     slots = RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms
     splits, open_split = choose_num_splits(batch * num_kv_heads, trips, slots)
-    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype,
-                        denormal=dot_dtype == "folded_f16")
+    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
 
 
 def choose_num_splits(num_pairs: int, num_packing_groups: int, slots: int) -> tuple[int, bool]:
@@ -453,9 +451,9 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
         that wrote the filling token; hack_jax.attention.decode_step). Other lengths read the same either way.
       interleaved: True sets KernelConfig.interleaved on the config (given or default): 2-bit codes with
         dot_dtype "folded_f16" only (ValueError otherwise).
-      denormal: None keeps the config's KernelConfig.denormal (default_config: True for "folded_f16");
-        True / False set it (True: dot_dtype "folded_f16" only, not with interleaved; interleaved=True
-        without it sets False).
+      denormal: None keeps the config's KernelConfig.denormal (default_config: False); True / False set
+        it (True: dot_dtype "folded_f16" only, not with interleaved; interleaved=True without it sets
+        False).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
 
     Returns:

@@ -161,15 +161,13 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int, partition_size: int,
                    dot_dtype: DotDtype = "int8", num_sms: int = H200_NUM_SMS, bits: int = 2) -> KernelConfig:
-    """decode_attention.default_config's split choice (and plane encoding) with this kernel's
-    RESIDENT_PROGRAMS_PER_SM."""
+    """decode_attention.default_config's split choice with this kernel's RESIDENT_PROGRAMS_PER_SM."""
     if dot_dtype not in DOT_DTYPES:
         raise ValueError(f"dot_dtype must be one of {DOT_DTYPES}, got {dot_dtype=}")
     trips = max(1, pages_per_seq * page_size // (common.blocks_per_trip(bits, page_size, partition_size)
                                                  * partition_size))
     splits, open_split = choose_num_splits(batch * num_kv_heads, trips, RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms)
-    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype,
-                        denormal=dot_dtype == "folded_f16")
+    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
 
 
 @common.quiet

@@ -678,10 +678,11 @@ def test_resolve_config_validates_options():
         resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=1)
     with pytest.raises(ValueError, match="interleaved"):
         resolve_config(*args, partition_size=64, dot_dtype="int8", interleaved=True)
-    # denormal: default_config's choice for folded_f16 only; interleaved=True turns it off; False opts out
-    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16").denormal is True
-    assert resolve_config(*args, partition_size=64, dot_dtype="int8").denormal is False
-    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", denormal=False).denormal is False
+    # denormal: off by default; the keyword sets it; interleaved=True turns it off
+    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16").denormal is False
+    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", denormal=True).denormal is True
+    assert resolve_config(*args, partition_size=64, config=dataclasses.replace(plain, denormal=True),
+                          interleaved=True).denormal is False
     # denormal=True: folded_f16 only, not with interleaved; a bool or None
     assert resolve_config(*args, partition_size=64, config=plain, denormal=True) == KernelConfig(
         num_splits=3, dot_dtype="folded_f16", denormal=True)

@@ -164,3 +164,31 @@ def test_decode_step_on_a_stacked_layer_is_the_layers_own_step(config, fuse, sea
             _assert_same(got[i], getattr(want_layer, name), f"{how} {name}")
             for j in (0, 2):
                 _assert_same(got[j], getattr(big, name)[j], f"{how} {name} layer {j}")
+
+
+@pytest.mark.parametrize("layers,raises", [(3, True), (2, False)])
+def test_kernels_refuse_byte_arrays_they_would_misaddress(layers, raises):
+    """A u8 page pool of more than 2**31 and at most 2**32 bytes (a 3-layer stack of 90000 pages of one kv
+    head, d 128: 2.2e9 bytes) is read past 2**31 with a sign-extended 32-bit offset by the Pallas-Triton
+    lowering (measured wrong on the H200: bench/probe_offsets.py), so the HACK kernels and the fused one
+    refuse it with a ValueError naming the array, before any kernel runs; 2 layers (1.5e9 bytes) trace.
+    Shapes only (jax.eval_shape): nothing is allocated."""
+    n, page, d, p, ns = 90000, 256, 128, 64, 4
+    S = jax.ShapeDtypeStruct
+    pool = lambda *shape, dt=jnp.uint8: S((layers, n, 1) + shape, dt)  # noqa: E731
+    seq = lambda rows: S((layers, 1, 1, rows, d), jnp.bfloat16)  # noqa: E731
+    cache = [pool(page // 4, d), pool(page // p, d, dt=jnp.float16), pool(page // p, d, dt=jnp.float16),
+             pool(page, 2), pool(d, page // 4), pool(page, 2, dt=jnp.float16), pool(page, 2, dt=jnp.float16),
+             pool(page // p, d), seq(p), seq(p), seq(ns), seq(ns)]
+    q, table, lens = S((1, 4, d), jnp.float32), S((1, 4), jnp.int32), S((1,), jnp.int32)
+    kw = dict(partition_size=p, num_sink_tokens=ns, dot_dtype="folded_f16", layer_index=layers - 1)
+    tok = S((1, 1, d), jnp.float32)
+    calls = [(lambda q, *c: hack_decode_attention(q, *c, **kw), (q, *cache, table, lens)),
+             (lambda q, k, v, *c: hack_fused_decode_attention(q, k, v, *c, **kw),
+              (q, tok, tok, *cache, table, lens, S((1,), jnp.bool_)))]
+    for call, args in calls:
+        if raises:
+            with pytest.raises(ValueError, match=r"2\*\*31 < bytes <= 2\*\*32"):
+                jax.eval_shape(call, *args)
+        else:
+            jax.eval_shape(call, *args)
