@@ -272,10 +272,10 @@ def hack_variants(dots=("int8", "folded_f16"), p128=False, splits=(), stages=(),
     choice against its neighbours in one run. stages: each mode (default splits, and each forced split
     count) again with the pipeline depth num_stages forced (rows hack_<mode>[_s<N>]_st<K>); warps: likewise
     with num_warps forced (rows ..._w<K>)."""
-    def kw(d):  # folded_f16d: the f16 subnormal planes (KernelConfig.denormal)
+    def mode_kwargs(d):  # folded_f16d: the f16 subnormal planes (KernelConfig.denormal)
         return {"dot_dtype": "folded_f16", "denormal": True} if d == "folded_f16d" else {"dot_dtype": d}
-    out = [("hack_int8dot" if d == "int8" else f"hack_{d}", kw(d)) for d in dots]
-    out += [(f"hack_{d}_s{n}", dict(kw(d), num_splits=n)) for d in dots for n in splits]
+    out = [("hack_int8dot" if d == "int8" else f"hack_{d}", mode_kwargs(d)) for d in dots]
+    out += [(f"hack_{d}_s{n}", dict(mode_kwargs(d), num_splits=n)) for d in dots for n in splits]
     base = list(out)
     out += [(f"{name}_st{k}", dict(kw, num_stages=k)) for name, kw in base for k in stages]
     out += [(f"{name}_w{k}", dict(kw, num_warps=k)) for name, kw in base for k in warps]

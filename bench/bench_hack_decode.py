@@ -60,8 +60,7 @@ DOTS = ("int8", "folded_f16", "folded_bf16")  # decode_attention.DOT_DTYPES
 
 def variants(batch, kv_len, specs, bits=2):
     """specs: NAME=DOT (default_config of operand mode DOT: int8 | folded_f16 | folded_bf16 |
-    folded_f16i / folded_f16d / folded_f16m (folded_f16 with KernelConfig.interleaved / denormal=True /
-    denormal=False); "default" = int8), NAME=bf16paged (the bf16 paged
+    folded_f16i / folded_f16d (folded_f16 with KernelConfig.interleaved / .denormal); "default" = int8), NAME=bf16paged (the bf16 paged
     kernel on a bf16 cache of the same length), or
     NAME=DOT:SPLITS:WARPS:STAGES with DOT an operand mode or dequant, SPLITS a number or d
     (default_config's, with its open_split), e.g. fold_w8=folded_f16:d:8:2. (The INT8-in-float dots and the
@@ -75,12 +74,11 @@ def variants(batch, kv_len, specs, bits=2):
             continue
         dot, *launch = rest.split(":")
         dot = "int8" if dot == "default" else dot
-        flags = {"folded_f16i": dict(interleaved=True, denormal=False), "folded_f16d": dict(denormal=True),
-                 "folded_f16m": dict(denormal=False)}.get(dot, {})  # KernelConfig fields
+        flags = {"folded_f16i": dict(interleaved=True), "folded_f16d": dict(denormal=True)}.get(dot, {})
         dot = "folded_f16" if flags else dot
         if dot not in DOTS + ("dequant",):
             raise ValueError(f"variant {spec!r}: operand mode must be one of "
-                             f"{DOTS + ('dequant', 'folded_f16i', 'folded_f16d', 'folded_f16m')}")
+                             f"{DOTS + ('dequant', 'folded_f16i', 'folded_f16d')}")
         base = default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=pps, page_size=PAGE, partition_size=P,
                               dot_dtype="int8" if dot == "dequant" else dot, bits=bits)
         base = dataclasses.replace(base, **flags)
@@ -234,7 +232,6 @@ def accuracy(log, mode="gpu"):
     for dot, splits in (("int8", 1), ("int8", 5), ("folded_f16", 5), ("folded_bf16", 5), ("folded_f16i", 5),
                         ("folded_f16d", 5)):
         kcase = t.Case("x", 128, 64, 256, 8, 4, 8, case.kv_lens, num_splits=splits)
-        # run_kernel builds KernelConfig(dot_dtype=...): plain folded_f16 is the magic-exponent planes there
         kw = (dict(dot_dtype="folded_f16", interleaved=True) if dot == "folded_f16i" else
               dict(dot_dtype="folded_f16", denormal=True) if dot == "folded_f16d" else dict(dot_dtype=dot))
         out = t.run_kernel(hack_decode_attention, q, c, kcase, mode, **kw)

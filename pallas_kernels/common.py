@@ -184,6 +184,9 @@ def folded_plane(tile: jax.Array, j: int, dot_dtype: str, *, asm: bool, bits: in
 # nothing) and no per-plane shift. Per 32-bit word of 4 code bytes: two PRMTs that widen the bytes (the same
 # for a word's planes: ptxas keeps one of each) and one AND per 2 codes, 10 instructions per 16 codes
 # where `folded_plane` takes 15. The tensor cores multiply f16 subnormals exactly (the gpu tests check it).
+DENORMAL_PRMT = (0x4140, 0x4342)  # bytes (0, 1) / (2, 3) of a word, each under a zero byte (prmt b = 0)
+
+
 def denormal_plane_weight(j: int, bits: int = 2) -> float:
     """dot(a, denormal_plane(tile, j)) * denormal_plane_weight(j) = dot(a, codes_j)."""
     return 2.0 ** (24 - bits * j)
@@ -197,7 +200,8 @@ def denormal_plane(tile: jax.Array, j: int, *, asm: bool, bits: int = 2) -> jax.
     if not asm:
         return jax.lax.bitcast_convert_type((tile & jnp.uint8(mask)).astype(jnp.uint16), jnp.float16)
     mask2 = mask | mask << 16
-    body = (f"{{ .reg .b32 z, lo, hi; mov.b32 z, 0; prmt.b32 lo, $2, z, 0x4140; prmt.b32 hi, $2, z, 0x4342; "
+    lo, hi = DENORMAL_PRMT
+    body = (f"{{ .reg .b32 z, lo, hi; mov.b32 z, 0; prmt.b32 lo, $2, z, 0x{lo:04X}; prmt.b32 hi, $2, z, 0x{hi:04X}; "
             f"and.b32 $0, lo, 0x{mask2:08X}; and.b32 $1, hi, 0x{mask2:08X}; }}")
     [out] = pltriton.elementwise_inline_asm(
         body, args=[tile], constraints="=r,=r,r", pack=4,
@@ -651,7 +655,8 @@ def trip_plane(tiles, j: int, plane_fn, *args, bits: int = 2, **kwargs) -> jax.A
     """Virtual plane j of a loop trip's code tiles (`blocks_per_trip`): plane j % C of tiles[j // C]
     (C = num_planes(bits)), i.e. block j of the trip. tiles: the trip's packing-group tiles in page order
     (one at 2 bits; two at 4 bits: rows [0, P) and [P, 2P) of the trip's K rows / V columns); plane_fn:
-    `plane_int8_masked` or `folded_plane`, called as plane_fn(tile, plane, *args, bits=bits, **kwargs)."""
+    `plane_int8_masked`, `folded_plane`, `interleaved_plane` or `denormal_plane`, called as
+    plane_fn(tile, plane, *args, bits=bits, **kwargs)."""
     C = num_planes(bits)
     return plane_fn(tiles[j // C], j % C, *args, bits=bits, **kwargs)
 
@@ -686,6 +691,14 @@ class StackedView(NamedTuple):
     num_layers: int
 
 
+def misaddressed(dtype, size: int) -> bool:
+    """Whether the Pallas-Triton lowering would read a kernel operand of `size` elements of `dtype` at
+    wrong addresses: it indexes operands of at most 2**32 bytes with 32-bit element offsets, which
+    Triton's pointer arithmetic sign-extends, so a 1-byte array of more than 2**31 elements goes wrong
+    past 2**31 (wider dtypes reach 2**32 bytes first, where 64-bit offsets start)."""
+    return jnp.dtype(dtype).itemsize == 1 and 2**31 < size <= 2**32
+
+
 def stacked_view(arrays, layer_index, *, batch: int) -> StackedView:
     """The kernel operands of layer `layer_index` of a stacked cache, read in place.
 
@@ -699,7 +712,7 @@ def stacked_view(arrays, layer_index, *, batch: int) -> StackedView:
     arithmetic sign-extends, so it would read the wrong bytes past 2**31 (measured on the H200:
     bench/probe_offsets.py; models.llama.cache_layout cuts such stacks into layer groups)."""
     for x in arrays:  # (non-arrays are left to the callers' own checks, which name them)
-        if hasattr(x, "dtype") and hasattr(x, "size") and jnp.dtype(x.dtype).itemsize == 1 and 2**31 < x.size <= 2**32:
+        if hasattr(x, "dtype") and hasattr(x, "size") and misaddressed(x.dtype, x.size):
             raise ValueError(f"a 1-byte cache array of {x.size} bytes ({tuple(x.shape)} {x.dtype}) is beyond "
                              f"what the Pallas-Triton kernels address correctly (2**31 < bytes <= 2**32): use "
                              f"fewer layers per stack (kv_cache.init_cache(group_layers=...)) or fewer pages")

@@ -452,8 +452,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
       interleaved: True sets KernelConfig.interleaved on the config (given or default): 2-bit codes with
         dot_dtype "folded_f16" only (ValueError otherwise).
       denormal: None keeps the config's KernelConfig.denormal (default_config: False); True / False set
-        it (True: dot_dtype "folded_f16" only, not with interleaved; interleaved=True without it sets
-        False).
+        it (True: dot_dtype "folded_f16" only, not with interleaved).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
 
     Returns:
@@ -485,9 +484,8 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
                    config=None, bits=2, interleaved=False, num_stages=None, num_warps=None,
                    denormal=None) -> KernelConfig:
     """The KernelConfig to launch (inputs already validated): `config` or default_config(...),
-    num_splits, num_stages, num_warps, interleaved=True (with denormal=False unless denormal is given)
-    and denormal True / False overriding; ValueError on a bad dot_dtype, config, num_splits, num_stages,
-    num_warps, interleaved or denormal."""
+    num_splits, num_stages, num_warps, interleaved=True and denormal True / False overriding; ValueError on
+    a bad dot_dtype, config, num_splits, num_stages, num_warps, interleaved or denormal (or both set)."""
     if config is None:
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1],
                                 pages_per_seq=page_indices.shape[1], page_size=k_sums.shape[2],
@@ -511,7 +509,7 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
     if interleaved is not False:
         if interleaved is not True:
             raise ValueError(f"interleaved must be a bool, got {interleaved=}")
-        config = dataclasses.replace(config, interleaved=True, denormal=False)
+        config = dataclasses.replace(config, interleaved=True)
     if denormal is not None:
         if not isinstance(denormal, bool):
             raise ValueError(f"denormal must be a bool or None, got {denormal=}")

@@ -617,7 +617,7 @@ def test_interleaved_plane_bits():
 def test_denormal_plane_bits():
     """common.denormal_plane (jnp form) gives code * 2**(bits j) * 2**-24 (an f16 subnormal) exactly for
     every byte and plane, denormal_plane_weight undoes it, and the GPU form's word operations (two PRMTs
-    that put bytes (0, 1) and (2, 3) of a 32-bit word under zero bytes, then one AND each; emulated here
+    with common.DENORMAL_PRMT's selectors and a zero register, then one AND each; PTX prmt emulated here
     in NumPy) give the same 16-bit values in the same element order."""
     rng = np.random.default_rng(12)
     for bits in (2, 4):
@@ -629,10 +629,15 @@ def test_denormal_plane_bits():
             assert (got < 2.0 ** -14).all()  # subnormal (or zero): no exponent bits
             np.testing.assert_array_equal(got * common.denormal_plane_weight(j, bits), codes)
             mask = np.uint64((((1 << bits) - 1) << (bits * j)) * 0x10001)
-            byte = lambda k: (words >> np.uint64(8 * k)) & np.uint64(0xFF)  # noqa: E731
-            lo = (byte(0) | byte(1) << np.uint64(16)) & mask  # prmt 0x4140 with a zero register, and
-            hi = (byte(2) | byte(3) << np.uint64(16)) & mask  # prmt 0x4342, and
-            halves = [x.astype(np.uint32).view("<u2").reshape(8, 8, 2) for x in (lo, hi)]
+
+            def prmt(sel):  # PTX prmt.b32 d, a=words, b=0, sel: byte i of d = byte (sel >> 4i) & 7 of {b, a}
+                out = np.zeros_like(words)
+                for i in range(4):
+                    k = (sel >> (4 * i)) & 7
+                    src = (words >> np.uint64(8 * k)) & np.uint64(0xFF) if k < 4 else np.zeros_like(words)
+                    out |= src << np.uint64(8 * i)
+                return out
+            halves = [(prmt(sel) & mask).astype(np.uint32).view("<u2").reshape(8, 8, 2) for sel in common.DENORMAL_PRMT]
             emulated = np.concatenate(halves, -1).reshape(8, 32).view(np.float16).astype(np.float64)
             np.testing.assert_array_equal(emulated, got)
 
@@ -678,11 +683,11 @@ def test_resolve_config_validates_options():
         resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=1)
     with pytest.raises(ValueError, match="interleaved"):
         resolve_config(*args, partition_size=64, dot_dtype="int8", interleaved=True)
-    # denormal: off by default; the keyword sets it; interleaved=True turns it off
+    # denormal: off by default; the keyword sets it; with interleaved (either way round) a ValueError
     assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16").denormal is False
     assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", denormal=True).denormal is True
-    assert resolve_config(*args, partition_size=64, config=dataclasses.replace(plain, denormal=True),
-                          interleaved=True).denormal is False
+    with pytest.raises(ValueError, match="denormal"):
+        resolve_config(*args, partition_size=64, config=dataclasses.replace(plain, denormal=True), interleaved=True)
     # denormal=True: folded_f16 only, not with interleaved; a bool or None
     assert resolve_config(*args, partition_size=64, config=plain, denormal=True) == KernelConfig(
         num_splits=3, dot_dtype="folded_f16", denormal=True)

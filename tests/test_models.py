@@ -577,7 +577,7 @@ def test_generator_edge_inputs_on_a_tiny_model():
 
 
 @pytest.mark.parametrize("option,value,stacked,prefill", [("interleaved", True, True, "homomorphic"),
-                                                         ("denormal", True, False, "homomorphic"),
+                                                         ("denormal", True, True, "homomorphic"),
                                                          ("num_stages", 3, False, "auto")])
 def test_decode_only_backend_options_reach_the_decode_kernel_only(option, value, stacked, prefill):
   """Backend("pallas", {"interleaved": True}) / {"denormal": True} / {"num_stages": 3} (DECODE_ONLY): every call

@@ -113,7 +113,8 @@ def layer_page_indices(page_indices, i, num_pages: int):
 
 
 def _addressable(stacked, depth: int = 1) -> bool:
-    return not any(is_paged(n) and jnp.dtype(a.dtype).itemsize == 1 and 2**31 < depth * a.size <= 2**32
+    from pallas_kernels.common import misaddressed  # the kernels' own rule (their stacked_view refuses the rest)
+    return not any(is_paged(n) and misaddressed(a.dtype, depth * a.size)
                    for n, a in ((n, getattr(stacked, n)) for n in _fields(stacked)))
 
 
