@@ -149,6 +149,15 @@ def folded_plane_constants(dot_dtype: str, bits: int = 2):
     return 2.0 ** -top, value * 2.0 ** -top
 
 
+def _byte_word_to_halves(body: str, tile: jax.Array, dtype) -> jax.Array:
+    """The inline-PTX form shared by the 16-bit plane unpackers: `body` maps each 32-bit word of 4 code bytes
+    ($2) to two registers ($0, $1) of two 16-bit `dtype` values each (element order: the body's)."""
+    [out] = pltriton.elementwise_inline_asm(
+        body, args=[tile], constraints="=r,=r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, dtype)])
+    return out
+
+
 def folded_plane(tile: jax.Array, j: int, dot_dtype: str, *, asm: bool, bits: int = 2) -> jax.Array:
     """Plane j of a u8 code tile of `bits`-bit codes as 16-bit floats MAGIC + code_j * 2**TOP
     (FOLDED_PLANES, TOP = END - bits), exact.
@@ -172,10 +181,7 @@ def folded_plane(tile: jax.Array, j: int, dot_dtype: str, *, asm: bool, bits: in
     # prmt selectors: result bytes (lo..hi) = (t.b0, m.b0, t.b1, m.b1) and (t.b2, m.b3, t.b3, m.b3)
     body = (f"{{ .reg .b32 t, m; {move}and.b32 t, t, 0x{mask4}; mov.b32 m, 0x{hi}; "
             f"prmt.b32 $0, t, m, 0x5140; prmt.b32 $1, t, m, 0x7372; }}")
-    [out] = pltriton.elementwise_inline_asm(
-        body, args=[tile], constraints="=r,=r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, dtype)])
-    return out
+    return _byte_word_to_halves(body, tile, dtype)
 
 
 # Subnormal f16 planes (KernelConfig.denormal): plane j's bits masked in place in a byte that is widened to a
@@ -203,10 +209,7 @@ def denormal_plane(tile: jax.Array, j: int, *, asm: bool, bits: int = 2) -> jax.
     lo, hi = DENORMAL_PRMT
     body = (f"{{ .reg .b32 z, lo, hi; mov.b32 z, 0; prmt.b32 lo, $2, z, 0x{lo:04X}; prmt.b32 hi, $2, z, 0x{hi:04X}; "
             f"and.b32 $0, lo, 0x{mask2:08X}; and.b32 $1, hi, 0x{mask2:08X}; }}")
-    [out] = pltriton.elementwise_inline_asm(
-        body, args=[tile], constraints="=r,=r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.float16)])
-    return out
+    return _byte_word_to_halves(body, tile, jnp.float16)
 
 
 # Interleaved f16 planes (KernelConfig.interleaved): a 32-bit word of 4 code bytes k..k+3 unpacks without
@@ -273,10 +276,7 @@ def interleaved_plane(tile: jax.Array, j: int, *, asm: bool, bits: int = 2) -> j
     # lop3 0xEA = (a & b) | c, the magic in a register (SASS LOP3 takes one immediate)
     body = (f"{{ .reg .b32 t, u, m; mov.b32 m, 0x64006400; {move('t', lo)}{move('u', hi)}"
             f"lop3.b32 $0, t, 0x{mask:08X}, m, 0xEA; lop3.b32 $1, u, 0x{mask:08X}, m, 0xEA; }}")
-    [out] = pltriton.elementwise_inline_asm(
-        body, args=[tile], constraints="=r,=r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.float16)])
-    return out
+    return _byte_word_to_halves(body, tile, jnp.float16)
 
 
 def int_dot(a: jax.Array, b: jax.Array, dot_dtype: str, *, trans_b: bool = False) -> jax.Array:
