@@ -255,9 +255,9 @@ def _one_copy_slots(layer, shape):
     return dataclasses.replace(layer, **per)
 
 
-# decode_attention.DOT_DTYPES, the operand modes, and folded_f16d: folded_f16 with KernelConfig.denormal (the codes
-# as f16 subnormals)
-HACK_DOTS = ("int8", "folded_f16", "folded_bf16", "folded_f16d")
+# decode_attention.DOT_DTYPES, the operand modes, and folded_f16d / folded_f16m: folded_f16 with KernelConfig.denormal
+# True / False (the codes as f16 subnormals, 2-bit's default / the 1024 + 64c planes, 4-bit's default)
+HACK_DOTS = ("int8", "folded_f16", "folded_bf16", "folded_f16d", "folded_f16m")
 KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k",
                "open_v", "sink_k", "sink_v")
 
@@ -265,15 +265,16 @@ KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v
 def hack_variants(dots=("int8", "folded_f16"), p128=False, splits=(), stages=(), warps=()):
     """The operand modes of hack_decode_attention to time, as (row name, kwargs): hack_int8dot (INT8
     transients, the paper's numerics), hack_folded_f16 / hack_folded_bf16 (scale-folded 16-bit operands),
-    hack_folded_f16d (folded f16 with the codes as f16 subnormals, KernelConfig.denormal);
+    hack_folded_f16d / hack_folded_f16m (folded f16 with KernelConfig.denormal True / False);
     p128 adds the int8 mode on a partition_size=128 cache (page 512): half the per-token INT8
     requantization work, lower accuracy (bench/results/accuracy.md), as a speed/accuracy data point.
     splits: each mode again with num_splits forced (rows hack_<mode>_s<N>), to check default_config's
     choice against its neighbours in one run. stages: each mode (default splits, and each forced split
     count) again with the pipeline depth num_stages forced (rows hack_<mode>[_s<N>]_st<K>); warps: likewise
     with num_warps forced (rows ..._w<K>)."""
-    def mode_kwargs(d):  # folded_f16d: the f16 subnormal planes (KernelConfig.denormal)
-        return {"dot_dtype": "folded_f16", "denormal": True} if d == "folded_f16d" else {"dot_dtype": d}
+    def mode_kwargs(d):  # folded_f16d / folded_f16m: KernelConfig.denormal True / False
+        flag = {"folded_f16d": True, "folded_f16m": False}.get(d)
+        return {"dot_dtype": d} if flag is None else {"dot_dtype": "folded_f16", "denormal": flag}
     out = [("hack_int8dot" if d == "int8" else f"hack_{d}", mode_kwargs(d)) for d in dots]
     out += [(f"hack_{d}_s{n}", dict(mode_kwargs(d), num_splits=n)) for d in dots for n in splits]
     base = list(out)

@@ -60,7 +60,8 @@ DOTS = ("int8", "folded_f16", "folded_bf16")  # decode_attention.DOT_DTYPES
 
 def variants(batch, kv_len, specs, bits=2):
     """specs: NAME=DOT (default_config of operand mode DOT: int8 | folded_f16 | folded_bf16 |
-    folded_f16i / folded_f16d (folded_f16 with KernelConfig.interleaved / .denormal); "default" = int8), NAME=bf16paged (the bf16 paged
+    folded_f16i / folded_f16d / folded_f16m (folded_f16 with KernelConfig.interleaved / .denormal True / False);
+    "default" = int8), NAME=bf16paged (the bf16 paged
     kernel on a bf16 cache of the same length), or
     NAME=DOT:SPLITS:WARPS:STAGES with DOT an operand mode or dequant, SPLITS a number or d
     (default_config's, with its open_split), e.g. fold_w8=folded_f16:d:8:2. (The INT8-in-float dots and the
@@ -74,7 +75,8 @@ def variants(batch, kv_len, specs, bits=2):
             continue
         dot, *launch = rest.split(":")
         dot = "int8" if dot == "default" else dot
-        flags = {"folded_f16i": dict(interleaved=True), "folded_f16d": dict(denormal=True)}.get(dot, {})
+        flags = {"folded_f16i": dict(interleaved=True), "folded_f16d": dict(denormal=True),
+                 "folded_f16m": dict(denormal=False)}.get(dot, {})
         dot = "folded_f16" if flags else dot
         if dot not in DOTS + ("dequant",):
             raise ValueError(f"variant {spec!r}: operand mode must be one of "
@@ -230,10 +232,11 @@ def accuracy(log, mode="gpu"):
         log(dict(accuracy=f"naive_{dot}_vs_exact", max_err=float(np.abs(naive - exact).max()),
                  mean_err=float(np.abs(naive - exact).mean()), scale=scale))
     for dot, splits in (("int8", 1), ("int8", 5), ("folded_f16", 5), ("folded_bf16", 5), ("folded_f16i", 5),
-                        ("folded_f16d", 5)):
+                        ("folded_f16d", 5), ("folded_f16m", 5)):
         kcase = t.Case("x", 128, 64, 256, 8, 4, 8, case.kv_lens, num_splits=splits)
         kw = (dict(dot_dtype="folded_f16", interleaved=True) if dot == "folded_f16i" else
-              dict(dot_dtype="folded_f16", denormal=True) if dot == "folded_f16d" else dict(dot_dtype=dot))
+              dict(dot_dtype="folded_f16", denormal=True) if dot == "folded_f16d" else
+              dict(dot_dtype="folded_f16", denormal=False) if dot == "folded_f16m" else dict(dot_dtype=dot))
         out = t.run_kernel(hack_decode_attention, q, c, kcase, mode, **kw)
         for rname, r in (("exact", exact), ("int8_twin", twin), ("hack_jax_ref", ref)):
             err = np.abs(out - r)

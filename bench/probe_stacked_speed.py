@@ -6,6 +6,8 @@ ptxas gives the device's own PTX of each (jaxlib's Triton compile hook, as bench
 
 Usage: PYTHONPATH=. [PROBE_SHAPES="16:32832 32:65600"] [PROBE_Q=bfloat16|float32] [PROBE_OPEN_FULL=1|0]
        python bench/probe_stacked_speed.py   (PROBE_SHAPES: LAYERS:CAPACITY items)
+The answer (session 15, bench/probe_stacked_dump.sh): a bf16 q made the subnormal planes slow; since then
+`common.kernel_q` hands them a float32 q whatever PROBE_Q says.
 """
 import functools
 import os

@@ -67,8 +67,9 @@ class Backend:
         converted, so the backend stays hashable), e.g. {"interpret": True} to run them in Pallas
         interpret mode on the CPU; {"fuse": True}: the non-sealing decode steps through the fused append +
         attention kernel (attention.decode_step); {"interleaved": True}: the 2-bit HACK decode kernel's
-        KernelConfig.interleaved (folded f16 planes without byte permutes); {"denormal": True}: its
-        KernelConfig.denormal (the codes as f16 subnormals); {"num_stages": 3}: its loop's pipeline depth;
+        KernelConfig.interleaved (folded f16 planes without byte permutes); {"denormal": False / True}: its
+        KernelConfig.denormal (the codes as f16 subnormals, the default for 2-bit codes; False: the
+        1024 + 64c planes); {"num_stages": 3}: its loop's pipeline depth;
         {"num_warps": 8}: its warps per program. These reach the decode of kivi layers only (DECODE_ONLY);
         interleaved, denormal, num_stages and num_warps need impl="pallas". Must be empty with
         impl="reference".

@@ -305,8 +305,9 @@ class KernelConfig:
     loop instructions offline (bench/NOTES_decode.md, session 12); on the H200 24% slower at batch 8:
     off by default. denormal ("folded_f16" only, not with interleaved): the codes unpacked by
     `common.denormal_plane` as exact f16 subnormals (no magic exponent: no offset term, no per-plane
-    shift; 15% fewer loop instructions); opt-in: the kernel alone measured faster, whole-model steps
-    faster at some shapes and slower at others (docs/DESIGN.md "Decode numerics")."""
+    shift; 15% fewer loop instructions); default_config's choice for 2-bit folded_f16 (measured faster
+    alone and end to end on the H200 with a float32 q, `common.kernel_q`); off for 4-bit codes, whose
+    batch-1 rows measured slower (docs/DESIGN.md "Decode numerics")."""
 
     num_splits: int = 1
     open_split: bool = False
@@ -331,7 +332,8 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
                                                  * partition_size))
     slots = RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms
     splits, open_split = choose_num_splits(batch * num_kv_heads, trips, slots)
-    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
+    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype,
+                        denormal=dot_dtype == "folded_f16" and bits == 2)
 
 
 def choose_num_splits(num_pairs: int, num_packing_groups: int, slots: int) -> tuple[int, bool]:
@@ -370,6 +372,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
                  config, open_full, interpret, bits):
     # the cache arrays of num_layers layers seen flat ([num_layers * N, ...], [num_layers * S, ...]);
     # offsets i32[2] picks the layer (the kernel's offsets_ref)
+    q = common.kernel_q(q, config)
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
     page_size = k_sums.shape[2]
@@ -451,8 +454,9 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
         that wrote the filling token; hack_jax.attention.decode_step). Other lengths read the same either way.
       interleaved: True sets KernelConfig.interleaved on the config (given or default): 2-bit codes with
         dot_dtype "folded_f16" only (ValueError otherwise).
-      denormal: None keeps the config's KernelConfig.denormal (default_config: False); True / False set
-        it (True: dot_dtype "folded_f16" only, not with interleaved).
+      denormal: None keeps the config's KernelConfig.denormal (default_config: True for 2-bit folded_f16,
+        unless interleaved=True is asked for); True / False set it (True: dot_dtype "folded_f16" only,
+        not with interleaved).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
 
     Returns:
@@ -490,6 +494,8 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1],
                                 pages_per_seq=page_indices.shape[1], page_size=k_sums.shape[2],
                                 partition_size=partition_size, dot_dtype=dot_dtype, bits=bits)
+        if interleaved is True and denormal is None:  # the asked-for planes replace the default's
+            config = dataclasses.replace(config, denormal=False)
     elif not isinstance(config, KernelConfig):
         raise ValueError(f"config must be a decode_attention.KernelConfig, got {type(config).__name__}")
     elif config.dot_dtype not in DOT_DTYPES:

@@ -46,6 +46,7 @@ instead of the plain kernel's 3, RESIDENT_PROGRAMS_PER_SM); numbers in bench/NOT
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -114,6 +115,7 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
                   sink_k, sink_v, page_indices, kv_lens, active, offsets, *, partition_size, num_sink_tokens,
                   num_layers, config, interpret, bits, write_sinks):
     # the arrays of num_layers layers seen flat, offsets picking the layer (decode_attention._hack_decode)
+    q = common.kernel_q(q, config)
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
     page_size = k_sums.shape[2]
@@ -167,7 +169,8 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     trips = max(1, pages_per_seq * page_size // (common.blocks_per_trip(bits, page_size, partition_size)
                                                  * partition_size))
     splits, open_split = choose_num_splits(batch * num_kv_heads, trips, RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms)
-    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype)
+    return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype,
+                        denormal=dot_dtype == "folded_f16" and bits == 2)
 
 
 @common.quiet
@@ -221,6 +224,8 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1], pages_per_seq=page_indices.shape[1],
                                 page_size=k_sums.shape[2], partition_size=partition_size, dot_dtype=dot_dtype,
                                 bits=bits)
+        if interleaved is True and denormal is None:  # the asked-for planes replace the default's
+            config = dataclasses.replace(config, denormal=False)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, num_splits=num_splits,
                             config=config, bits=bits, interleaved=interleaved, num_stages=num_stages,
                             num_warps=num_warps, denormal=denormal)

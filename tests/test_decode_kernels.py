@@ -683,8 +683,18 @@ def test_resolve_config_validates_options():
         resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=1)
     with pytest.raises(ValueError, match="interleaved"):
         resolve_config(*args, partition_size=64, dot_dtype="int8", interleaved=True)
-    # denormal: off by default; the keyword sets it; with interleaved (either way round) a ValueError
-    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16").denormal is False
+    # denormal: the default for 2-bit folded_f16 only; the keyword sets it either way; interleaved asked of the
+    # default config replaces it; with interleaved set explicitly both ways round, a ValueError
+    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16").denormal is True
+    for dot in ("int8", "folded_bf16"):
+        assert resolve_config(*args, partition_size=64, dot_dtype=dot).denormal is False
+    k4 = (args[0], jnp.zeros((3, 1, 128, 64), jnp.uint8), args[2], args[3])  # 4-bit codes: the magic planes
+    assert resolve_config(*k4, partition_size=64, dot_dtype="folded_f16", bits=4).denormal is False
+    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", denormal=False).denormal is False
+    both = resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=True)
+    assert (both.interleaved, both.denormal) == (True, False)
+    with pytest.raises(ValueError, match="denormal"):
+        resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=True, denormal=True)
     assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", denormal=True).denormal is True
     with pytest.raises(ValueError, match="denormal"):
         resolve_config(*args, partition_size=64, config=dataclasses.replace(plain, denormal=True), interleaved=True)

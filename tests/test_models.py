@@ -577,11 +577,12 @@ def test_generator_edge_inputs_on_a_tiny_model():
 
 
 @pytest.mark.parametrize("option,value,stacked,prefill", [("interleaved", True, True, "homomorphic"),
-                                                         ("denormal", True, True, "homomorphic"),
+                                                         ("denormal", False, True, "homomorphic"),
                                                          ("num_stages", 3, False, "auto")])
 def test_decode_only_backend_options_reach_the_decode_kernel_only(option, value, stacked, prefill):
-  """Backend("pallas", {"interleaved": True}) / {"denormal": True} / {"num_stages": 3} (DECODE_ONLY): every call
-  of the HACK decode kernel launches the default config with that field set (the stacked cache's in-place
+  """Backend("pallas", {"interleaved": True}) / {"denormal": False} / {"num_stages": 3} (DECODE_ONLY): every call
+  of the HACK decode kernel launches the default config with that field set (interleaved: in place of the
+  default's subnormal planes; the stacked cache's in-place
   path and the sealing steps included), the prefill never sees the option (the homomorphic prefill's kernel
   would reject it), and the logits stay those of the plain backend within float32 reassociation of the same
   f16 products (the kernels' own accuracy against float64 is tests/test_decode_kernels.py's). Either option
@@ -605,8 +606,9 @@ def test_decode_only_backend_options_reach_the_decode_kernel_only(option, value,
 
   plain, plain_configs = run({})
   got, configs = run({option: value})
-  assert plain_configs and all(c.dot_dtype == "folded_f16" for c in plain_configs)
-  assert configs == {dataclasses.replace(c, **{option: value}) for c in plain_configs} != plain_configs
+  assert plain_configs and all(c.dot_dtype == "folded_f16" and c.denormal for c in plain_configs)
+  fields = {option: value, **({"denormal": False} if option == "interleaved" else {})}
+  assert configs == {dataclasses.replace(c, **fields) for c in plain_configs} != plain_configs
   for a, b in zip(plain, got):
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * np.abs(a).max())
   for impl in ("pallas_dequant", "triton"):
