@@ -75,12 +75,12 @@ def variants(batch, kv_len, specs, bits=2):
             continue
         dot, *launch = rest.split(":")
         dot = "int8" if dot == "default" else dot
-        flags = {"folded_f16i": dict(interleaved=True), "folded_f16d": dict(denormal=True),
+        flags = {"folded_f16i": dict(interleaved=True, denormal=False), "folded_f16d": dict(denormal=True),
                  "folded_f16m": dict(denormal=False)}.get(dot, {})
         dot = "folded_f16" if flags else dot
         if dot not in DOTS + ("dequant",):
             raise ValueError(f"variant {spec!r}: operand mode must be one of "
-                             f"{DOTS + ('dequant', 'folded_f16i', 'folded_f16d')}")
+                             f"{DOTS + ('dequant', 'folded_f16i', 'folded_f16d', 'folded_f16m')}")
         base = default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=pps, page_size=PAGE, partition_size=P,
                               dot_dtype="int8" if dot == "dequant" else dot, bits=bits)
         base = dataclasses.replace(base, **flags)

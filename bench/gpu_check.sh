@@ -37,7 +37,7 @@
 #                                                  -> OUT_DIR/interleaved/ (INTERLEAVED_TIMEOUT=240)
 #   DENORMAL=1 DENORMAL_ARGS="--shapes ..."         KernelConfig.denormal (folded f16 codes as f16 subnormals): its gpu
 #                                                  tests, then bench_decode_attention.py --impls hack hack4 bf16
-#                                                  --hack-dots folded_f16 folded_f16d (Llama heads, 6 shapes)
+#                                                  --hack-dots folded_f16m folded_f16d (Llama heads, 6 shapes)
 #                                                  -> OUT_DIR/denormal/ (DENORMAL_TIMEOUT=400)
 #   GENERATE=1 GENERATE_ARGS="..."                 bench/bench_generate.py (end to end, random weights) ->
 #                                                  OUT_DIR/generate/ (GENERATE_TIMEOUT=200)
@@ -241,7 +241,7 @@ if [[ -n "${DENORMAL:-}" ]]; then
   echo "denormal tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/denormal/tests.log"
   # shellcheck disable=SC2086
   timeout -k 5 "${DENORMAL_TIMEOUT:-400}" python3 bench/bench_decode_attention.py --out "$OUT/denormal" \
-    --impls hack hack4 bf16 --hack-dots folded_f16 folded_f16d --reps 3 --no-plot \
+    --impls hack hack4 bf16 --hack-dots folded_f16m folded_f16d --reps 3 --no-plot \
     ${DENORMAL_ARGS:---shapes llama3.1-8b:8:65536 llama3.1-8b:8:32768 llama3.1-8b:8:131072 llama3.1-8b:1:32768 \
       llama3.1-8b:1:131072 llama3.1-8b:1:1024} 2>&1 | tee "$OUT/denormal/bench.log"
   echo "denormal bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/denormal/bench.log"

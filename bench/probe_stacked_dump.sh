@@ -9,6 +9,8 @@
 # XLA modules that hold the decode kernel) and OUT_DIR/ptxas.txt.
 set -u
 OUT=${1:?OUT_DIR}
+# (since common.kernel_q the subnormal kernel gets a float32 q whatever Q says: the Q cases differ only for the
+# magic planes)
 CASES=${2:-"bfloat16:1:1:32832 float32:1:1:32832 bfloat16:0:1:32832 float32:0:1:32832 bfloat16:1:32:65600"}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}

@@ -9,7 +9,9 @@ V per token and channel group: tau_j, nu_j), in one of two operand modes (`dot_d
     sums (kappa, omega) and the q.mu_b, W.nu terms.
   "folded_f16" / "folded_bf16" (scale-folded): logits = dot(r(Q*sigma_b), K codes) + Q.mu_b and
     PV = dot(r(W*tau), V codes) + W.nu with r() a rounding to f16 / bf16 and the codes as exact 16-bit
-    floats (common.folded_plane); no requantization, no row min/max, the code sums are not read.
+    floats (for 2-bit codes by default f16 subnormals, common.denormal_plane; else 1024 + 64c,
+    common.folded_plane; KernelConfig.denormal); no requantization, no row min/max, the code sums are
+    not read.
 Sinks and the 16-bit open region (the open block, or QuantConfig.window W: the newest u % W tokens
 after the sinks; then (u // W) * (W // P) blocks are sealed): float32 attention. sm_scale = 1/sqrt(head_dim)
 is applied here.
@@ -293,7 +295,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Launch choices; a bare KernelConfig() is the fast "int8" path with one split.
+    """Launch choices; a bare KernelConfig() is the fast "int8" path with one split (a bare folded_f16 one
+    has the 1024 + 64c planes: default_config is what picks the subnormal planes).
 
     num_splits: programs per (sequence, kv head) along the sequence (split-K). open_split: one more
     program per (sequence, kv head) for the sinks and the open block alone (short sequences; otherwise
@@ -452,11 +455,11 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
         reads the region's blocks as sealed codes (the cache's invariant). True: it reads the region's W
         16-bit rows instead: the blocks are not sealed yet (kv_cache.append(seal="after"): the decode step
         that wrote the filling token; hack_jax.attention.decode_step). Other lengths read the same either way.
-      interleaved: True sets KernelConfig.interleaved on the config (given or default): 2-bit codes with
-        dot_dtype "folded_f16" only (ValueError otherwise).
-      denormal: None keeps the config's KernelConfig.denormal (default_config: True for 2-bit folded_f16,
-        unless interleaved=True is asked for); True / False set it (True: dot_dtype "folded_f16" only,
-        not with interleaved).
+      interleaved: True sets KernelConfig.interleaved on the config (given or default), in place of its
+        subnormal planes: 2-bit codes with dot_dtype "folded_f16" only (ValueError otherwise).
+      denormal: None keeps the config's KernelConfig.denormal (default_config: True for 2-bit folded_f16;
+        False where interleaved=True); True / False set it (True: dot_dtype "folded_f16" only, not with
+        interleaved).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
 
     Returns:
@@ -488,14 +491,13 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
                    config=None, bits=2, interleaved=False, num_stages=None, num_warps=None,
                    denormal=None) -> KernelConfig:
     """The KernelConfig to launch (inputs already validated): `config` or default_config(...),
-    num_splits, num_stages, num_warps, interleaved=True and denormal True / False overriding; ValueError on
-    a bad dot_dtype, config, num_splits, num_stages, num_warps, interleaved or denormal (or both set)."""
+    num_splits, num_stages, num_warps, interleaved=True (with denormal None: in place of the subnormal
+    planes) and denormal True / False overriding; ValueError on a bad dot_dtype, config, num_splits,
+    num_stages, num_warps, interleaved or denormal (or both set)."""
     if config is None:
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1],
                                 pages_per_seq=page_indices.shape[1], page_size=k_sums.shape[2],
                                 partition_size=partition_size, dot_dtype=dot_dtype, bits=bits)
-        if interleaved is True and denormal is None:  # the asked-for planes replace the default's
-            config = dataclasses.replace(config, denormal=False)
     elif not isinstance(config, KernelConfig):
         raise ValueError(f"config must be a decode_attention.KernelConfig, got {type(config).__name__}")
     elif config.dot_dtype not in DOT_DTYPES:
@@ -515,7 +517,8 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
     if interleaved is not False:
         if interleaved is not True:
             raise ValueError(f"interleaved must be a bool, got {interleaved=}")
-        config = dataclasses.replace(config, interleaved=True)
+        # the asked-for planes replace the config's subnormal ones unless denormal=True is asked for too
+        config = dataclasses.replace(config, interleaved=True, **({} if denormal is not None else {"denormal": False}))
     if denormal is not None:
         if not isinstance(denormal, bool):
             raise ValueError(f"denormal must be a bool or None, got {denormal=}")

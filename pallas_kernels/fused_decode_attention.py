@@ -46,7 +46,6 @@ instead of the plain kernel's 3, RESIDENT_PROGRAMS_PER_SM); numbers in bench/NOT
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -224,8 +223,6 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1], pages_per_seq=page_indices.shape[1],
                                 page_size=k_sums.shape[2], partition_size=partition_size, dot_dtype=dot_dtype,
                                 bits=bits)
-        if interleaved is True and denormal is None:  # the asked-for planes replace the default's
-            config = dataclasses.replace(config, denormal=False)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, num_splits=num_splits,
                             config=config, bits=bits, interleaved=interleaved, num_stages=num_stages,
                             num_warps=num_warps, denormal=denormal)

@@ -334,6 +334,28 @@ def test_decode_kernel_lowers_to_triton_for_cuda(dot_dtype):
         assert (subnormal, magic) == ((True, False) if flag else (False, True))
 
 
+@pytest.mark.parametrize("denormal", [None, False], ids=["default", "magic"])
+def test_two_bit_planes_lower_with_the_q_they_take(denormal):
+    """2-bit folded_f16 with a bf16 q, lowered for CUDA: default_config's subnormal planes get q in float32
+    (common.kernel_q; with a bf16 q their compiled loop ran 35-50% slower on the H200) and emit their PRMT
+    selector; denormal=False gives the 1024 + 64c planes, which take q as given."""
+    layer = jax.eval_shape(lambda: kv_cache.init_layer(QuantConfig(), num_kv_heads=8, head_dim=128, num_pages=9,
+                                                       max_seqs=2))
+    q = jax.ShapeDtypeStruct((2, 32, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    extra = {} if denormal is None else {"denormal": denormal}
+    fn = lambda q, layer, table, lens: attention.decode_attention(  # noqa: E731
+        q, layer, page_indices=table, kv_lens=lens, impl="pallas", dot_dtype="folded_f16", **extra)
+    text = jax.jit(fn).trace(q, layer, table, lens).lower(lowering_platforms=("cuda",)).as_text()
+    call = [line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line]
+    assert len(call) == 1
+    assert ("tensor<2x32x128xf32>" in call[0], "tensor<2x32x128xbf16>" in call[0]) == (
+        (True, False) if denormal is None else (False, True))
+    subnormal, magic = f"0x{common.DENORMAL_PRMT[1]:04X}" in text, "0x5140" in text
+    assert (subnormal, magic) == ((True, False) if denormal is None else (False, True))
+
+
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
 def test_deferred_seal_4bit(impl):
     """Deferred sealing (tests/test_deferred_seal.py's cases, 4-bit pages of 128): append(seal="after")

@@ -643,19 +643,19 @@ def test_denormal_plane_bits():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("flag", ["interleaved", "denormal"])
+@pytest.mark.parametrize("flag", ["interleaved", "denormal", "magic"])
 @pytest.mark.parametrize("case", [ODD_CASE, CASE["d64_P32_g4_s3"], CASE["d64_P64_g3_page8P_s4"]],
                          ids=["llama", "d64_P32_s3", "g3_page8P_s4"])
 def test_plane_variants_within_2x_naive_f16(case, flag, mode):
-    """KernelConfig(interleaved=True): the folded f16 path with planes unpacked without byte permutes and
-    the K rows, q, sigma, mu, tau, nu read in the planes' order; KernelConfig(denormal=True): the codes as
-    f16 subnormals (on the GPU this checks that the tensor cores multiply them exactly). Each vs float64
-    attention over the dequantized cache: within 2x of the naive f16 math, as the folded path; open_split
-    too."""
+    """The folded f16 path's three plane encodings, each vs float64 attention over the dequantized cache:
+    within 2x of the naive f16 math, open_split too. interleaved: planes unpacked without byte permutes and
+    the K rows, q, sigma, mu, tau, nu read in the planes' order; denormal (2-bit default_config's): the codes
+    as f16 subnormals (on the GPU this checks that the tensor cores multiply them exactly); magic: 1024 + 64c."""
     q, c = build(case, seed=2)
+    fields = {"interleaved": {"interleaved": True}, "denormal": {"denormal": True}, "magic": {"denormal": False}}
     for open_split in (False, True):
         cfg = KernelConfig(num_splits=case.num_splits, open_split=open_split, dot_dtype="folded_f16",
-                           **{flag: True})
+                           **fields[flag])
         out = run_config(q, c, case, cfg, mode)
         assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
         err, naive = within_2x_naive(out, q, c, case, "folded_f16")
@@ -683,8 +683,8 @@ def test_resolve_config_validates_options():
         resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=1)
     with pytest.raises(ValueError, match="interleaved"):
         resolve_config(*args, partition_size=64, dot_dtype="int8", interleaved=True)
-    # denormal: the default for 2-bit folded_f16 only; the keyword sets it either way; interleaved asked of the
-    # default config replaces it; with interleaved set explicitly both ways round, a ValueError
+    # denormal: the default for 2-bit folded_f16 only; the keyword sets it either way; the interleaved keyword
+    # replaces it on the default or a given config; denormal=True asked for with interleaved: a ValueError
     assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16").denormal is True
     for dot in ("int8", "folded_bf16"):
         assert resolve_config(*args, partition_size=64, dot_dtype=dot).denormal is False
@@ -696,8 +696,10 @@ def test_resolve_config_validates_options():
     with pytest.raises(ValueError, match="denormal"):
         resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=True, denormal=True)
     assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", denormal=True).denormal is True
+    given = resolve_config(*args, partition_size=64, config=dataclasses.replace(plain, denormal=True), interleaved=True)
+    assert given == dataclasses.replace(plain, interleaved=True)
     with pytest.raises(ValueError, match="denormal"):
-        resolve_config(*args, partition_size=64, config=dataclasses.replace(plain, denormal=True), interleaved=True)
+        resolve_config(*args, partition_size=64, config=dataclasses.replace(plain, denormal=True, interleaved=True))
     # denormal=True: folded_f16 only, not with interleaved; a bool or None
     assert resolve_config(*args, partition_size=64, config=plain, denormal=True) == KernelConfig(
         num_splits=3, dot_dtype="folded_f16", denormal=True)
