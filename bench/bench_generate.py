@@ -129,7 +129,8 @@ CONTEXTS = (4096, 16384, 65536)
 BATCHES = (1, 8, 32)
 FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
-EXTRA_FORMATS = ("hack4", "hack4-dn", "hack-clip", "hack-i", "hack-dn", "hack-magic", "hack-st3", "hack-w8")  # --formats choices
+EXTRA_FORMATS = ("hack4", "hack4-dn", "hack-clip", "hack-i", "hack-dn", "hack-magic", "hack-st3",
+                 "hack-w8")  # --formats choices
 KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack4-dn": "hack", "hack-clip": "hack", "hack-i": "hack",
              "hack-dn": "hack", "hack-magic": "hack", "hack-st3": "hack", "hack-w8": "hack", "bf16": "bf16",
              "bf16_xla": "bf16",
