@@ -56,6 +56,9 @@ FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min"
 
 DEFAULT_VARIANTS = ["hack=int8", "hack_folded=folded_f16", "dequant=dequant:d:4:2", "bf16paged=bf16paged"]
 DOTS = ("int8", "folded_f16", "folded_bf16")  # decode_attention.DOT_DTYPES
+# folded_f16 with a plane encoding set: KernelConfig.interleaved / .denormal True / False
+PLANE_VARIANTS = {"folded_f16i": dict(interleaved=True, denormal=False), "folded_f16d": dict(denormal=True),
+                  "folded_f16m": dict(denormal=False)}
 
 
 def variants(batch, kv_len, specs, bits=2):
@@ -75,12 +78,11 @@ def variants(batch, kv_len, specs, bits=2):
             continue
         dot, *launch = rest.split(":")
         dot = "int8" if dot == "default" else dot
-        flags = {"folded_f16i": dict(interleaved=True, denormal=False), "folded_f16d": dict(denormal=True),
-                 "folded_f16m": dict(denormal=False)}.get(dot, {})
+        flags = PLANE_VARIANTS.get(dot, {})
         dot = "folded_f16" if flags else dot
         if dot not in DOTS + ("dequant",):
             raise ValueError(f"variant {spec!r}: operand mode must be one of "
-                             f"{DOTS + ('dequant', 'folded_f16i', 'folded_f16d', 'folded_f16m')}")
+                             f"{DOTS + ('dequant',) + tuple(PLANE_VARIANTS)}")
         base = default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=pps, page_size=PAGE, partition_size=P,
                               dot_dtype="int8" if dot == "dequant" else dot, bits=bits)
         base = dataclasses.replace(base, **flags)
@@ -234,9 +236,7 @@ def accuracy(log, mode="gpu"):
     for dot, splits in (("int8", 1), ("int8", 5), ("folded_f16", 5), ("folded_bf16", 5), ("folded_f16i", 5),
                         ("folded_f16d", 5), ("folded_f16m", 5)):
         kcase = t.Case("x", 128, 64, 256, 8, 4, 8, case.kv_lens, num_splits=splits)
-        kw = (dict(dot_dtype="folded_f16", interleaved=True) if dot == "folded_f16i" else
-              dict(dot_dtype="folded_f16", denormal=True) if dot == "folded_f16d" else
-              dict(dot_dtype="folded_f16", denormal=False) if dot == "folded_f16m" else dict(dot_dtype=dot))
+        kw = dict(dot_dtype="folded_f16", **PLANE_VARIANTS[dot]) if dot in PLANE_VARIANTS else dict(dot_dtype=dot)
         out = t.run_kernel(hack_decode_attention, q, c, kcase, mode, **kw)
         for rname, r in (("exact", exact), ("int8_twin", twin), ("hack_jax_ref", ref)):
             err = np.abs(out - r)

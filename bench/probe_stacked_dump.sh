@@ -6,7 +6,8 @@
 #   PYTHONPATH=. bench/probe_stacked_dump.sh OUT_DIR ["Q:OPEN:LAYERS:CAPACITY ..."]
 #
 # Writes OUT_DIR/probe.log (us per call, bench/probe_stacked_speed.py), OUT_DIR/<variant>_<module>_*.ptx (the
-# XLA modules that hold the decode kernel) and OUT_DIR/ptxas.txt.
+# XLA modules that hold the decode kernel) and OUT_DIR/ptxas.txt. (Only the timing part has run on the H200,
+# session 15 call 1: the PTX copy-out was rewritten after that call and has not run yet.)
 set -u
 OUT=${1:?OUT_DIR}
 # (since common.kernel_q the subnormal kernel gets a float32 q whatever Q says: the Q cases differ only for the

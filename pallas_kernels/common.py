@@ -750,7 +750,7 @@ def kernel_q(q, config):
     """q as the HACK decode kernels take it: float32 for the subnormal planes (config.denormal). With a 16-bit
     q their code ran 35-50% slower on the H200 at pools under 4 GiB, with float32 8-15% faster than the magic
     planes (bench/NOTES_decode.md); outside the kernel the cast fuses into q's producer."""
-    return q.astype(jnp.float32) if getattr(config, "denormal", False) else q
+    return q.astype(jnp.float32) if config.denormal else q
 
 
 def load_q_rows(q_ref, b, h, *, q_per_kv, q_per_kv_pad, num_channel_groups, sm_scale, planes=NUM_PLANES,

@@ -688,8 +688,7 @@ def test_resolve_config_validates_options():
     assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16").denormal is True
     for dot in ("int8", "folded_bf16"):
         assert resolve_config(*args, partition_size=64, dot_dtype=dot).denormal is False
-    k4 = (args[0], jnp.zeros((3, 1, 128, 64), jnp.uint8), args[2], args[3])  # 4-bit codes: the magic planes
-    assert resolve_config(*k4, partition_size=64, dot_dtype="folded_f16", bits=4).denormal is False
+    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", bits=4).denormal is False  # magic
     assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", denormal=False).denormal is False
     both = resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=True)
     assert (both.interleaved, both.denormal) == (True, False)
