@@ -536,20 +536,29 @@ def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
     cache = mllama.init_cache(cfg, quant, num_pages=1 + batch * pps, max_seqs=batch, pages_per_seq=pps)
     cache = cache if MESH is None else sharding.shard_cache(cache, MESH)
     table = jnp.asarray(1 + np.arange(batch * pps, dtype=np.int32).reshape(batch, pps))
-    t_len = mgen.length_bucket(context)
+    chunk = args.prefill_chunk if args.prefill_chunk and args.prefill_chunk < context else None
+    t_len = chunk or mgen.length_bucket(context)
     tokens = jax.random.randint(jax.random.key(3), (batch, t_len), 0, cfg.vocab_size, jnp.int32)
-    record = jax.device_put(Step.prefill(table, np.full((batch,), context, np.int32), jax.random.key(4)))
+    full = np.full((batch,), t_len if chunk else context, np.int32)
+    # chunked: the first chunk as a prefill step, the others as chunk steps (one compile each)
+    records = [jax.device_put(Step.prefill(table, full, jax.random.key(4)))] + [
+        jax.device_put(Step.chunk(table, np.full((batch,), c0, np.int32), np.minimum(full, context - c0),
+                                  jax.random.key(4))) for c0 in range(t_len, context, t_len)] if chunk else \
+        [jax.device_put(Step.prefill(table, full, jax.random.key(4)))]
     targets = jnp.zeros((batch,), jnp.int32)
     t0 = time.perf_counter()
-    step = mstep.forward_step.lower(state, tokens, record, cache, None, targets, graphdef=graphdef,
-                                    attention=cfg.attention, head=mstep.SampleHead(mgen.Sampling())).compile()
+    lower = lambda record: mstep.forward_step.lower(
+        state, tokens, record, cache, None, targets, graphdef=graphdef, attention=cfg.attention,
+        head=mstep.SampleHead(mgen.Sampling())).compile()
+    steps = [lower(records[0])] + ([lower(records[1])] if len(records) > 1 else [])
     compile_s = time.perf_counter() - t0
-    print(f"    compiled prefill in {compile_s:.1f} s", flush=True)
+    print(f"    compiled prefill in {compile_s:.1f} s" + (f" (chunks of {chunk})" if chunk else ""), flush=True)
 
     def run():
         nonlocal cache
         t = time.perf_counter()
-        cache, nxt, _ = step(state, tokens, record, cache, None, targets)
+        for i, record in enumerate(records):
+            cache, nxt, _ = steps[min(i, 1)](state, tokens, record, cache, None, targets)
         jax.block_until_ready((cache, nxt))
         return time.perf_counter() - t
 
@@ -557,11 +566,11 @@ def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
     reps = 1 if context >= LONG_PREFILL else args.prefill_reps
     times = [run() for _ in range(reps)]
     t = float(np.median(times))
-    emit(dict(base, kind="prefill", context=context, compile_s=round(compile_s, 3),
+    emit(dict(base, kind="prefill", context=context, chunk=chunk, compile_s=round(compile_s, 3),
               first_run_s=round(warm_s, 4), prefill_ms=t * 1e3, prefill_tok_s=batch * context / t,
               bytes_per_token=bpt(quant, cfg), kv_bytes=bpt(quant, cfg) * batch * context,
               reps=reps, region_s=[round(x, 5) for x in times]))
-    del cache, step
+    del cache, steps
 
 
 # ----------------------------------------------------------------------------- derived rows
@@ -697,15 +706,16 @@ def write_markdown(rows, path, header):
         lines.append("")
     pre = [r for r in rows if r.get("kind") == "prefill"]
     if pre:
-        lines += ["## Prefill", "", "| model | batch | context | format | layers | ms | tokens/s | compile s |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["## Prefill", "", "chunk: prefilled in chunks of that many tokens (- : one padded step).", "",
+                  "| model | batch | context | chunk | format | layers | ms | tokens/s | compile s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in pre:
+            head = (f"| {r['model']} | {r['batch']} | {r['context']} | {r.get('chunk') or '-'} | {r['format']} | "
+                    f"{_layers(r)} |")
             if not ok(r):
-                lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | "
-                             f"{_layers(r)} | - | - | {r['error'][:100].replace('|', '/')} |")
+                lines.append(f"{head} - | - | {r['error'][:100].replace('|', '/')} |")
             else:
-                lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['format']} | {_layers(r)} | "
-                             f"{r['prefill_ms']:.1f} | {r['prefill_tok_s']:.0f} | {r['compile_s']:.1f} |")
+                lines.append(f"{head} {r['prefill_ms']:.1f} | {r['prefill_tok_s']:.0f} | {r['compile_s']:.1f} |")
         lines.append("")
     cap = [r for r in rows if r.get("kind") == "capacity"]
     if cap:
@@ -848,6 +858,9 @@ def parse_args(argv):
     ap.add_argument("--reps", type=int, default=3, help="timed regions per context (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps per context")
     ap.add_argument("--prefill-reps", type=int, default=2)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prefill contexts longer than this in chunks of this many tokens (the first a prefill "
+                         "step, the rest chunk steps over the cached prefix) instead of one padded step")
     ap.add_argument("--output-tokens", type=int, default=256, help="JCT: decoded tokens")
     ap.add_argument("--max-seconds", type=float, default=240.0,
                     help="wall budget from the start of main (after imports): no item starts past it or "

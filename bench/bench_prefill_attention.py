@@ -22,6 +22,11 @@ Impls:
                               prefill_pallas: the same with our bf16 Pallas kernel; prefill_homomorphic:
                               hack cache, the paper's homomorphic kernel over the written codes (Pallas,
                               bf16 dots); prefill_bf16: bf16 cache + cuDNN (a bf16 runtime's prefill).
+  prefix_hack_f16, prefix_hack_int8, prefix_cudnn
+                              a chunked prefill's cached-prefix half: S queries over S cached tokens, no
+                              mask (their flops count the full square, 2x the causal count): the HACK
+                              kernel with prefix=True (dot_dtype "folded_f16" / "bf16" = INT8 requantized)
+                              and cuDNN over a contiguous bf16 prefix.
 
 Timing (us): per impl one jitted lax.fori_loop of n calls; each call's query depends on the previous
 call's output (one element of q += 1e-30 * out[0]), so no call can be hoisted or merged; loops of n
@@ -62,7 +67,9 @@ HEADS = {"llama3.1-8b": (32, 8, 128), "tiny": (4, 2, 64)}
 SEQS = (4096, 16384, 32768)
 SMOKE = [("tiny", 1, 128), ("tiny", 2, 256)]
 IMPLS = ("hack_bf16dot", "hack_int8dot", "hack_write", "bf16", "cudnn", "jax_mha",
-         "prefill_exact", "prefill_pallas", "prefill_homomorphic", "prefill_bf16")
+         "prefill_exact", "prefill_pallas", "prefill_homomorphic", "prefill_bf16",
+         "prefix_hack_f16", "prefix_hack_int8", "prefix_cudnn")
+PREFIX_DOTS = {"prefix_hack_f16": "folded_f16", "prefix_hack_int8": "bf16"}  # prefix impl -> kernel dot_dtype
 PREFILL_PATHS = {  # impl -> (kv_format, hack_jax.prefill attention): the whole per-layer prefill call
     "prefill_exact": ("hack", "auto"), "prefill_pallas": ("hack", "pallas"),
     "prefill_homomorphic": ("hack", "homomorphic"), "prefill_bf16": ("bf16", "auto")}
@@ -99,7 +106,7 @@ class Prepared:
     call: object
     arrays: object
     config: str
-    flops: bool = True
+    flops: float = 1.0  # times Shape.flops (the causal count); 0: no flops (a write)
 
 
 def rand_bf16(key, shape, scale=1.0):
@@ -161,7 +168,36 @@ def prep_hack_write(shape, key, *, interpret):
         return kv_cache.write_prefill(a["empty"], k, a["v"], lengths=a["lens"], page_indices=a["table"]).k_scale
 
     return Prepared(call, dict(empty=empty, k=k, v=v, table=table, lens=lens),
-                    f"kv_cache.write_prefill, kivi P=64 page_size={PAGE_SIZE} ns=4, f32 K/V in", flops=False)
+                    f"kv_cache.write_prefill, kivi P=64 page_size={PAGE_SIZE} ns=4, f32 K/V in", flops=0.0)
+
+
+def prep_prefix_hack(shape, key, *, interpret, dot_dtype):
+    """A chunk of S queries over S cached tokens, all visible (the HACK prefill kernel, prefix=True)."""
+    from hack_jax import attention
+    from pallas_kernels import prefill_attention as mod
+    layer, table, lens, _, _ = _hack_cache(shape, key)
+    arrays, static = attention.kernel_args(layer)
+
+    def call(q, a):
+        return mod.hack_prefill_attention(q, *a["cache"], a["table"], a["lens"], **static, prefix=True,
+                                          dot_dtype=dot_dtype, interpret=interpret)[0]
+
+    return Prepared(call, dict(cache=arrays, table=table, lens=lens),
+                    f"prefix=True dot_dtype={dot_dtype}, kivi P=64 page_size={PAGE_SIZE} ns=4; S queries x S "
+                    "cached keys, no mask (flops: the full square)", flops=2.0)
+
+
+def prep_prefix_cudnn(shape, key, *, interpret):
+    """The bf16 runtime's chunk-over-prefix: cuDNN, S queries over S contiguous bf16 keys, no mask."""
+    del interpret
+    _, num_kv_heads, head_dim = shape.dims
+
+    def call(q, a):
+        return jax.nn.dot_product_attention(q, a["k"], a["v"], scale=1 / math.sqrt(head_dim), implementation="cudnn")
+
+    return Prepared(call, _contiguous(shape, key, num_kv_heads),
+                    "jax.nn.dot_product_attention(implementation='cudnn'), no mask, bf16 [B, S, N, d], GQA "
+                    "(flops: the full square; the model also gathers the pages first, not timed here)", flops=2.0)
 
 
 def prep_bf16(shape, key, *, interpret, fields=None):
@@ -368,12 +404,16 @@ def impl_preps(names, interpret, sweep, bf16_sweep=True):
                 label = f"bf16[{','.join(f'{k}={v}' for k, v in fields.items())}]"
                 preps.append((label, QUICK_SWEEP_SEQ, functools.partial(prep_bf16, interpret=interpret,
                                                                        fields=fields)))
+        elif name in PREFIX_DOTS:
+            preps.append((name, None, functools.partial(prep_prefix_hack, interpret=interpret,
+                                                        dot_dtype=PREFIX_DOTS[name])))
         elif name in PREFILL_PATHS:
             fmt, attention = PREFILL_PATHS[name]
             preps.append((name, None, functools.partial(prep_prefill, interpret=interpret, kv_format=fmt,
                                                         attention=attention)))
         else:
-            fn = {"hack_write": prep_hack_write, "cudnn": prep_cudnn, "jax_mha": prep_jax_mha}[name]
+            fn = {"hack_write": prep_hack_write, "cudnn": prep_cudnn, "jax_mha": prep_jax_mha,
+                  "prefix_cudnn": prep_prefix_cudnn}[name]
             preps.append((name, None, functools.partial(fn, interpret=interpret)))
     return preps
 
@@ -456,9 +496,9 @@ def main(argv=None):
                 prep = prep_fn(shape, k_data)
                 us, us_wall, first_s, n_iter = time_impl(prep, shape, reps=args.reps, target_s=args.target_s,
                                                          key=k_q, wall_calls=args.wall_calls)
+                flops = shape.flops * prep.flops if prep.flops else None
                 row.update(us=us, us_wall=us_wall, config=prep.config, first_call_s=round(first_s, 2),
-                           n_iter=n_iter, flops=shape.flops if prep.flops else None,
-                           tflops=shape.flops / us / 1e6 if prep.flops else None)
+                           n_iter=n_iter, flops=flops, tflops=flops / us / 1e6 if flops else None)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
                 row["traceback"] = traceback.format_exc()[-3000:]
@@ -512,25 +552,25 @@ def sass_report(args):
           S((N, H, PG, NP), u8), S((N, H, D, PG // 4), u8), S((N, H, PG, NP), f16), S((N, H, PG, NP), f16),
           S((N, H, bpp, D), u8), S((B, H, P, D), bf), S((B, H, P, D), bf), S((B, H, NS, D), bf), S((B, H, NS, D), bf),
           S((B, pps), jnp.int32), S((B,), jnp.int32), S((B,), jnp.int32)]
-    configs = []
-    for name, only, fn in impl_preps([i for i in args.impls if i.startswith("hack_") and i != "hack_write"],
-                                     False, True):
+    configs = []  # (name, KernelConfig, prefix mode)
+    hack = [i for i in args.impls if (i.startswith("hack_") and i != "hack_write") or i in PREFIX_DOTS]
+    for name, only, fn in impl_preps(hack, False, True):
         kw = fn.keywords
         base = mod.default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, q_len=seq,
                                   dot_dtype=kw["dot_dtype"])
-        configs.append((name, dataclasses.replace(base, **(kw.get("fields") or {}))))
+        configs.append((name, dataclasses.replace(base, **(kw.get("fields") or {})), name in PREFIX_DOTS))
     for spec in args.sass_configs or []:
         name, _, fields = spec.partition(":")
         base = mod.default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, q_len=seq)
-        configs.append((name, dataclasses.replace(base, **parse_fields(fields))))
+        configs.append((name, dataclasses.replace(base, **parse_fields(fields)), False))
     os.makedirs(args.sass, exist_ok=True)
     pad = mod.q_per_kv_pad(num_q_heads // num_kv_heads)
-    for name, cfg in configs:
+    for name, cfg, prefix in configs:
         t0 = time.perf_counter()
         try:
             ttir = triton_offline.lower_ttir(
-                lambda *a: mod._hack_prefill(*a, partition_size=P, num_sink_tokens=NS, config=cfg, interpret=False),
-                *xs)
+                lambda *a: mod._hack_prefill(*a, partition_size=P, num_sink_tokens=NS, config=cfg, interpret=False,
+                                             prefix=prefix), *xs)
             fname = "".join(c if c.isalnum() or c in "_=-" else "_" for c in name)
             row = triton_offline.report(ttir, args.sass, fname, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             rows = cfg.block_q * pad

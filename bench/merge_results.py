@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DECODE_KEY = ("impl", "heads", "batch", "kv_len")
 GENERATE_KEY = ("model", "kind", "format", "batch", "context")
+GENERATE_OPTIONAL = ("chunk",)  # part of a row's key where present (chunked prefill rows)
 
 
 def read_rows(path):
@@ -32,12 +33,12 @@ def _skipped(row):
     return str(row.get("error", "")).startswith("skipped")
 
 
-def merge(kept, new, key):
+def merge(kept, new, key, optional=()):
     """kept rows updated by new rows: every kept row of a new row's key is dropped (duplicates too)
     unless the new row was skipped and a kept one measured; rows without every key field (run records)
-    are appended."""
+    are appended. `optional` fields join the key where present (absent = None)."""
     def k(r):
-        return tuple(r.get(f) for f in key) if all(f in r for f in key) else None
+        return tuple(r.get(f) for f in key + optional) if all(f in r for f in key) else None
 
     measured = {k(r) for r in kept if k(r) is not None and "error" not in r}
     take = [r for r in new if k(r) is None or not (_skipped(r) and k(r) in measured)]
@@ -77,7 +78,7 @@ def merge_generate(target, news):
     import bench_generate as bg
     rows = read_rows(target)
     for path in news:
-        rows = merge(rows, read_rows(path), GENERATE_KEY)
+        rows = merge(rows, read_rows(path), GENERATE_KEY, GENERATE_OPTIONAL)
     # JCT rows are derived (prefill + batch-1 decode rows of a model): recomputed from the merged rows,
     # so a run that measured only some of them cannot replace complete ones with partial ones
     old_jct = [r for r in rows if r.get("kind") == "jct"]

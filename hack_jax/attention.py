@@ -308,24 +308,52 @@ def _reference(q, layer, page_indices, kv_lens, q_start, *, decode):
     return reference.softmax_state_output(_state(q, layer, page_indices, kv_lens, q_pos))
 
 
-def cached_prefix_state(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens
-                        ) -> reference.SoftmaxState:
-    """Unnormalized attention of queries over EVERY cached token (positions < kv_lens), reference.
+def cached_prefix_state(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, impl: Impl = "reference",
+                        **kernel_options) -> reference.SoftmaxState:
+    """Attention of queries over EVERY cached token (positions < kv_lens), as a softmax state.
 
     The cached-prefix half of a chunked prefill (hack_jax.prefill): the queries all sit after the
     cached tokens, so none is masked; the caller merges the state with the chunk's own attention
-    (reference.online_softmax_merge). Same numerics as prefill_attention(impl="reference").
+    (reference.online_softmax_merge).
+      impl="reference" (and every layer without a prefix kernel): the jnp reference, the numerics
+        of prefill_attention(impl="reference"); state (acc unnormalized, m, l).
+      impl="pallas" with a 2-bit hack kivi layer (no window beyond the open block): the HACK prefill
+        kernel in prefix mode (pallas_kernels.prefill_attention, prefix=True) on the codes; state
+        (normalized out, lse, 1), the same softmax. kernel_options: `interpret`, and `dot_dtype`
+        when it is one of the prefill kernel's (default: its PREFIX_DOT_DTYPE, the scale-folded f16
+        operands of the model's decode steps); others (the decode kernel's) are ignored.
     Args: q float[max_seqs, T, num_q_heads, head_dim]; layer, page_indices, kv_lens as in
     prefill_attention (kv_lens = the tokens cached before the chunk; 0 gives an empty state).
     Returns SoftmaxState with acc f32[max_seqs, T, num_q_heads, head_dim], m, l f32[max_seqs, T,
-    num_q_heads] (m = -inf, l = 0 where nothing is cached). Raises as prefill_attention.
+    num_q_heads] (l = 0 where nothing is cached). Raises as prefill_attention.
     """
     q = jnp.asarray(q)
     if q.ndim != 4:
         raise ValueError(f"prefill q must be [max_seqs, T, num_q_heads, head_dim], got {q.shape=}")
-    page_indices, kv_lens = _check(q, layer, page_indices, kv_lens, "reference", {})
-    state = _prefix_reference(_rotate_q(q, layer), layer, page_indices, kv_lens)
-    return state._replace(acc=_unrotate(state.acc, layer))
+    page_indices, kv_lens = _check(q, layer, page_indices, kv_lens, impl, {})
+    kernel, dot_dtypes = _prefix_kernel(impl, layer)
+    if kernel is None:
+        state = _prefix_reference(_rotate_q(q, layer), layer, page_indices, kv_lens)
+        return state._replace(acc=_unrotate(state.acc, layer))
+    arrays, static = kernel_args(layer)
+    options = {"interpret": bool(kernel_options.get("interpret", False))}
+    if kernel_options.get("dot_dtype") in dot_dtypes:
+        options["dot_dtype"] = kernel_options["dot_dtype"]
+    out, lse = _run_kernel(impl, kernel, _rotate_q(q, layer), *arrays, page_indices, kv_lens, prefix=True,
+                           **static, **options)
+    return reference.SoftmaxState(_unrotate(out, layer), lse, jnp.where(lse > -jnp.inf, 1.0, 0.0))
+
+
+def _prefix_kernel(impl, layer):
+    """(the prefix-mode kernel for (impl, layer), its module's DOT_DTYPES) (cached_prefix_state), or
+    (None, ()): the reference."""
+    if impl != "pallas" or not isinstance(layer, kv_cache.KiviPages):
+        return None, ()
+    try:
+        kernel = _pallas(impl, "prefill", layer)
+    except NotImplementedError:  # a long window or 4-bit codes: no prefill kernel reads them
+        return None, ()
+    return kernel, importlib.import_module(_PALLAS[impl, "prefill", "hack"][0]).DOT_DTYPES
 
 
 @jax.jit

@@ -9,8 +9,11 @@ chosen by `attention`:
     attention, so the prompt's own attention is exact up to the dtype and causal by construction
     (a query never sees a later token, not even through a block's min/max). For a chunk
     (q_start given) the queries also attend to the tokens cached before it, on the cache's own
-    contents (codes, sinks and open block for "hack": attention.cached_prefix_state, the jnp
-    reference), and the two halves are merged by log-sum-exp (reference.online_softmax_merge).
+    contents, and the two halves are merged by log-sum-exp (reference.online_softmax_merge). The
+    cached prefix is read by attention.cached_prefix_state: for "hack" with impl="pallas" the HACK
+    prefill kernel in prefix mode on the codes, sinks and open block (scale-folded f16 operands by
+    default, as the decode steps), else the jnp reference; bf16 / float32 pages with the "cudnn"
+    backend are gathered and attended by cuDNN (no mask: every query follows every cached token).
     Backends of the fresh-token half:
       "cudnn": cuDNN flash attention (jax's fused_attention_stablehlo, GQA, padding-causal mask,
         float32 log-sum-exp); GPU and bf16/f16 q/k/v only, else it falls back to "xla".
@@ -105,8 +108,8 @@ def prefill(q, k, v, layer: kv_cache.LayerCache, *, page_indices, lengths, q_sta
     if q_start is None:
         out = fresh_attention(q, k, v, lengths, backend=backend, interpret=interpret)[0]
     else:
-        prefix = hack_attention.cached_prefix_state(q, layer, page_indices=page_indices,
-                                                    kv_lens=q_start)
+        prefix = _prefix_state(q, layer, page_indices, jnp.asarray(q_start, jnp.int32), lengths, backend,
+                               impl, kernel_options)
         out = _merge(prefix, *fresh_attention(q, k, v, lengths, backend=backend, with_lse=True))
     rows = jnp.arange(q.shape[1])[None, :] < lengths[:, None]
     return new_layer, jnp.where(rows[:, :, None, None], out, 0.0)
@@ -192,6 +195,30 @@ def _pallas(q, k, v, lengths, interpret):
                               ((0, 0), (0, 0), (0, page - t), (0, 0)))  # [S, H, page, D]
     table = jnp.arange(s, dtype=jnp.int32)[:, None]
     return bf16_prefill_attention(q, pages(k), pages(v), table, lengths, interpret=interpret)
+
+
+def _prefix_state(q, layer, page_indices, q_start, lengths, backend, impl, kernel_options):
+    """The chunk's attention over its cached prefix (module docstring), as a SoftmaxState."""
+    if backend == "cudnn" and isinstance(layer, kv_cache.DensePages):
+        k, v = kv_cache.dequantize_cache(layer, page_indices, q_start)  # [S, capacity, H, D], 0 beyond
+        return _cudnn_prefix(q, k.astype(q.dtype), v.astype(q.dtype), q_start, lengths)
+    return hack_attention.cached_prefix_state(q, layer, page_indices=page_indices, kv_lens=q_start, impl=impl,
+                                              **kernel_options)
+
+
+@jax.jit
+def _cudnn_prefix(q, k, v, kv_lens, q_lens):
+    """cuDNN attention of q [S, T, Hq, D] over k/v [S, C, H, D] positions < kv_lens, unmasked
+    otherwise: SoftmaxState(out, lse, 1), empty (l = 0) for slots with no cached token."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    held = kv_lens > 0  # cuDNN is not asked about empty rows: their state is replaced below
+    out, stats = cudnn.dot_product_attention(
+        q, k, v, None, None, jnp.maximum(q_lens, 1), jnp.maximum(kv_lens, 1),
+        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING, return_residual=True)
+    lse = jnp.where(held[:, None, None], jnp.swapaxes(stats, 1, 2).astype(jnp.float32), -jnp.inf)
+    out = jnp.where(held[:, None, None, None], out.astype(jnp.float32), 0.0)
+    return reference.SoftmaxState(out, lse, jnp.where(held[:, None, None], 1.0, 0.0))
 
 
 def _merge(prefix: reference.SoftmaxState, out, lse):

@@ -510,16 +510,16 @@ def lse_combine(m, l, acc, axes):
 
 
 def dynamic_plane(tile: jax.Array, shift: jax.Array, dtype, *, asm: bool) -> jax.Array:
-    """Plane `shift // 2` of a packed u8 code tile as dot operands of `dtype` (bf16 or int8), same
-    shape, for a traced i32 `shift` in {0, 2, 4, 6}: `(byte >> shift) & 3`.
+    """Plane `shift // 2` of a packed u8 code tile as dot operands of `dtype` (bf16, f16 or int8),
+    same shape, for a traced i32 `shift` in {0, 2, 4, 6}: `(byte >> shift) & 3`.
 
     asm (GPU only) works on 4 bytes per 32-bit register by inline PTX: `t = (word >> shift) &
     0x03030303` (the shift moves other bytes' bits only into bits 2..7, which the mask drops), then
       int8: t itself (4 codes);
-      bf16: two PRMTs put 0x43 above each code byte (bf16 0x43cc = 128 + c, exact) and one bf16x2
-        FMA per pair subtracts 128 (exact): no integer-to-float converts (I2F.BF16 runs at a
-        quarter of the ALU rate).
-    2 + 1.5 instructions per 4 codes (bf16) instead of ~6 per code. Without asm: jnp shifts and
+      bf16 / f16: two PRMTs put 0x43 / 0x64 above each code byte (bf16 0x43cc = 128 + c, f16 0x64cc =
+        1024 + c, exact) and one 16-bit x2 FMA per pair subtracts 128 / 1024 (exact): no
+        integer-to-float converts (I2F.BF16 runs at a quarter of the ALU rate).
+    2 + 1.5 instructions per 4 codes (16-bit) instead of ~6 per code. Without asm: jnp shifts and
     converts (interpret mode), the same values."""
     if not asm:
         return ((tile >> shift.astype(jnp.uint8)) & jnp.uint8(3)).astype(dtype)
@@ -529,13 +529,16 @@ def dynamic_plane(tile: jax.Array, shift: jax.Array, dtype, *, asm: bool) -> jax
             "{ .reg .b32 t; shr.b32 t, $1, $2; and.b32 $0, t, 0x03030303; }", args=[tile, shifts],
             constraints="=r,r,r,r,r,r", pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.int8)])
         return out
+    # (magic byte, 1.0 x2, -magic x2, FMA type) of the 16-bit planes
+    hi, one, off, fma = ((0x64646464, 0x3C003C00, 0xE400E400, "f16x2") if dtype == jnp.float16
+                         else (0x43434343, 0x3F803F80, 0xC300C300, "bf16x2"))
     [out] = pltriton.elementwise_inline_asm(
-        "{ .reg .b32 t, hi, one, off; shr.b32 t, $2, $3; and.b32 t, t, 0x03030303; mov.b32 hi, 0x43434343; "
-        "mov.b32 one, 0x3F803F80; mov.b32 off, 0xC300C300; "
+        "{ .reg .b32 t, hi, one, off; shr.b32 t, $2, $3; and.b32 t, t, 0x03030303; "
+        f"mov.b32 hi, {hi:#010x}; mov.b32 one, {one:#010x}; mov.b32 off, {off:#010x}; "
         "prmt.b32 $0, t, hi, 0x5140; prmt.b32 $1, t, hi, 0x7362; "
-        "fma.rn.bf16x2 $0, $0, one, off; fma.rn.bf16x2 $1, $1, one, off; }",
+        f"fma.rn.{fma} $0, $0, one, off; fma.rn.{fma} $1, $1, one, off; }}",
         args=[tile, shifts], constraints="=r,=r,r,r,r,r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.bfloat16)])
+        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.dtype(dtype))])
     return out
 
 

@@ -49,7 +49,14 @@ by the FFMA itself; interpret mode computes the same values with jnp.
 
 Dot operands (`dot_dtype`): "bf16" (default: bf16 operands holding the integer codes, float32
 accumulation, exact while partial sums stay below 2**24) or "int8" (int8 x int8 -> int32, the method
-as written). fp8 e4m3 is not offered: it holds the 2-bit codes but not every INT8 code (17 -> 16,
+as written); or the scale-folded modes of the decode kernel, "folded_f16" / "folded_bf16": the same
+codes as exact 16-bit operands against Q*sigma_b and W*tau rounded to f16 / bf16 (no requantization,
+no row min/max, the code sums unread; f16's range caveat as in decode_attention).
+
+Prefix mode (`prefix=True`, the cached-prefix half of a chunked prefill, hack_jax.prefill): every
+query row sits after the kv_lens cached tokens and sees all of them (no diagonal blocks); the kernel
+also returns each row's log-sum-exp, so the caller merges it with the chunk's own flash attention.
+Default operands there: PREFIX_DOT_DTYPE ("folded_f16", what a model's decode steps use). fp8 e4m3 is not offered: it holds the 2-bit codes but not every INT8 code (17 -> 16,
 127 -> 128), so an e4m3 dot would not be exact.
 
 Measured on one NVIDIA H200 (jax 0.11.2, Triton 3.6; bench/NOTES_prefill.md, bench/results/
@@ -81,8 +88,11 @@ from jax.experimental import pallas as pl
 from pallas_kernels import common
 
 NUM_PLANES = 4  # 2-bit codes per byte = blocks per packing group (DESIGN.md "2-bit packing")
-DotDtype = Literal["bf16", "int8"]
+DotDtype = Literal["bf16", "int8", "folded_f16", "folded_bf16"]
 DOT_DTYPES = get_args(DotDtype)
+FOLDED = ("folded_f16", "folded_bf16")  # scale-folded operands: no INT8 requantization (module docstring)
+OPERAND_DTYPES = {"bf16": jnp.bfloat16, "int8": jnp.int8, "folded_f16": jnp.float16, "folded_bf16": jnp.bfloat16}
+PREFIX_DOT_DTYPE = "folded_f16"  # prefix=True's default: the model's decode numerics (backend.DECODE_DOT_DTYPE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,7 +103,8 @@ DOT_DTYPES = get_args(DotDtype)
 def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_codes_ref, k_scale_ref,
                          k_min_ref, k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref,
                          open_k_ref, open_v_ref, *refs, partition_size, num_channel_groups, q_per_kv_pad,
-                         block_q, num_q_tiles, num_sink_tokens, num_pages, max_blocks, dot_dtype, interpret):
+                         block_q, num_q_tiles, num_sink_tokens, num_pages, max_blocks, dot_dtype, interpret,
+                         prefix):
     # kv_lens_ref, q_start_ref  i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[block_q, q_per_kv_pad, D]   this tile: positions x the kv head's query heads
@@ -105,22 +116,27 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
     # v_sums_ref        u8|u16[N, H, bpp, D]
     # open_k_ref, open_v_ref  bf16[S, H, P, D]
     # refs = (sink_k_ref, sink_v_ref  bf16[S, H, ns, D],) if ns else ()
-    #        + (o_ref f32[block_q, q_per_kv_pad, D],)
+    #        + (o_ref f32[block_q, q_per_kv_pad, D],) + (lse_ref f32[block_q, q_per_kv_pad],) if prefix
     ns, P, NP = num_sink_tokens, partition_size, num_channel_groups
-    *sink_refs, o_ref = refs
+    *sink_refs, o_ref, lse_ref = refs if prefix else refs + (None,)
     b, h = pl.program_id(0), pl.program_id(1)
     tile = num_q_tiles - 1 - pl.program_id(2)  # the longest rows first (causal load balance)
     D = q_ref.shape[-1]
     Pc = D // NP
     R = block_q * q_per_kv_pad
     bpp = k_scale_ref.shape[2]
-    op_dtype = jnp.int8 if dot_dtype == "int8" else jnp.bfloat16
+    op_dtype = OPERAND_DTYPES[dot_dtype]
+    folded = dot_dtype in FOLDED
     asm = not interpret  # inline PTX has no interpret-mode rule; the jnp forms give the same values
 
     kv_len = jnp.clip(kv_lens_ref[b], 0, ns + max_blocks * P)  # beyond the capacity: clipped
-    lo = q_start_ref[b] + tile * block_q  # position of the tile's first row
-    hi = jnp.minimum(lo + block_q, kv_len) - 1  # last position of a valid row (< lo: none)
-    pos = lo + _div(jax.lax.broadcasted_iota(jnp.int32, (R,), 0), q_per_kv_pad)  # [R]
+    if prefix:  # every row sits after the kv_len cached tokens: all of them visible, no diagonal block
+        lo = hi = kv_len - 1
+        pos = jnp.full((R,), kv_len - 1, jnp.int32)
+    else:
+        lo = q_start_ref[b] + tile * block_q  # position of the tile's first row
+        hi = jnp.minimum(lo + block_q, kv_len) - 1  # last position of a valid row (< lo: none)
+        pos = lo + _div(jax.lax.broadcasted_iota(jnp.int32, (R,), 0), q_per_kv_pad)  # [R]
     n_u = jnp.clip(kv_len - ns, 0, max_blocks * P)
     num_sealed, num_open = _div(n_u, P), _mod(n_u, P)
     # Sealed blocks k the tile sees (ns + k P <= hi); the first n_full every row sees whole.
@@ -147,20 +163,24 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
 
         # the per-token metadata of all channel groups as [P, NP] tiles, split in registers
         cols = lambda ref, f: [f(x.reshape(P)) for x in jnp.split(ref[pid, h, tokens, :], NP, axis=1)]
-        kappas = cols(k_sums_ref, _u_to_f32)  # NP x [P]
+        kappas = None if folded else cols(k_sums_ref, _u_to_f32)  # NP x [P]
         taus = cols(v_scale_ref, lambda x: x.astype(jnp.float32))
         nus = cols(v_min_ref, lambda x: x.astype(jnp.float32))
 
         # logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu
+        # (folded: sum_c r(q_c sigma_c) k_jc + q . mu, r() the rounding to the 16-bit operand)
         logits = qmu = None
         for p in range(NP):
             ch = pl.ds(p * Pc, Pc)
             kc = plane(k_codes_ref[pid, h, code_rows, ch])  # [P, Pc]
             sigma = k_scale_ref[pid, h, slot, ch].astype(jnp.float32)  # [Pc]
             mu = k_min_ref[pid, h, slot, ch].astype(jnp.float32)  # [Pc]
-            qc, qs, qm = quantize(q[p] * sigma[None, :])  # [R, Pc], [R], [R]
-            dot = common.int_dot(qc, kc, dot_dtype, trans_b=True)  # [R, P]
-            part = qs[:, None] * dot + qm[:, None] * kappas[p][None, :]
+            if folded:
+                part = jnp.dot((q[p] * sigma[None, :]).astype(op_dtype), kc.T, preferred_element_type=jnp.float32)
+            else:
+                qc, qs, qm = quantize(q[p] * sigma[None, :])  # [R, Pc], [R], [R]
+                dot = common.int_dot(qc, kc, dot_dtype, trans_b=True)  # [R, P]
+                part = qs[:, None] * dot + qm[:, None] * kappas[p][None, :]
             q_mu = jnp.sum(q[p] * mu[None, :], axis=1)  # [R]
             logits, qmu = (part, q_mu) if p == 0 else (logits + part, qmu + q_mu)
         logits = logits + qmu[:, None]  # [R, P]
@@ -178,16 +198,22 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
         lb = jnp.sum(w, axis=1)
 
         # o_c = s'_p sum_j wc_jp v_jc + m'_p omega_c + sum_j W_j nu_jp, c in p
+        # (folded: sum_j r(W_j tau_jp) v_jc + sum_j W_j nu_jp)
         # merge_state's arithmetic, each accumulator merged as soon as its part exists (fewer live tiles)
         m_new, l_new, alpha, beta = common.merge_weights(m, l, mb, lb, valid)
         outs = []
         for p in range(NP):
             ch = pl.ds(p * Pc, Pc)
             vc = plane(v_codes_ref[pid, h, ch, code_rows])  # [Pc, P] (token-major)
-            omega = _u_to_f32(v_sums_ref[pid, h, slot, ch])  # [Pc]
-            wc, ws, wm = quantize(w * taus[p][None, :])  # [R, P], [R], [R]
-            pv = common.int_dot(wc, vc, dot_dtype, trans_b=True)  # [R, Pc]
-            o_p = ws[:, None] * pv + wm[:, None] * omega[None, :] + jnp.sum(w * nus[p][None, :], axis=1)[:, None]
+            w_nu = jnp.sum(w * nus[p][None, :], axis=1)[:, None]
+            if folded:
+                o_p = jnp.dot((w * taus[p][None, :]).astype(op_dtype), vc.T,
+                              preferred_element_type=jnp.float32) + w_nu
+            else:
+                omega = _u_to_f32(v_sums_ref[pid, h, slot, ch])  # [Pc]
+                wc, ws, wm = quantize(w * taus[p][None, :])  # [R, P], [R], [R]
+                pv = common.int_dot(wc, vc, dot_dtype, trans_b=True)  # [R, Pc]
+                o_p = ws[:, None] * pv + wm[:, None] * omega[None, :] + w_nu
             outs.append(common.merge_acc(accs[p], o_p, alpha, beta, valid))
         return m_new, l_new, tuple(outs)
 
@@ -206,6 +232,9 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
     for p in range(NP):
         out = jnp.where(ok[:, None], accs[p] / denom, 0.0)  # [R, Pc]
         o_ref[:, :, pl.ds(p * Pc, Pc)] = out.reshape(block_q, q_per_kv_pad, Pc)
+    if prefix:  # natural log-sum-exp of the row's logits; -inf where nothing is cached, NaN stays NaN
+        lse = jnp.where(l != 0, m + jnp.log(jnp.where(l != 0, l, 1.0)), -jnp.inf)
+        lse_ref[...] = lse.reshape(block_q, q_per_kv_pad)
 
 
 def _u_to_f32(x):
@@ -287,8 +316,8 @@ def open_block_state(q, open_k_ref, open_v_ref, b, h, open_lo, num_open, pos, st
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Launch choices. block_q: query positions per program (rows = block_q * q_per_kv_pad, at least
-    16 for the dots' M); num_warps, num_stages: Triton's; dot_dtype: the integer dots' operands
-    ("bf16" measured faster on the H200; "int8" is the method as written)."""
+    16 for the dots' M); num_warps, num_stages: Triton's; dot_dtype: the dots' operands (module
+    docstring; of the INT8 modes "bf16" measured faster on the H200; "int8" is the method as written)."""
 
     block_q: int = 16
     num_warps: int = 4
@@ -318,10 +347,11 @@ def default_config(*, num_q_heads: int, num_kv_heads: int, q_len: int, dot_dtype
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "config", "interpret",
+                                             "prefix"))
 def _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                   sink_k, sink_v, page_indices, kv_lens, q_start, *, partition_size, num_sink_tokens,
-                  config, interpret):
+                  config, interpret, prefix):
     batch, q_len, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape
     page_size, num_channel_groups = k_sums.shape[2], k_sums.shape[3]
@@ -342,13 +372,19 @@ def _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v
         _hack_prefill_kernel, partition_size=partition_size, num_channel_groups=num_channel_groups,
         q_per_kv_pad=pad, block_q=block_q, num_q_tiles=tiles, num_sink_tokens=num_sink_tokens,
         num_pages=num_pages, max_blocks=page_indices.shape[1] * (page_size // partition_size),
-        dot_dtype=config.dot_dtype, interpret=interpret)
-    out = common.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(qg.shape, jnp.float32),
-        grid=(batch, num_kv_heads, tiles), in_specs=in_specs, out_specs=q_tile,
+        dot_dtype=config.dot_dtype, interpret=interpret, prefix=prefix)
+    out_shape, out_specs = jax.ShapeDtypeStruct(qg.shape, jnp.float32), q_tile
+    if prefix:  # + the rows' log-sum-exp f32[batch, T_pad, H, pad]
+        lse_tile = pl.BlockSpec((None, block_q, None, pad), lambda b, h, i: (b, tiles - 1 - i, h, 0))
+        out_shape, out_specs = (out_shape, jax.ShapeDtypeStruct(qg.shape[:-1], jnp.float32)), (q_tile, lse_tile)
+    got = common.pallas_call(
+        kernel, out_shape=out_shape, grid=(batch, num_kv_heads, tiles), in_specs=in_specs, out_specs=out_specs,
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
-        name="hack_prefill_attention")(*inputs)
-    return out[:, :q_len, :, :q_per_kv].reshape(batch, q_len, num_q_heads, head_dim)
+        name="hack_prefix_attention" if prefix else "hack_prefill_attention")(*inputs)
+    out = (got[0] if prefix else got)[:, :q_len, :, :q_per_kv].reshape(batch, q_len, num_q_heads, head_dim)
+    if not prefix:
+        return out
+    return out, got[1][:, :q_len, :, :q_per_kv].reshape(batch, q_len, num_q_heads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,9 +395,12 @@ def _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v
 @common.quiet
 def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                            sink_k, sink_v, page_indices, kv_lens, *, partition_size: int, num_sink_tokens: int,
-                           v_group: int | None = None, q_start=None, dot_dtype: DotDtype = "bf16",
-                           config: KernelConfig | None = None, interpret: bool = False, bits: int = 2):
+                           v_group: int | None = None, q_start=None, dot_dtype: DotDtype | None = None,
+                           config: KernelConfig | None = None, interpret: bool = False, bits: int = 2,
+                           prefix: bool = False):
     """HACK causal prefill attention over the paged INT2 kivi cache (module docstring; shapes there).
+    With prefix=True: the cached-prefix half of a chunked prefill instead (every query row after the
+    kv_lens cached tokens, all of them visible; returns the log-sum-exp too).
 
     The argument order of hack_decode_attention, plus q_start; hack_jax.attention.prefill_attention(...,
     impl="pallas") calls it with a kivi layer's arrays (attention.kernel_args).
@@ -375,14 +414,21 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
       partition_size: P (the quantization block). num_sink_tokens: ns.
       v_group: channels per V / query channel group (None: P), clamped to head_dim; the kernel reads
         it from k_sums' shape, this checks the arrays against it.
-      q_start: i32[batch] position of query row 0; None = 0.
-      dot_dtype: "bf16" | "int8" operands of the integer dots (ignored if config is given).
+      q_start: i32[batch] position of query row 0; None = 0. Must be None with prefix=True.
+      dot_dtype: "bf16" | "int8" (INT8 requantization of Q*sigma and W*tau, the paper's numerics, the
+        codes as bf16 or int8 dot operands) | "folded_f16" | "folded_bf16" (Q*sigma and W*tau rounded
+        to f16 / bf16 against the exact codes, as the decode kernel's folded modes); None: "bf16", or
+        PREFIX_DOT_DTYPE with prefix=True (ignored if config is given).
       config: KernelConfig; None picks default_config(...).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
       bits: the cache's code width (QuantConfig.bits); only 2 (NotImplementedError otherwise).
+      prefix: every row is a query after all kv_lens cached tokens (a chunk's queries over the tokens
+        cached before it): no causal mask, no row beyond the sequence.
 
     Returns:
-      f32[batch, T, num_q_heads, head_dim]; rows with q_start + t >= kv_lens are 0.
+      f32[batch, T, num_q_heads, head_dim]; rows with q_start + t >= kv_lens are 0. With prefix=True:
+      (out, lse f32[batch, T, num_q_heads]), lse = log sum_j exp(logit_j) over the cached tokens (-inf
+      and out 0 where kv_lens is 0), for a log-sum-exp merge with the chunk's own attention.
 
     Raises:
       TypeError: a cache argument that is not an array (e.g. a whole cache layer).
@@ -401,6 +447,10 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
                              open_k, open_v, sink_k, sink_v, page_indices, kv_lens,
                              partition_size=partition_size, num_sink_tokens=num_sink_tokens,
                              v_group=v_group)
+    if prefix and q_start is not None:
+        raise ValueError("q_start must be None with prefix=True (every row sits after the kv_lens cached tokens)")
+    if dot_dtype is None:
+        dot_dtype = PREFIX_DOT_DTYPE if prefix else "bf16"
     if q_start is None:
         q_start = jnp.zeros_like(kv_lens)
     if q_start.shape != (batch,) or q_start.dtype != jnp.int32:
@@ -413,7 +463,7 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
         sink_k = sink_v = None
     return _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                          sink_k, sink_v, page_indices, kv_lens, q_start, partition_size=partition_size,
-                         num_sink_tokens=num_sink_tokens, config=config, interpret=interpret)
+                         num_sink_tokens=num_sink_tokens, config=config, interpret=interpret, prefix=bool(prefix))
 
 
 def resolve_config(*, num_q_heads: int, num_kv_heads: int, q_len: int, dot_dtype: DotDtype = "bf16",

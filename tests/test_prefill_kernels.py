@@ -57,6 +57,7 @@ EPS32 = float(np.finfo(np.float32).eps)
 TIGHT = 64 * EPS32  # times max|V|: float32 evaluation order only
 FLIP_BOUND = 2e-2  # times max|V|: a transient INT8 code flip at a rounding tie (module docstring)
 MODES = ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
+INT8_DOTS = ("bf16", "int8")  # the dot dtypes of the INT8 requantization, which the reference repeats
 BF16 = ml_dtypes.bfloat16
 
 
@@ -203,7 +204,7 @@ ONE_SEQ = Geometry(t_len=1024, num_kv_heads=1, group=4, head_dim=128)  # Llama-3
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dot_dtype", hack_mod.DOT_DTYPES)
+@pytest.mark.parametrize("dot_dtype", INT8_DOTS)
 def test_hack_kernel_single_sequence_lengths(dot_dtype, mode):
     """One sequence of 1, 63, 64, 65 and 1000 tokens (on and off the block boundaries after the 4
     sinks: 63 = 4 + 59 open, 64, 65, 1000 = 4 + 15 blocks + 36 open); one compile for all."""
@@ -218,15 +219,16 @@ def test_hack_kernel_single_sequence_lengths(dot_dtype, mode):
 def run_prefill_helpers(tile, x, dot_dtype, mode):
     """common.dynamic_plane (every plane, the shift read from memory: traced) and
     common.quantize_rows_int8_ffma in one small Pallas kernel, as the prefill kernel calls them (inline
-    PTX and FFMA rounding on the GPU, jnp in interpret mode). Returns (planes f32[4, *tile.shape],
-    codes f32[*x.shape], s f32[rows], mf f32[rows])."""
-    from jax.experimental import pallas as pl
+    PTX and FFMA rounding on the GPU, jnp in interpret mode); the planes as `dot_dtype`'s operands (the
+    folded modes' f16 / bf16), the quantizer's codes as int8 or bf16. Returns (planes f32[4,
+    *tile.shape], codes f32[*x.shape], s f32[rows], mf f32[rows])."""
+    plane_op = hack_mod.OPERAND_DTYPES[dot_dtype]
     op = jnp.int8 if dot_dtype == "int8" else jnp.bfloat16
     interpret = mode == "interpret"
 
     def kernel(shift_ref, tile_ref, x_ref, planes_ref, codes_ref, s_ref, mf_ref):
         for j in range(hack_mod.NUM_PLANES):
-            plane = common.dynamic_plane(tile_ref[...], shift_ref[j], op, asm=not interpret)
+            plane = common.dynamic_plane(tile_ref[...], shift_ref[j], plane_op, asm=not interpret)
             planes_ref[j, :, :] = plane.astype(jnp.float32)
         codes, s, mf = common.quantize_rows_int8_ffma(x_ref[...], op, interpret=interpret)
         codes_ref[...] = codes.astype(jnp.float32)
@@ -250,7 +252,8 @@ def run_prefill_helpers(tile, x, dot_dtype, mode):
 def test_prefill_plane_and_int8_helpers_match_numpy(dot_dtype, mode):
     """The prefill kernel's two in-kernel helpers against NumPy oracles (on the GPU: the inline-PTX
     unpack and the FFMA-rounded quantizer; interpret mode: their jnp forms). dynamic_plane: plane j of
-    every byte is (byte >> 2j) & 3, exactly. quantize_rows_int8_ffma: the scale and folded minimum
+    every byte is (byte >> 2j) & 3, exactly (as int8, bf16 or f16 operands). quantize_rows_int8_ffma
+    (int8 or bf16 codes): the scale and folded minimum
     equal the float32 quantizer contract's (oracles.q8_rows) bit for bit, and the codes too except
     where (x - mf) / s lies within float32 rounding of a half-integer (the ffma form multiplies by the
     row's reciprocal, the oracle divides): there a code may differ by one, in at most 1% of them.
@@ -393,6 +396,47 @@ def test_hack_chunked_prefill_equals_one_shot(mode):
     check_close(np.asarray(first), np.asarray(first_ref), scale, mode, label="prefix vs reference")
 
 
+PREFIX_MODES = [("bf16", None), ("int8", None), ("folded_f16", np.float16), ("folded_bf16", BF16)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dot_dtype,fold", PREFIX_MODES, ids=[d for d, _ in PREFIX_MODES])
+def test_hack_prefix_mode_matches_float64_twin(dot_dtype, fold, mode):
+    """prefix=True (every row after the cached tokens: a chunk's queries over its cached prefix):
+    the output and the log-sum-exp against the float64 twin at position kv_lens - 1 for every row;
+    slot 1 holds nothing (out 0, lse -inf). INT8 modes: the HACK criterion (check_close) and lse
+    within a code flip; folded modes: error vs float64 attention over the dequantized cache <= 2x the
+    error of the same math done naively with the 16-bit rounding (+ float32 slack), out and lse."""
+    case = build(SMOL, (200, 0, 77), seed=6)
+    arrays, static = attention.kernel_args(case.layer)
+    out, lse = (np.asarray(x) for x in hack_mod.hack_prefill_attention(
+        jnp.asarray(case.q), *arrays, case.table, case.kv_lens, **static, prefix=True, dot_dtype=dot_dtype,
+        interpret=mode == "interpret"))
+    scale = np.abs(case.v).max()
+    assert (out[1] == 0).all() and (lse[1] == -np.inf).all()
+    if fold is None:
+        twin_out, twin_lse = numpy_hack_prefill(case, prefix=True)
+        check_close(out, twin_out, scale, mode, label=f"prefix {dot_dtype} vs float64 twin")
+        lse_err = np.abs(lse[[0, 2]] - twin_lse[[0, 2]])  # a flipped Q code moves a logit by <= 3 s_q
+        assert lse_err.max() <= FLIP_BOUND and lse_err.mean() <= 1e-5, (lse_err.max(), lse_err.mean())
+        return
+    exact_out, exact_lse = numpy_hack_prefill(case, prefix=True, fold="exact")
+    naive_out, naive_lse = numpy_hack_prefill(case, prefix=True, fold=fold)
+    for got, exact, naive, slack in ((out, exact_out, naive_out, TIGHT * scale),
+                                     (lse[[0, 2]], exact_lse[[0, 2]], naive_lse[[0, 2]], 1e-5)):
+        err, bound = np.abs(got - exact).max(), 2 * np.abs(naive - exact).max() + slack
+        print(f"\nprefix {dot_dtype}: max err {err:.3g}, bound {bound:.3g}")
+        assert np.isfinite(got).all() and err <= bound, (err, bound)
+
+
+def test_prefix_mode_rejects_q_start():
+    case = build(SMOL, (200, 0, 77), seed=6)
+    arrays, static = attention.kernel_args(case.layer)
+    with pytest.raises(ValueError, match="q_start must be None with prefix=True"):
+        hack_mod.hack_prefill_attention(case.q, *arrays, case.table, case.kv_lens, **static, prefix=True,
+                                        q_start=np.zeros(3, np.int32), interpret=True)
+
+
 def test_hack_kernel_deterministic_and_tile_invariant():
     """Same call twice: identical bits. Another block_q (rows per program): the same per-row math,
     equal up to float32 order (TIGHT)."""
@@ -415,8 +459,13 @@ def _softmax_part(logits, vis, values):
     return m, w.sum(1), values(w)
 
 
-def numpy_hack_prefill(case, q_start=None):
-    """DESIGN.md "Homomorphic attention semantics", kivi, causal prefill: f64[S, T, Hq, D]."""
+def numpy_hack_prefill(case, q_start=None, *, prefix=False, fold=None):
+    """DESIGN.md "Homomorphic attention semantics", kivi, causal prefill: f64[S, T, Hq, D].
+
+    prefix=True: every row at position kv_lens - 1 (sees every cached token), returns (out, lse
+    f64[S, T, Hq]). fold: None = the INT8 requantization of Q*sigma and W*tau; a dtype (float16,
+    bfloat16) = the scale-folded math with those operands rounded to it (from float32, as the kernel
+    rounds them); "exact" = no rounding (attention over the dequantized cache)."""
     c = {f.name: np.asarray(getattr(case.layer, f.name)) for f in dataclasses.fields(case.layer)
          if f.name != "config"}
     cfg = case.layer.config
@@ -429,11 +478,13 @@ def numpy_hack_prefill(case, q_start=None):
     Pc = D // NP
     q_start = np.zeros(S, int) if q_start is None else np.asarray(q_start)
     out = np.zeros((S, T, Hq, D))
+    lse_out = np.full((S, T, Hq), -np.inf)
     f64 = lambda x: np.asarray(x, np.float64)
+    rnd = f64 if fold in (None, "exact") else (lambda x: f64(np.asarray(x, np.float32).astype(fold)))
     for s in range(S):
         L = min(int(case.kv_lens[s]), ns + case.table.shape[1] * page_size)
         sealed, n_open = max(L - ns, 0) // P, max(L - ns, 0) % P
-        pos = np.repeat(q_start[s] + np.arange(T), G)  # rows r = t * G + g
+        pos = np.full(T * G, L - 1) if prefix else np.repeat(q_start[s] + np.arange(T), G)  # r = t * G + g
         for h in range(H):
             qs32 = (q[s, :, h * G:(h + 1) * G] / np.float32(math.sqrt(D))).reshape(T * G, D)
             qs = f64(qs32)
@@ -457,6 +508,9 @@ def numpy_hack_prefill(case, q_start=None):
                 lg = np.repeat((qs @ f64(mu))[:, None], P, 1)
                 for p in range(NP):
                     ch = slice(p * Pc, (p + 1) * Pc)
+                    if fold is not None:
+                        lg = lg + (f64(qs) * f64(sigma)[None] if fold == "exact" else rnd(qt))[:, ch] @ kc[:, ch].T
+                        continue
                     qc, sc, mc = q8_rows(qt[:, ch])
                     lg = lg + sc[:, None] * (qc @ kc[:, ch].T) + mc[:, None] * kappa[None, :, p]
 
@@ -464,7 +518,12 @@ def numpy_hack_prefill(case, q_start=None):
                     o = np.zeros((w.shape[0], D))
                     for p in range(NP):
                         ch = slice(p * Pc, (p + 1) * Pc)
-                        wc, s2, m2 = q8_rows(w.astype(np.float32) * np.asarray(tau, np.float32)[None, :, p])
+                        wt = w.astype(np.float32) * np.asarray(tau, np.float32)[None, :, p]
+                        if fold is not None:
+                            wt = w * f64(tau)[None, :, p] if fold == "exact" else rnd(wt)
+                            o[:, ch] = wt @ vc[:, ch] + (w @ f64(nu[:, p]))[:, None]
+                            continue
+                        wc, s2, m2 = q8_rows(wt)
                         o[:, ch] = s2[:, None] * (wc @ vc[:, ch]) + m2[:, None] * omega[None, ch] \
                             + (w @ f64(nu[:, p]))[:, None]
                     return o
@@ -475,14 +534,18 @@ def numpy_hack_prefill(case, q_start=None):
                 kk, vv = f64(c["open_k"][s, h, :n_open]), f64(c["open_v"][s, h, :n_open])
                 parts.append(_softmax_part(qs @ kk.T, (ns + sealed * P + i)[None, :] <= pos[:, None],
                                            lambda w: w @ vv))
-            m_all = np.max([m for m, _, _ in parts], axis=0) if parts else np.full(T * G, -np.inf)
+            if not parts:  # nothing held: out 0, lse -inf
+                continue
+            m_all = np.max([m for m, _, _ in parts], axis=0)
             base = np.where(np.isfinite(m_all), m_all, 0)
             l_all = sum(l * np.exp(m - base) for m, l, _ in parts)
             acc = sum(a * np.exp(m - base)[:, None] for m, _, a in parts)
             o = np.where((l_all > 0)[:, None], acc / np.where(l_all > 0, l_all, 1)[:, None], 0.0)
             o[pos >= L] = 0
             out[s, :, h * G:(h + 1) * G] = o.reshape(T, G, D)
-    return out
+            lse = np.where(l_all > 0, base + np.log(np.where(l_all > 0, l_all, 1)), -np.inf)
+            lse_out[s, :, h * G:(h + 1) * G] = lse.reshape(T, G)
+    return (out, lse_out) if prefix else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -556,6 +619,8 @@ def test_bf16_kernel_within_2x_naive_bf16(mode):
 LOWERED = [  # (geometry, KernelConfig): the tests' configurations (the benchmark's: --lower-cuda)
     (ONE_SEQ, hack_mod.KernelConfig(block_q=16, dot_dtype="bf16")),
     (ONE_SEQ, hack_mod.KernelConfig(block_q=16, dot_dtype="int8")),
+    (ONE_SEQ, hack_mod.KernelConfig(block_q=16, dot_dtype="folded_f16")),
+    (SMOL, hack_mod.KernelConfig(block_q=16, dot_dtype="folded_bf16")),
     (ONE_SEQ, hack_mod.KernelConfig(block_q=32, num_warps=8, dot_dtype="int8")),
     (MIXED, hack_mod.KernelConfig(block_q=64, dot_dtype="int8")),
     (SMOL, hack_mod.KernelConfig(block_q=16, dot_dtype="bf16")),
@@ -588,6 +653,22 @@ def test_kernels_lower_to_triton_for_cuda(geo, config):
     XLA's own Triton compile of the IR happens on the device)."""
     text = lower_for_cuda(geo, config)
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("dot_dtype", [None, "bf16"])
+def test_prefix_mode_lowers_to_triton_for_cuda(dot_dtype):
+    """cached_prefix_state(impl="pallas") at Llama-3.1-8B heads: one Triton kernel, the prefix mode
+    (default scale-folded f16 operands, and the INT8 requantized ones)."""
+    geo = Geometry(t_len=4096, num_kv_heads=8, group=4, head_dim=128)
+    layer = jax.eval_shape(lambda: kv_cache.init_layer(geo.config, num_kv_heads=8, head_dim=128, num_pages=5,
+                                                       max_seqs=2))
+    q = jax.ShapeDtypeStruct((2, geo.t_len, 32, 128), jnp.bfloat16)
+    ints, table = jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 3), jnp.int32)
+    options = {} if dot_dtype is None else {"dot_dtype": dot_dtype}
+    fn = lambda q, layer, table, kv_lens: attention.cached_prefix_state(
+        q, layer, page_indices=table, kv_lens=kv_lens, impl="pallas", **options)
+    text = jax.jit(fn).trace(q, layer, table, ints).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "hack_prefix_attention" in text
 
 
 def test_default_configs():
