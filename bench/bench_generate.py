@@ -530,14 +530,22 @@ def time_decode(cfg, fmt, batch, contexts, state, graphdef, args, emit, base):
 
 
 def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
+    """One row per --prefill-modes entry, in this process: "one" (one step padded to the length
+    bucket), "pow2" (one step padded to the next power of two), "chunk" (chunks of --prefill-chunk)."""
+    for mode in args.prefill_modes:
+        _time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base, mode)
+
+
+def _time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base, mode):
     quant = quant_config(fmt)
     sinks = kv_cache.sink_tokens(quant)
     pps = paging.pages_needed(context + MARGIN, page_size=quant.page_size, num_sink_tokens=sinks)
     cache = mllama.init_cache(cfg, quant, num_pages=1 + batch * pps, max_seqs=batch, pages_per_seq=pps)
     cache = cache if MESH is None else sharding.shard_cache(cache, MESH)
     table = jnp.asarray(1 + np.arange(batch * pps, dtype=np.int32).reshape(batch, pps))
-    chunk = args.prefill_chunk if args.prefill_chunk and args.prefill_chunk < context else None
-    t_len = chunk or mgen.length_bucket(context)
+    chunk = args.prefill_chunk if mode == "chunk" and args.prefill_chunk < context else None
+    bucket = 1 << (context - 1).bit_length() if mode == "pow2" else mgen.length_bucket(context)
+    t_len = chunk or bucket
     tokens = jax.random.randint(jax.random.key(3), (batch, t_len), 0, cfg.vocab_size, jnp.int32)
     full = np.full((batch,), t_len if chunk else context, np.int32)
     # chunked: the first chunk as a prefill step, the others as chunk steps (one compile each)
@@ -552,7 +560,8 @@ def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
         head=mstep.SampleHead(mgen.Sampling())).compile()
     steps = [lower(records[0])] + ([lower(records[1])] if len(records) > 1 else [])
     compile_s = time.perf_counter() - t0
-    print(f"    compiled prefill in {compile_s:.1f} s" + (f" (chunks of {chunk})" if chunk else ""), flush=True)
+    print(f"    compiled prefill in {compile_s:.1f} s ({f'chunks of {chunk}' if chunk else f'{t_len} tokens'})",
+          flush=True)
 
     def run():
         nonlocal cache
@@ -566,7 +575,8 @@ def time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base):
     reps = 1 if context >= LONG_PREFILL else args.prefill_reps
     times = [run() for _ in range(reps)]
     t = float(np.median(times))
-    emit(dict(base, kind="prefill", context=context, chunk=chunk, compile_s=round(compile_s, 3),
+    emit(dict(base, kind="prefill", context=context, chunk=chunk, bucket=t_len,
+              **({"pow2_bucket": True} if mode == "pow2" else {}), compile_s=round(compile_s, 3),
               first_run_s=round(warm_s, 4), prefill_ms=t * 1e3, prefill_tok_s=batch * context / t,
               bytes_per_token=bpt(quant, cfg), kv_bytes=bpt(quant, cfg) * batch * context,
               reps=reps, region_s=[round(x, 5) for x in times]))
@@ -706,12 +716,13 @@ def write_markdown(rows, path, header):
         lines.append("")
     pre = [r for r in rows if r.get("kind") == "prefill"]
     if pre:
-        lines += ["## Prefill", "", "chunk: prefilled in chunks of that many tokens (- : one padded step).", "",
-                  "| model | batch | context | chunk | format | layers | ms | tokens/s | compile s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["## Prefill", "", "chunk: prefilled in chunks of that many tokens (- : one step padded to "
+                  "`bucket` tokens).", "",
+                  "| model | batch | context | bucket | chunk | format | layers | ms | tokens/s | compile s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in pre:
-            head = (f"| {r['model']} | {r['batch']} | {r['context']} | {r.get('chunk') or '-'} | {r['format']} | "
-                    f"{_layers(r)} |")
+            head = (f"| {r['model']} | {r['batch']} | {r['context']} | {r.get('bucket', '-')} | "
+                    f"{r.get('chunk') or '-'} | {r['format']} | {_layers(r)} |")
             if not ok(r):
                 lines.append(f"{head} - | - | {r['error'][:100].replace('|', '/')} |")
             else:
@@ -861,6 +872,11 @@ def parse_args(argv):
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill contexts longer than this in chunks of this many tokens (the first a prefill "
                          "step, the rest chunk steps over the cached prefix) instead of one padded step")
+    ap.add_argument("--prefill-modes", nargs="+", choices=("one", "pow2", "chunk"), default=None,
+                    help="prefill rows per context, in one process: one = one step padded to the length bucket "
+                         "(models.stepper.length_bucket), pow2 = one step padded to the next power of two (the "
+                         "buckets before FINE_BUCKETS_FROM), chunk = chunks of --prefill-chunk (default: chunk "
+                         "with --prefill-chunk, else one)")
     ap.add_argument("--output-tokens", type=int, default=256, help="JCT: decoded tokens")
     ap.add_argument("--max-seconds", type=float, default=240.0,
                     help="wall budget from the start of main (after imports): no item starts past it or "
@@ -900,6 +916,10 @@ def parse_args(argv):
         args.models, args.batches = ["llama-3.1-8b"], [b for b in args.batches if b in (1, 8)] or [1]
     if args.prefill_contexts is None:
         args.prefill_contexts = list(args.contexts)
+    if args.prefill_modes is None:
+        args.prefill_modes = ["chunk"] if args.prefill_chunk else ["one"]
+    if "chunk" in args.prefill_modes and not args.prefill_chunk:
+        raise SystemExit("--prefill-modes chunk needs --prefill-chunk")
     return args
 
 

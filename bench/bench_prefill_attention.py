@@ -79,6 +79,7 @@ HACK_SWEEP = [  # NOTES_prefill.md v2: the offline SASS ranking's candidates (th
     ("bf16", dict(block_q=32, num_warps=8)),  # 128 rows: 3539 vs 3461 loop instructions per 16 rows
     ("int8", dict()),  # int8 dots (IGMMA; V codes token-major: offline 3504 loop instructions)
 ]
+PREFIX_SWEEP = [dict(block_q=32, num_warps=8), dict(block_q=16, num_warps=8), dict(block_q=32, num_warps=4)]
 BF16_SWEEP = [dict(block_q=16, block_k=64, num_warps=4), dict(block_q=32, block_k=128, num_warps=8),
               dict(block_q=32, block_k=64, num_warps=8, num_stages=3), dict(block_q=64, block_k=64, num_warps=8)]
 PAGE_SIZE = 256
@@ -171,19 +172,22 @@ def prep_hack_write(shape, key, *, interpret):
                     f"kv_cache.write_prefill, kivi P=64 page_size={PAGE_SIZE} ns=4, f32 K/V in", flops=0.0)
 
 
-def prep_prefix_hack(shape, key, *, interpret, dot_dtype):
+def prep_prefix_hack(shape, key, *, interpret, dot_dtype, fields=None):
     """A chunk of S queries over S cached tokens, all visible (the HACK prefill kernel, prefix=True)."""
     from hack_jax import attention
     from pallas_kernels import prefill_attention as mod
     layer, table, lens, _, _ = _hack_cache(shape, key)
     arrays, static = attention.kernel_args(layer)
+    num_q_heads, num_kv_heads, _ = shape.dims
+    config = dataclasses.replace(mod.default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                                    q_len=shape.seq, dot_dtype=dot_dtype), **(fields or {}))
 
     def call(q, a):
         return mod.hack_prefill_attention(q, *a["cache"], a["table"], a["lens"], **static, prefix=True,
-                                          dot_dtype=dot_dtype, interpret=interpret)[0]
+                                          config=config, interpret=interpret)[0]
 
     return Prepared(call, dict(cache=arrays, table=table, lens=lens),
-                    f"prefix=True dot_dtype={dot_dtype}, kivi P=64 page_size={PAGE_SIZE} ns=4; S queries x S "
+                    f"prefix=True {config}, kivi P=64 page_size={PAGE_SIZE} ns=4; S queries x S "
                     "cached keys, no mask (flops: the full square)", flops=2.0)
 
 
@@ -407,6 +411,10 @@ def impl_preps(names, interpret, sweep, bf16_sweep=True):
         elif name in PREFIX_DOTS:
             preps.append((name, None, functools.partial(prep_prefix_hack, interpret=interpret,
                                                         dot_dtype=PREFIX_DOTS[name])))
+            for fields in (PREFIX_SWEEP if sweep and name == "prefix_hack_f16" else []):
+                label = f"{name}[{','.join(f'{k}={v}' for k, v in fields.items())}]"
+                preps.append((label, QUICK_SWEEP_SEQ, functools.partial(
+                    prep_prefix_hack, interpret=interpret, dot_dtype=PREFIX_DOTS[name], fields=fields)))
         elif name in PREFILL_PATHS:
             fmt, attention = PREFILL_PATHS[name]
             preps.append((name, None, functools.partial(prep_prefill, interpret=interpret, kv_format=fmt,
@@ -442,7 +450,8 @@ def main(argv=None):
                     help="CPU-only: compile every hack config of the run offline for sm_90 (pip triton 3.6.0 in "
                          "PYTHONPATH, e.g. /tmp/tri) and report registers and the main loops' SASS; writes DIR/sass.jsonl")
     ap.add_argument("--sass-configs", nargs="*", metavar="NAME:FIELDS",
-                    help="extra configs for --sass, e.g. q32w8:block_q=32,num_warps=8,dot_dtype=int8")
+                    help="extra configs for --sass, e.g. q32w8:block_q=32,num_warps=8,dot_dtype=int8 "
+                         "(prefix=1: prefix mode)")
     args = ap.parse_args(argv)
     if args.sass:
         return sass_report(args)
@@ -517,7 +526,8 @@ def main(argv=None):
 
 
 def parse_fields(text):
-    """"block_q=32,num_warps=8,dot_dtype=int8" -> KernelConfig fields (ints; dot_dtype a str)."""
+    """"block_q=32,num_warps=8,dot_dtype=int8" -> KernelConfig fields (ints; dot_dtype a str); --sass-configs
+    also takes prefix=1 (the kernel's prefix mode)."""
     out = {}
     for item in filter(None, text.split(",")):
         k, v = item.split("=")
@@ -561,8 +571,10 @@ def sass_report(args):
         configs.append((name, dataclasses.replace(base, **(kw.get("fields") or {})), name in PREFIX_DOTS))
     for spec in args.sass_configs or []:
         name, _, fields = spec.partition(":")
+        fields = parse_fields(fields)
+        prefix = bool(fields.pop("prefix", 0))
         base = mod.default_config(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, q_len=seq)
-        configs.append((name, dataclasses.replace(base, **parse_fields(fields)), False))
+        configs.append((name, dataclasses.replace(base, **fields), prefix))
     os.makedirs(args.sass, exist_ok=True)
     pad = mod.q_per_kv_pad(num_q_heads // num_kv_heads)
     for name, cfg, prefix in configs:

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DECODE_KEY = ("impl", "heads", "batch", "kv_len")
 GENERATE_KEY = ("model", "kind", "format", "batch", "context")
-GENERATE_OPTIONAL = ("chunk",)  # part of a row's key where present (chunked prefill rows)
+GENERATE_OPTIONAL = ("chunk", "pow2_bucket")  # part of a row's key where present (prefill rows)
 
 
 def read_rows(path):

@@ -118,8 +118,8 @@ def _parser() -> argparse.ArgumentParser:
                   "default --prefill-attention each row attends exactly to the rows before it, "
                   "with --prefill-chunk to the cached prefix through the cache)")
   pp.add_argument("--prefill-chunk", type=int, default=None,
-                  help="prefill in chunks of this many tokens (default: one step, padded to a "
-                  "power of two)")
+                  help="prefill in chunks of this many tokens (default: one step, padded to its "
+                  "length bucket; chunks read the cached prefix as stored: 2-bit for hack)")
   from models import eval as eval_mod
   eval_mod.add_arguments(sub.add_parser(
       "eval", help="accuracy of KV formats: teacher-forced decode perplexity (models/eval.py)"))
@@ -139,7 +139,7 @@ def _add_serve_arguments(s) -> None:
                  help="prompts per prefill call (each call computes this many rows)")
   s.add_argument("--prefill-chunk", type=int, default=None,
                  help="prefill at most this many prompt tokens per step, interleaved with the "
-                 "decode steps (None: a prompt in one step, padded to a power of two)")
+                 "decode steps (None: a prompt in one step, padded to its length bucket)")
   s.add_argument("--max-len", type=int, default=2048,
                  help="tokens per request, prompt + completion (capped at the context length)")
   s.add_argument("--model-name", default=None, help="id in /v1/models (None: the file name)")

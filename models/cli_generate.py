@@ -53,7 +53,7 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
                  help="sequences decoded together (None: all of them, at most 16)")
   g.add_argument("--prefill-chunk", type=int, default=None,
                  help="prefill at most this many prompt tokens per step, interleaved with the "
-                 "decode steps (None: a prompt in one step, padded to a power of two)")
+                 "decode steps (None: a prompt in one step, padded to its length bucket)")
   g.add_argument("--no-stream", action="store_true", help="print the texts at the end")
   g.add_argument("--json", action="store_true", help="print one JSON object (no streaming)")
   g.add_argument("--logprobs", action="store_true",

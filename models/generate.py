@@ -2,7 +2,7 @@
 
 One Generator owns a fixed-shape cache (max_seqs slots x capacity tokens), so its compiled steps
 never change shape:
-  prefill: a ragged batch, every prompt right-padded to one length bucket (a power of two >= 64),
+  prefill: a ragged batch, every prompt right-padded to one length bucket (stepper.length_bucket),
     or cut into chunks of prefill_chunk tokens, written into the cache and attended through
     hack_jax.prefill; returns the first sampled token.
   decode: one token per active slot; the cache is donated (updated in place).

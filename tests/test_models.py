@@ -298,6 +298,9 @@ def test_sampling():
   full = np.asarray(sample(logits, keys, Sampling(temperature=1.0)))
   assert abs((full == 3).mean() - 0.05) < 0.015
   assert [length_bucket(n) for n in (1, 64, 65, 300)] == [64, 64, 128, 512]
+  # above 4096: multiples of an eighth of the next power of two (<= 25% padding)
+  assert [length_bucket(n) for n in (4096, 4097, 6000, 8192, 33000, 40960, 40961, 65536)] == \
+      [4096, 5120, 6144, 8192, 40960, 40960, 49152, 65536]
   with pytest.raises(ValueError):
     Sampling(top_p=0.0)
 
