@@ -606,7 +606,7 @@ def jct_rows(rows, cfg, name, output_tokens, common):
     out = []
     pre = {(r["format"], r["context"]): r for r in rows
            if r.get("kind") == "prefill" and r.get("model") == name and r.get("batch") == 1
-           and "prefill_ms" in r}
+           and "prefill_ms" in r and not r.get("chunk") and not r.get("pow2_bucket")}  # one step, own bucket
     dec = {(r["format"], r["context"]): r for r in rows
            if r.get("kind") == "decode" and r.get("model") == name and r.get("batch") == 1
            and "tpot_ms" in r}
@@ -730,9 +730,9 @@ def write_markdown(rows, path, header):
         lines.append("")
     cap = [r for r in rows if r.get("kind") == "capacity"]
     if cap:
-        src = cap[0]["memory_source"]
+        free = {r["model"]: f"{r['free_bytes'] / 2**30:.1f} GiB ({r['memory_source']})" for r in cap}
         lines += ["## Capacity (computed, not allocated)", "",
-                  f"Free memory next to the weights: {cap[0]['free_bytes'] / 2**30:.1f} GiB ({src}). "
+                  "Free memory next to the weights: " + "; ".join(f"{m}: {v}" for m, v in free.items()) + ". "
                   "Largest batch per context whose cache (whole pages + null page + per-sequence open "
                   "blocks and sinks) fits; `fits` marks the benchmark's batches.", "",
                   "| model | format | bytes/token | context | max batch | fits (batch: yes/no) |",
