@@ -79,10 +79,17 @@ def merge_generate(target, news):
     rows = read_rows(target)
     for path in news:
         rows = merge(rows, read_rows(path), GENERATE_KEY, GENERATE_OPTIONAL)
-    # capacity rows (computed, no batch field) of every run: the newest per (model, format, context)
-    newest = {(r["model"], r["format"], r["context"]): i for i, r in enumerate(rows) if r.get("kind") == "capacity"}
-    rows = [r for i, r in enumerate(rows) if r.get("kind") != "capacity"
-            or newest[r["model"], r["format"], r["context"]] == i]
+    # capacity rows (computed, no batch field) of every run: the newest per (model, format, context), its
+    # `fits` marks joined with the older rows' (each run marks only its own batches)
+    newest, fits = {}, {}
+    for i, r in enumerate(rows):
+        if r.get("kind") == "capacity":
+            key = (r["model"], r["format"], r["context"])
+            newest[key] = i
+            fits[key] = {**fits.get(key, {}), **r.get("fits", {})}
+    rows = [dict(r, fits=dict(sorted(fits[r["model"], r["format"], r["context"]].items(), key=lambda kv: int(kv[0]))))
+            if r.get("kind") == "capacity" else r
+            for i, r in enumerate(rows) if r.get("kind") != "capacity" or newest[r["model"], r["format"], r["context"]] == i]
     # JCT rows are derived (prefill + batch-1 decode rows of a model): recomputed from the merged rows,
     # so a run that measured only some of them cannot replace complete ones with partial ones
     old_jct = [r for r in rows if r.get("kind") == "jct"]

@@ -320,8 +320,8 @@ def cached_prefix_state(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens,
       impl="pallas" with a 2-bit hack kivi layer (no window beyond the open block): the HACK prefill
         kernel in prefix mode (pallas_kernels.prefill_attention, prefix=True) on the codes; state
         (normalized out, lse, 1), the same softmax. kernel_options: `interpret`, and `dot_dtype`
-        when it is one of the prefill kernel's (default: its PREFIX_DOT_DTYPE, the scale-folded f16
-        operands of the model's decode steps); others (the decode kernel's) are ignored.
+        (one of the prefill kernel's; default: its PREFIX_DOT_DTYPE, the scale-folded f16 operands of
+        the model's decode steps); others (the decode kernel's launch settings) are ignored.
     Args: q float[max_seqs, T, num_q_heads, head_dim]; layer, page_indices, kv_lens as in
     prefill_attention (kv_lens = the tokens cached before the chunk; 0 gives an empty state).
     Returns SoftmaxState with acc f32[max_seqs, T, num_q_heads, head_dim], m, l f32[max_seqs, T,
@@ -337,7 +337,9 @@ def cached_prefix_state(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens,
         return state._replace(acc=_unrotate(state.acc, layer))
     arrays, static = kernel_args(layer)
     options = {"interpret": bool(kernel_options.get("interpret", False))}
-    if kernel_options.get("dot_dtype") in dot_dtypes:
+    if "dot_dtype" in kernel_options:  # the decode kernel's dot dtypes are all the prefill kernel's too
+        if kernel_options["dot_dtype"] not in dot_dtypes:
+            raise ValueError(f"dot_dtype must be one of {dot_dtypes}, got {kernel_options['dot_dtype']!r}")
         options["dot_dtype"] = kernel_options["dot_dtype"]
     out, lse = _run_kernel(impl, kernel, _rotate_q(q, layer), *arrays, page_indices, kv_lens, prefix=True,
                            **static, **options)
@@ -369,21 +371,41 @@ def _state(q, layer, page_indices, kv_lens, q_pos):
     return _dense(q, layer, page_indices, kv_lens, q_pos)
 
 
-def _dense(q, layer, page_indices, kv_lens, q_pos):
+# _dense materializes its [S, Hq, T, keys] logits in one piece up to this many elements (1 GiB of
+# float32); beyond, it walks the keys in tiles with an online softmax, so a long chunk over a long
+# cached prefix (a chunked prefill's reference path) stays within memory.
+DENSE_LOGITS_LIMIT = 1 << 28
+
+
+def _dense(q, layer, page_indices, kv_lens, q_pos, *, limit=DENSE_LOGITS_LIMIT):
     """Dequantize-then-attend: the float32 softmax state over the gathered pages (as _state)."""
     k, v = kv_cache.dequantize_cache(layer, page_indices, kv_lens)  # f32[S, C, H, D], 0 beyond kv_lens
     s, t, hq, d = q.shape
-    h = k.shape[2]
+    h, c = k.shape[2], k.shape[1]
     qg = q.astype(jnp.float32).reshape(s, t, h, hq // h, d) / math.sqrt(d)
-    logits = jnp.einsum("stkgd,sckd->skgtc", qg, k, precision=_HIGHEST)
-    j = jnp.arange(k.shape[1])
-    mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_lens[:, None, None])
-    mask = mask[:, None, None]  # [S, 1, 1, T, C]
-    m = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
-    w = jnp.where(mask, jnp.exp(logits - jnp.where(m == -jnp.inf, 0.0, m)), 0.0)
-    acc = jnp.einsum("skgtc,sckd->skgtd", w, v, precision=_HIGHEST)
+    tile = c if s * hq * t * c <= limit else max(1, limit // (s * hq * t))
+    n = -(-c // tile)
+    if n * tile != c:
+        k, v = (jnp.pad(x, ((0, 0), (0, n * tile - c), (0, 0), (0, 0))) for x in (k, v))
+
+    def part(i):  # the state over keys [i * tile, (i + 1) * tile): [S, K, G, T, ...]
+        kt, vt = (jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=1) for x in (k, v))
+        logits = jnp.einsum("stkgd,sckd->skgtc", qg, kt, precision=_HIGHEST)
+        j = i * tile + jnp.arange(tile)
+        mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_lens[:, None, None])
+        mask = mask[:, None, None]  # [S, 1, 1, T, tile]
+        m = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
+        w = jnp.where(mask, jnp.exp(logits - jnp.where(m == -jnp.inf, 0.0, m)), 0.0)
+        acc = jnp.einsum("skgtc,sckd->skgtd", w, vt, precision=_HIGHEST)
+        return reference.SoftmaxState(acc, m[..., 0], w.sum(-1))
+
+    if n == 1:
+        state = part(0)
+    else:
+        state = jax.lax.fori_loop(0, n, lambda i, st: reference.online_softmax_merge(st, part(i)),
+                                  reference.empty_softmax_state((s, h, hq // h, t), d))
     rows = lambda x: jnp.moveaxis(x, 3, 1).reshape((s, t, hq) + x.shape[4:])  # [S, K, G, T, ...]
-    return reference.SoftmaxState(rows(acc), rows(m[..., 0]), rows(w.sum(-1)))
+    return reference.SoftmaxState(*map(rows, state))
 
 
 def _homomorphic(q, layer, page_indices, kv_lens, q_pos):
@@ -417,22 +439,21 @@ def _homomorphic(q, layer, page_indices, kv_lens, q_pos):
         state = reference.online_softmax_merge(state, per_head(reference.float_attention_step, 3)(
             q_s, sink_k, sink_v, visible(j, j < blocks.num_sinks[:, None])))
 
-    # Sealed blocks, in order: block b holds positions ns + b P + i.
-    b = jnp.arange(nb)
+    # Sealed blocks, in order: block b holds positions ns + b P + i (each block's mask built in its
+    # step: [S, rows, P], not [S, NB, rows, P] up front).
     i = jnp.arange(p)
-    key_pos = ns + b[:, None] * p + i[None, :]  # [NB, P]
-    masks = ((b[None, :] < blocks.num_sealed[:, None])[:, :, None, None]
-             & (key_pos[None, :, None, :] <= r_pos[:, None, :, None]))  # [S, NB, rows, P]
     step = (reference.seed_block_attention_step if isinstance(layer, kv_cache.SeedPages)
             else reference.kivi_block_attention_step)
     block_step = per_head(step, 9)
 
     def body(carry, xs):
-        mask, *fields = xs
+        b, *fields = xs
+        key_pos = ns + b * p + i  # [P]
+        mask = (b < blocks.num_sealed)[:, None, None] & (key_pos[None, None, :] <= r_pos[:, :, None])
         return reference.online_softmax_merge(carry, block_step(q_s, *fields, mask)), None
 
     leading = lambda x: jnp.moveaxis(x, 1, 0)  # [NB, S, ...]
-    state, _ = jax.lax.scan(body, state, (leading(masks), *map(leading, blocks[:8])))
+    state, _ = jax.lax.scan(body, state, (jnp.arange(nb), *map(leading, blocks[:8])))
 
     # The open region: positions ns + num_sealed P + i, i < num_open (< W = config.open_window).
     iw = jnp.arange(layer.open_v.shape[2])

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 
 from hack_jax import attention as hack_attention
 from hack_jax import kv_cache, reference
+from hack_jax.kv_cache import dense
 
 PrefillAttention = Literal["auto", "cudnn", "xla", "pallas", "reference", "homomorphic"]
 PREFILL_ATTENTION = get_args(PrefillAttention)
@@ -200,7 +201,7 @@ def _pallas(q, k, v, lengths, interpret):
 def _prefix_state(q, layer, page_indices, q_start, lengths, backend, impl, kernel_options):
     """The chunk's attention over its cached prefix (module docstring), as a SoftmaxState."""
     if backend == "cudnn" and isinstance(layer, kv_cache.DensePages):
-        k, v = kv_cache.dequantize_cache(layer, page_indices, q_start)  # [S, capacity, H, D], 0 beyond
+        k, v = dense.gather(layer, page_indices, q_start)  # [S, capacity, H, D] as stored, 0 beyond
         return _cudnn_prefix(q, k.astype(q.dtype), v.astype(q.dtype), q_start, lengths)
     return hack_attention.cached_prefix_state(q, layer, page_indices=page_indices, kv_lens=q_start, impl=impl,
                                               **kernel_options)

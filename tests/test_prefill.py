@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hack_jax import attention, kv_cache, paging
+from hack_jax import attention, kv_cache, paging, reference
 from hack_jax import prefill as hp
 from hack_jax.config import QuantConfig
 import twin
@@ -216,14 +216,16 @@ def test_chunked_matches_its_float64_oracle_and_stores_one_shot_bytes(fmt, cuts)
         assert err <= tol, (i, err)
 
 
-@pytest.mark.parametrize("cuts", [[64], [68, 132]], ids=str)
-def test_chunked_prefix_through_the_hack_kernel(cuts):
-    """impl="pallas" (interpret mode): the cached prefix is read by the HACK prefill kernel in prefix
-    mode on the codes (scale-folded f16 operands by default). Each chunk vs float64 attention over
-    the prefix as stored: within 1e-2 * max|V| and, chunk by chunk, a mean error no larger than the
-    reference (INT8 requantized) path's plus float32 slack; the cache holds the same bytes."""
+@pytest.mark.parametrize("mode", ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("cuts", [[100], [68, 132]], ids=str)
+def test_chunked_prefix_through_the_hack_kernel(cuts, mode):
+    """impl="pallas" (Pallas interpret mode, or compiled on the GPU): the cached prefix is read by the
+    HACK prefill kernel in prefix mode on the codes (scale-folded f16 operands by default), inside
+    hack_jax.prefill as a model layer calls it. Each chunk vs float64 attention over the prefix as
+    stored: within 1e-2 * max|V| and, chunk by chunk, a mean error no larger than the reference
+    (INT8 requantized) path's plus float32 slack; the cache holds the same bytes."""
     q, k, v = make_qkv(2)
-    layer, outs = chunked("hack", q, k, v, cuts, impl="pallas", interpret=True)
+    layer, outs = chunked("hack", q, k, v, cuts, impl="pallas", interpret=mode == "interpret")
     ref_layer, ref_outs = chunked("hack", q, k, v, cuts)
     for a, b in zip(jax.tree.leaves(layer), jax.tree.leaves(ref_layer)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -250,6 +252,32 @@ def test_chunked_vs_one_shot_error_against_float64():
           f"{chk:.3e}, homomorphic {hom:.3e}")
     assert one.max() <= 1e-5 * np.abs(v).max()
     assert 1e-4 < chk <= hom  # the prefix really is read as 2-bit codes, and it is no worse
+
+
+def test_reference_prefix_in_key_tiles():
+    """Past its logits limit the reference's dense path walks the keys in tiles with an online
+    softmax (memory for a long chunk over a long prefix): the prefix state of rows 100..159 over 100
+    cached bf16 tokens read in tiles of 7 keys equals the one-piece read to 1e-6 * max|V|, and both
+    equal float64 attention over the stored prefix to 1e-5 * max|V|."""
+    q, k, v = make_qkv(6)
+    layer, table = setup("bf16")
+    cut = np.minimum(LENGTHS, 100).astype(np.int32)
+    layer, _ = hp.prefill(q[:, :100], k[:, :100], v[:, :100], layer, page_indices=table, lengths=cut,
+                          attention="reference")
+    qc = jnp.asarray(q[:, 100:160])
+    q_pos = jnp.broadcast_to(jnp.asarray(cut)[:, None] - 1, (S, 60))
+    outs = [np.asarray(reference.softmax_state_output(attention._dense(qc, layer, jnp.asarray(table),
+                                                                       jnp.asarray(cut), q_pos, limit=lim)))
+            for lim in (attention.DENSE_LOGITS_LIMIT, S * H * G * 60 * 7)]
+    scale = np.abs(v).max()
+    np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=1e-6 * scale)
+    for s in range(2):  # slot 2 holds nothing
+        kp, vp = (np.asarray(x, np.float64).repeat(G, axis=1) for x in twin.gather(layer, s, int(cut[s]), table))
+        logits = np.einsum("thd,jhd->thj", np.asarray(q[s, 100:160], np.float64), kp) / np.sqrt(D)
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        want = np.einsum("thj,jhd->thd", w / w.sum(-1, keepdims=True), vp)
+        assert np.abs(outs[1][s] - want).max() <= 1e-5 * scale
+    assert not outs[1][2].any()
 
 
 # -------------------------------------------------------------------- (d) prefill, then decode

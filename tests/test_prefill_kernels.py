@@ -690,6 +690,8 @@ def test_validation_errors():
         attention.prefill_attention(case.q, case.layer, config=hack_mod.KernelConfig(block_q=2), **kw)
     with pytest.raises(ValueError, match="q_start must be >= 0"):
         attention.prefill_attention(case.q, case.layer, q_start=np.array([0, -1, 0], np.int32), **kw)
+    with pytest.raises(ValueError, match="dot_dtype must be one of"):  # the chunk prefix's kernel
+        attention.cached_prefix_state(case.q, case.layer, dot_dtype="fp8", **kw)
     arrays, static = attention.kernel_args(case.layer)
     with pytest.raises(ValueError, match="page_indices"):
         hack_mod.hack_prefill_attention(case.q, *arrays, case.table[:2], case.kv_lens, **static, interpret=True)

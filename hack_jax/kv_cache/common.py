@@ -180,10 +180,10 @@ def per_token_writers(encode):
     return write_prefill, append
 
 
-def flat_tokens(a, ids):
-    """[N, H, page_size, ...] pages read through ids i32[S, pps] -> f32[S, pps * page_size, H, ...]."""
+def flat_tokens(a, ids, dtype=jnp.float32):
+    """[N, H, page_size, ...] pages read through ids i32[S, pps] -> dtype[S, pps * page_size, H, ...]."""
     g = jnp.swapaxes(a[ids], 2, 3)  # [S, pps, ps, H, ...]
-    return g.reshape((ids.shape[0], -1) + g.shape[3:]).astype(jnp.float32)
+    return g.reshape((ids.shape[0], -1) + g.shape[3:]).astype(dtype)
 
 
 def quant_blocks_over_tokens(blocks, config, noise):

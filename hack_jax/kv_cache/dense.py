@@ -30,6 +30,14 @@ def init(config, n, h, d, s):
 write_prefill, append = per_token_writers(lambda layer, x: {"": x})
 
 
+def gather(layer, page_indices, kv_lens):
+    """(k, v) [S, pps * page_size, H, D] in the pages' own dtype, 0 at positions >= kv_lens."""
+    ids = safe_ids(page_indices, layer.num_pages)
+    k, v = (flat_tokens(x, ids, x.dtype) for x in (layer.k, layer.v))
+    valid = (jnp.arange(k.shape[1])[None, :] < jnp.asarray(kv_lens)[:, None])[:, :, None, None]
+    return jnp.where(valid, k, 0), jnp.where(valid, v, 0)
+
+
 def dequantize(layer, page_indices, kv_lens):
     ids = safe_ids(page_indices, layer.num_pages)
     k, v = flat_tokens(layer.k, ids), flat_tokens(layer.v, ids)
