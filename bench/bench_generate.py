@@ -1130,7 +1130,7 @@ def main(argv=None):
     if not args.no_plot:
         write_plots(rows, args.out)
     failed = [r for r in rows if r.get("error") and not r["error"].startswith("skipped")]
-    print(f"wrote {args.out}/generate.{{jsonl,md}} + plots; {len(rows)} rows, {len(failed)} failed; "
+    print(f"wrote {args.out}/generate.{{jsonl,md}}{'' if args.no_plot else ' + plots'}; {len(rows)} rows, {len(failed)} failed; "
           f"wall {total:.0f} s", flush=True)
     return rows
 
