@@ -548,11 +548,10 @@ def _time_prefill(cfg, fmt, batch, context, state, graphdef, args, emit, base, m
     t_len = chunk or bucket
     tokens = jax.random.randint(jax.random.key(3), (batch, t_len), 0, cfg.vocab_size, jnp.int32)
     full = np.full((batch,), t_len if chunk else context, np.int32)
-    # chunked: the first chunk as a prefill step, the others as chunk steps (one compile each)
+    # the first chunk (or the whole prompt) as a prefill step, the others as chunk steps (one compile each)
     records = [jax.device_put(Step.prefill(table, full, jax.random.key(4)))] + [
         jax.device_put(Step.chunk(table, np.full((batch,), c0, np.int32), np.minimum(full, context - c0),
-                                  jax.random.key(4))) for c0 in range(t_len, context, t_len)] if chunk else \
-        [jax.device_put(Step.prefill(table, full, jax.random.key(4)))]
+                                  jax.random.key(4))) for c0 in range(t_len, context, t_len)]
     targets = jnp.zeros((batch,), jnp.int32)
     t0 = time.perf_counter()
     lower = lambda record: mstep.forward_step.lower(

@@ -331,31 +331,24 @@ def cached_prefix_state(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens,
     if q.ndim != 4:
         raise ValueError(f"prefill q must be [max_seqs, T, num_q_heads, head_dim], got {q.shape=}")
     page_indices, kv_lens = _check(q, layer, page_indices, kv_lens, impl, {})
-    kernel, dot_dtypes = _prefix_kernel(impl, layer)
-    if kernel is None:
+    if not _has_prefix_kernel(impl, layer):
         state = _prefix_reference(_rotate_q(q, layer), layer, page_indices, kv_lens)
         return state._replace(acc=_unrotate(state.acc, layer))
     arrays, static = kernel_args(layer)
-    options = {"interpret": bool(kernel_options.get("interpret", False))}
-    if "dot_dtype" in kernel_options:  # the decode kernel's dot dtypes are all the prefill kernel's too
-        if kernel_options["dot_dtype"] not in dot_dtypes:
-            raise ValueError(f"dot_dtype must be one of {dot_dtypes}, got {kernel_options['dot_dtype']!r}")
-        options["dot_dtype"] = kernel_options["dot_dtype"]
-    out, lse = _run_kernel(impl, kernel, _rotate_q(q, layer), *arrays, page_indices, kv_lens, prefix=True,
-                           **static, **options)
+    # the kernel validates dot_dtype (the decode kernel's dot dtypes are all the prefill kernel's too)
+    options = {name: kernel_options[name] for name in ("interpret", "dot_dtype") if name in kernel_options}
+    out, lse = _run_kernel(impl, _pallas(impl, "prefill", layer), _rotate_q(q, layer), *arrays, page_indices,
+                           kv_lens, prefix=True, **static, **options)
     return reference.SoftmaxState(_unrotate(out, layer), lse, jnp.where(lse > -jnp.inf, 1.0, 0.0))
 
 
-def _prefix_kernel(impl, layer):
-    """(the prefix-mode kernel for (impl, layer), its module's DOT_DTYPES) (cached_prefix_state), or
-    (None, ()): the reference."""
+def _has_prefix_kernel(impl, layer) -> bool:
+    """Whether cached_prefix_state runs a kernel: impl="pallas" on a kivi hack layer that the prefill
+    kernel reads (no window beyond the open block, 2-bit codes: `_pallas`'s rules)."""
     if impl != "pallas" or not isinstance(layer, kv_cache.KiviPages):
-        return None, ()
-    try:
-        kernel = _pallas(impl, "prefill", layer)
-    except NotImplementedError:  # a long window or 4-bit codes: no prefill kernel reads them
-        return None, ()
-    return kernel, importlib.import_module(_PALLAS[impl, "prefill", "hack"][0]).DOT_DTYPES
+        return False
+    return ((not layer.config.window or (impl, "prefill") in _WINDOW_KERNELS)
+            and (layer.config.bits == 2 or (impl, "prefill") in _BITS_KERNELS))
 
 
 @jax.jit

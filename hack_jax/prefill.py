@@ -143,7 +143,7 @@ def fresh_attention(q, k, v, lengths, *, backend, with_lse=False, interpret=Fals
     if backend == "pallas":
         return _pallas(q, k, v, lengths, interpret), None
     if backend == "cudnn":
-        return _cudnn(q, k, v, lengths, with_lse)
+        return _cudnn(q, k, v, lengths, lengths, causal=True, with_lse=with_lse)
     if backend == "xla":
         got = jax.nn.dot_product_attention(
             q, k.astype(q.dtype), v.astype(q.dtype), is_causal=True, query_seq_lengths=lengths,
@@ -170,16 +170,18 @@ def _reference(q, k, v, lengths):
     return out.reshape(s, t, hq, d), lse.reshape(s, t, hq)
 
 
-def _cudnn(q, k, v, lengths, with_lse):
+def _cudnn(q, k, v, q_lens, kv_lens, *, causal, with_lse):
+    """cuDNN attention of q [S, T, Hq, D] over k/v [S, C, H, D]: query rows < q_lens, keys < kv_lens
+    (causal: key j <= row t as well). Returns (out f32, lse f32[S, T, Hq] or None)."""
     # jax.nn.dot_product_attention rounds cuDNN's float32 softmax statistics to the input dtype;
     # the chunk merge needs them in float32, so call the same cuDNN op one level down (its
     # signature is unchanged from jax 0.10.2 to 0.11.x).
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
+    mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
     got = cudnn.dot_product_attention(
-        q, k.astype(q.dtype), v.astype(q.dtype), None, None, lengths, lengths,
-        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING_CAUSAL,
-        return_residual=with_lse)
+        q, k.astype(q.dtype), v.astype(q.dtype), None, None, q_lens, kv_lens,
+        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=mask, return_residual=with_lse)
     if not with_lse:
         return (got[0] if isinstance(got, (tuple, list)) else got).astype(jnp.float32), None
     out, stats = got  # stats f32[S, Hq, T]
@@ -202,23 +204,19 @@ def _prefix_state(q, layer, page_indices, q_start, lengths, backend, impl, kerne
     """The chunk's attention over its cached prefix (module docstring), as a SoftmaxState."""
     if backend == "cudnn" and isinstance(layer, kv_cache.DensePages):
         k, v = dense.gather(layer, page_indices, q_start)  # [S, capacity, H, D] as stored, 0 beyond
-        return _cudnn_prefix(q, k.astype(q.dtype), v.astype(q.dtype), q_start, lengths)
+        return _cudnn_prefix(q, k, v, q_start, lengths)
     return hack_attention.cached_prefix_state(q, layer, page_indices=page_indices, kv_lens=q_start, impl=impl,
                                               **kernel_options)
 
 
 @jax.jit
 def _cudnn_prefix(q, k, v, kv_lens, q_lens):
-    """cuDNN attention of q [S, T, Hq, D] over k/v [S, C, H, D] positions < kv_lens, unmasked
-    otherwise: SoftmaxState(out, lse, 1), empty (l = 0) for slots with no cached token."""
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
+    """_cudnn without a causal mask (every query follows every cached key < kv_lens), as
+    SoftmaxState(out, lse, 1); empty (l = 0) for slots with no cached token."""
     held = kv_lens > 0  # cuDNN is not asked about empty rows: their state is replaced below
-    out, stats = cudnn.dot_product_attention(
-        q, k, v, None, None, jnp.maximum(q_lens, 1), jnp.maximum(kv_lens, 1),
-        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING, return_residual=True)
-    lse = jnp.where(held[:, None, None], jnp.swapaxes(stats, 1, 2).astype(jnp.float32), -jnp.inf)
-    out = jnp.where(held[:, None, None, None], out.astype(jnp.float32), 0.0)
+    out, lse = _cudnn(q, k, v, jnp.maximum(q_lens, 1), jnp.maximum(kv_lens, 1), causal=False, with_lse=True)
+    lse = jnp.where(held[:, None, None], lse, -jnp.inf)
+    out = jnp.where(held[:, None, None, None], out, 0.0)
     return reference.SoftmaxState(out, lse, jnp.where(held[:, None, None], 1.0, 0.0))
 
 

@@ -12,8 +12,10 @@ open block in float32. The K/V were quantized once by hack_jax.kv_cache.write_pr
 decode read the same codes.
 
 Reference twin: hack_jax.attention.prefill_attention(..., impl="reference") (per block:
-hack_jax.reference.kivi_block_attention_step); tests/test_prefill_kernels.py also checks both
-against an independent float64 NumPy twin. hack_jax.attention is the caller that unpacks a cache
+hack_jax.reference.kivi_block_attention_step); prefix mode: attention.cached_prefix_state(...,
+impl="reference"). Both repeat the INT8 modes' arithmetic; tests/test_prefill_kernels.py also checks
+every mode against an independent float64 NumPy twin (the folded modes: within 2x the error of the
+same math done naively with the 16-bit rounding, as the decode kernel's folded modes). hack_jax.attention is the caller that unpacks a cache
 layer into these arrays.
 
 Shapes and dtypes (P = partition_size, Pc = min(v_group or P, head_dim), NP = num_channel_groups =

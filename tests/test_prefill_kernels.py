@@ -406,7 +406,9 @@ def test_hack_prefix_mode_matches_float64_twin(dot_dtype, fold, mode):
     the output and the log-sum-exp against the float64 twin at position kv_lens - 1 for every row;
     slot 1 holds nothing (out 0, lse -inf). INT8 modes: the HACK criterion (check_close) and lse
     within a code flip; folded modes: error vs float64 attention over the dequantized cache <= 2x the
-    error of the same math done naively with the 16-bit rounding (+ float32 slack), out and lse."""
+    error of the same math done naively with the 16-bit rounding (+ float32 slack), out and lse. (In
+    interpret mode XLA's CPU backend may keep the bf16 operands at float32 precision, so folded_bf16 is
+    checked for its rounding only on the GPU; folded_f16 rounds on both.)"""
     case = build(SMOL, (200, 0, 77), seed=6)
     arrays, static = attention.kernel_args(case.layer)
     out, lse = (np.asarray(x) for x in hack_mod.hack_prefill_attention(
@@ -417,8 +419,8 @@ def test_hack_prefix_mode_matches_float64_twin(dot_dtype, fold, mode):
     if fold is None:
         twin_out, twin_lse = numpy_hack_prefill(case, prefix=True)
         check_close(out, twin_out, scale, mode, label=f"prefix {dot_dtype} vs float64 twin")
-        lse_err = np.abs(lse[[0, 2]] - twin_lse[[0, 2]])  # a flipped Q code moves a logit by <= 3 s_q
-        assert lse_err.max() <= FLIP_BOUND and lse_err.mean() <= 1e-5, (lse_err.max(), lse_err.mean())
+        lse_err = np.abs(lse[[0, 2]] - twin_lse[[0, 2]])  # nats; a flipped Q code moves a logit by <= 3 s_q
+        assert lse_err.max() <= 2e-2 and lse_err.mean() <= 1e-5, (lse_err.max(), lse_err.mean())
         return
     exact_out, exact_lse = numpy_hack_prefill(case, prefix=True, fold="exact")
     naive_out, naive_lse = numpy_hack_prefill(case, prefix=True, fold=fold)

@@ -39,8 +39,7 @@ def gather(layer, page_indices, kv_lens):
 
 
 def dequantize(layer, page_indices, kv_lens):
-    ids = safe_ids(page_indices, layer.num_pages)
-    k, v = flat_tokens(layer.k, ids), flat_tokens(layer.v, ids)
+    k, v = (x.astype(jnp.float32) for x in gather(layer, page_indices, kv_lens))
     return k, v, jnp.zeros_like(k), jnp.zeros_like(v)
 
 
