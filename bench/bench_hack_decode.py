@@ -66,8 +66,10 @@ def variants(batch, kv_len, specs, bits=2):
     folded_f16i / folded_f16d / folded_f16m (folded_f16 with KernelConfig.interleaved / .denormal True / False);
     "default" = int8), NAME=bf16paged (the bf16 paged
     kernel on a bf16 cache of the same length), or
-    NAME=DOT:SPLITS:WARPS:STAGES with DOT an operand mode or dequant, SPLITS a number or d
-    (default_config's, with its open_split), e.g. fold_w8=folded_f16:d:8:2. (The INT8-in-float dots and the
+    NAME=DOT:SPLITS:WARPS:STAGES[:MAXNREG] with DOT an operand mode or dequant, SPLITS a number or d
+    (default_config's, with its open_split), MAXNREG the HACK kernel's register cap (KernelConfig.maxnreg; 0:
+    none; absent: default_config's; the dequant kernel has none), e.g. fold_w8=folded_f16:d:8:2,
+    uncapped=folded_f16:d:4:2:0. (The INT8-in-float dots and the
     KernelConfig flags of earlier runs are gone: their settled choices are the code; bench/NOTES_decode.md.)"""
     pps = kv_len // PAGE
     out = []
@@ -90,9 +92,13 @@ def variants(batch, kv_len, specs, bits=2):
         if not launch:
             out.append((name, fn, base))
             continue
-        splits, warps, stages = launch
+        if len(launch) not in (3, 4):
+            raise ValueError(f"variant {spec!r}: expected DOT:SPLITS:WARPS:STAGES[:MAXNREG]")
+        splits, warps, stages, *cap = launch
         cfg = base if splits == "d" else dataclasses.replace(base, num_splits=min(int(splits), pps * PAGE // (4 * P)),
                                                              open_split=False)
+        if cap:
+            cfg = dataclasses.replace(cfg, maxnreg=int(cap[0]) or None)
         out.append((name, fn, dataclasses.replace(cfg, num_warps=int(warps), num_stages=int(stages))))
     return out
 

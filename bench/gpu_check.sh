@@ -21,8 +21,15 @@
 #   RESOURCES=1                                    ptxas report of the device's own compile of the hack
 #                                                  decode kernel -> OUT_DIR/resources.txt (RESOURCES_TIMEOUT=60)
 #   NCU=1                                          Nsight Compute on one steady-state launch of the hack
-#                                                  decode kernel and of the bf16 one at NCU_SHAPE (b8_32k)
+#                                                  decode kernel (folded f16, default_config: the model's)
+#                                                  and of the bf16 one at NCU_SHAPE (b8_32k)
 #                                                  -> OUT_DIR/ncu.txt (NCU_TIMEOUT=150)
+#   HARNESS=1 HARNESS_ARGS="--variants ..."       bench/kernel_harness.py: the HACK decode kernel's TTIR (lowered
+#                                                  there) compiled by pip Triton and launched from torch, per register
+#                                                  cap / pipeline depth (b8_32k, b1_32k; 2- and 4-bit), then ncu's stall
+#                                                  reasons of its capped b8_32k launch -> OUT_DIR/harness/
+#                                                  (up to 120 + HARNESS_TIMEOUT=240 + NCU_TIMEOUT=150 s: not
+#                                                  within the 9 minutes above; run it with SKIP_TESTS=1 SKIP_BENCH=1)
 #   PREFILL_BENCH=1 PREFILL_ARGS="--quick"         also run bench_prefill_attention.py (PREFILL_BENCH_TIMEOUT=150)
 #   FOURBIT=1 FOURBIT_ARGS="..."                   tests/test_rotated_caches.py -m gpu, then bench_decode_attention.py
 #                                                  --impls bf16 int8 int4 turbo3 turbo4 -> OUT_DIR/fourbit/
@@ -140,7 +147,7 @@ if [[ -n "${NCU:-}" ]]; then
   # --clock-control none: the H200 machines' clocks as they run (KINDS.md); launch 3 of each kernel
   # (after 2 warm-up calls) with the sections that say what limits it: issue stalls, pipes, memory.
   : >"$OUT/ncu.txt"
-  for pair in "hack_decode:v3=default" "bf16_decode:bf16paged=bf16paged"; do
+  for pair in "hack_decode:hack=folded_f16" "bf16_decode:bf16paged=bf16paged"; do
     # no XLA preallocation: ncu saves and restores the process' device memory around each replay pass
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${NCU_TIMEOUT:-150}" ncu --clock-control none -k "regex:${pair%%:*}" --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
@@ -152,6 +159,24 @@ if [[ -n "${NCU:-}" ]]; then
     echo "ncu ${pair%%:*} exit: $?" | tee -a "$OUT/ncu.txt"
     pkill -9 -f "bench_hack_decode.py --out $OUT/ncu_run" 2>/dev/null  # a profiled process a timeout left behind
   done
+fi
+
+if [[ -n "${HARNESS:-}" ]]; then
+  mkdir -p "$OUT/harness"
+  # shellcheck disable=SC2086
+  { timeout -k 5 120 python3 bench/kernel_harness.py prepare /tmp/harness --shapes b8_32k b1_32k --bits 2 4 &&
+    timeout -k 5 "${HARNESS_TIMEOUT:-240}" python3 bench/kernel_harness.py run /tmp/harness ${HARNESS_ARGS:-} \
+      --out "$OUT/harness/harness.jsonl"; } >"$OUT/harness/harness.log" 2>&1
+  rc=$?
+  echo "harness exit: $rc" | tee -a "$OUT/harness/harness.log"
+  if [[ $rc -eq 0 ]]; then  # the profiled launch: the default variant w4s2r168 (any --variants list of run)
+    timeout -k 5 "${NCU_TIMEOUT:-150}" ncu --clock-control none -k regex:hack_decode --launch-skip 2 --launch-count 1 \
+      --section SchedulerStats --section WarpStateStats --section LaunchStats --section Occupancy \
+      --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+      python3 bench/kernel_harness.py run /tmp/harness --only b8_32k_hack2:w4s2r168 --launches 4 >"$OUT/harness/ncu.txt" 2>&1
+    echo "ncu exit: $?" | tee -a "$OUT/harness/ncu.txt"
+    pkill -9 -f "kernel_harness.py run /tmp/harness" 2>/dev/null  # a profiled process a timeout left behind
+  fi
 fi
 
 if [[ -z "${SKIP_BENCH:-}" ]]; then

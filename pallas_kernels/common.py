@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import warnings
 from typing import Any, NamedTuple
 
@@ -60,11 +61,24 @@ def compiler_params(num_warps: int = 4, num_stages: int = 2) -> pltriton.Compile
 
 
 def pallas_call(kernel, *, out_shape, grid=(), in_specs=None, out_specs=None, num_warps: int = 4,
-                num_stages: int = 2, interpret: bool = False, name: str | None = None, **kwargs):
+                num_stages: int = 2, interpret: bool = False, name: str | None = None,
+                maxnreg: int | None = None, **kwargs):
     """`pl.pallas_call` on the Triton backend, with the deprecation warning filtered.
 
-    Returns a callable like `pl.pallas_call` does. `kwargs` go to `pl.pallas_call` unchanged.
+    maxnreg: a cap on the registers per thread (Triton's `maxnreg`, PTX `.maxnreg`), which Pallas'
+    CompilerParams cannot pass: the kernel's name gets the suffix `_maxnreg{N}` and `_install_register_cap`'s
+    hook has the lowering put `ttg.maxnreg = N` on the kernel's Triton module (XLA's Triton compile honours it
+    on the H200, pip Triton's offline compile too: bench/NOTES_decode.md, session 17). Returns a callable like
+    `pl.pallas_call` does. `kwargs` go to `pl.pallas_call` unchanged.
     """
+    if maxnreg is not None:
+        if not isinstance(maxnreg, int) or isinstance(maxnreg, bool) or not 24 <= maxnreg <= 255:
+            raise ValueError(f"maxnreg must be an int in [24, 255] or None, got {maxnreg=}")
+        if name is None:
+            raise ValueError("a register cap (maxnreg) needs a kernel name")
+        name = f"{name}{CAP_SUFFIX}{maxnreg}"
+        if not interpret and not CAP_HOOKED:
+            _warn_uncapped()
     call = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                           out_specs=out_specs, interpret=interpret, name=name,
                           compiler_params=compiler_params(num_warps, num_stages), **kwargs)
@@ -76,6 +90,50 @@ def pallas_call(kernel, *, out_shape, grid=(), in_specs=None, out_specs=None, nu
             return call(*args)
 
     return run
+
+
+CAP_SUFFIX = "_maxnreg"
+
+
+def _install_register_cap() -> bool:
+    """Wraps the Pallas-Triton lowering (once, at import, so that tools which wrap and restore it later
+    keep this wrapper; a tool that wrapped it before this import and restores it afterwards removes it)
+    so that a kernel named `..._maxnreg{N}`, 24 <= N <= 255, is lowered to a Triton module carrying
+    `ttg.maxnreg = N`, the module attribute that Triton's own `maxnreg` option sets; other kernels are
+    untouched. jax has no public route for it. Returns whether the hook is installed."""
+    try:
+        from jax._src.lib.mlir import ir
+        from jax._src.pallas.triton import lowering as triton_lowering
+        lower = triton_lowering.lower_jaxpr_to_triton_module
+    except (ImportError, AttributeError):
+        return False
+    if getattr(lower, "_hack_register_cap", False):  # a reload of this module: already wrapped
+        return True
+
+    @functools.wraps(lower)
+    def capped(jaxpr, *args, **kwargs):
+        result = lower(jaxpr, *args, **kwargs)
+        name = getattr(getattr(jaxpr, "debug_info", None), "func_name", "") or ""
+        match = re.search(re.escape(CAP_SUFFIX) + r"(\d+)$", name)
+        if match and 24 <= int(match.group(1)) <= 255:
+            op = result.module.operation
+            with op.context:
+                op.attributes["ttg.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32),
+                                                                  int(match.group(1)))
+        return result
+
+    capped._hack_register_cap = True
+    triton_lowering.lower_jaxpr_to_triton_module = capped
+    return True
+
+
+CAP_HOOKED = _install_register_cap()
+
+
+@functools.cache
+def _warn_uncapped():
+    warnings.warn("this jax's Pallas-Triton lowering is not where the register cap (KernelConfig.maxnreg) hooks "
+                  "in: the kernels run uncapped (the same results, slower)", RuntimeWarning, stacklevel=3)
 
 
 def quiet(fn):

@@ -46,9 +46,9 @@ code planes are unpacked by inline PTX (4 codes per 32-bit register) and the INT
 exp use single PTX instructions (common.py); interpret mode computes the same values with jnp.
 
 Measured on one NVIDIA H200 (jax 0.11.2, Triton 3.6, Llama-3.1-8B heads: 32 q / 8 kv, d 128, P 64,
-page 256): every mode is faster than our bf16 paged kernel at every measured shape (1.8-2.2x at >= 32K
-tokens). "folded_f16" is faster than "int8" at batch 8 x 32K and at 128K tokens (even at 1 x 32K,
-5-8% slower at 1K) and ~20x closer to the exact identity, so a model decodes with it
+page 256): every mode is faster than our bf16 paged kernel at every measured shape; "folded_f16" (with
+default_config's register cap) is faster than "int8" at the measured shapes and ~20x closer to the exact
+identity, so a model decodes with it
 (hack_jax.backend.DECODE_DOT_DTYPE); the kernel's default stays "int8", the paper's numerics. Numbers,
 offline SASS counts and what limits the speed: bench/NOTES_decode.md, bench/results/decode_attention.md,
 docs/DESIGN.md "Decode numerics".
@@ -85,12 +85,12 @@ from pallas_kernels import common
 DotDtype = Literal["int8", "folded_f16", "folded_bf16"]
 DOT_DTYPES = ("int8", "folded_f16", "folded_bf16")
 H200_NUM_SMS = 132
-# Programs per SM the split model counts as one wave, by operand mode. "int8": 4 warps x 168 registers,
-# 3 resident. The folded modes take 220 registers (2 resident; ptxas, sm_90, Triton 3.6, offline), but
-# their splits chosen for 3 measured faster on the H200 (8 x 32K 126 us with 6 splits vs 153-158 us with
-# the 4 that 2 gives; 1 x 128K 74 vs 88 us): a partly filled second wave overlaps the first's tail in
-# this latency-bound kernel (bench/NOTES_decode.md, 2026-12-02).
+# Programs per SM the split model counts as one wave, by operand mode: 4 warps x at most 168 registers,
+# 3 resident. The folded modes would take 220-232 registers (2 resident); default_config caps them at 168
+# (KernelConfig.maxnreg, DEFAULT_MAXNREG): measured on the H200, the kernel is latency-bound and the
+# third program per SM is worth more than the few spilled registers (bench/NOTES_decode.md, session 17).
 RESIDENT_PROGRAMS_PER_SM = {"int8": 3, "folded_f16": 3, "folded_bf16": 3}
+DEFAULT_MAXNREG = {"int8": None, "folded_f16": 168, "folded_bf16": 168}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,10 +226,15 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                 return rows(ref[pid, h, slots, (channels.start + perm_c)[None, :]])
             return rows(ref[pid, h, pl.ds(slot0, T), channels])
 
-        def per_token(ref, p):  # [T, P] per-token metadata (kappa, tau, nu), one strided tile -> [R, P]
+        def per_token(ref):  # per-token metadata (kappa, tau, nu) -> NP x [R, P], one per channel group
             if interleaved:  # tokens in the order the permuted K rows gave the logits
-                return rows(ref[pid, h, slots, perm_t[None, :], p])
-            return rows(ref[pid, h, pl.ds(slot0, T), :, p])
+                return [rows(ref[pid, h, slots, perm_t[None, :], p]) for p in range(NP)]
+            # the trip's whole [T, P, NP] tile in one contiguous load, split in registers: a channel group's
+            # [T, P] column alone is a stride-NP gather of 2-byte elements, which Triton cannot issue as
+            # cp.async, so it was a synchronous load each trip waited on (bench/NOTES_decode.md, session 17)
+            tile = ref[pid, h, pl.ds(slot0, T), :, :]
+            parts = jnp.split(tile, NP, axis=2) if NP > 1 else [tile]
+            return [rows(jnp.squeeze(x, axis=2)) for x in parts]
 
         def k_tile(r0, channels):  # u8[P, Pc] of a packing group (interleaved: rows = tokens permuted)
             if interleaved:
@@ -240,13 +245,14 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         # QK^T. int8: logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu;
         # folded: logit_j = sum_c r(q_c sigma_c) k_jc + q . mu (the plane offset folded into the constant)
         logits = jnp.zeros((R, P), jnp.float32)
+        kappas = per_token(k_sums_ref) if int8 else None
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
             k_tiles = [k_tile(r0, channels) for r0 in code_rows]  # T // C x u8[P, Pc]
             sigma = per_channel(k_scale_ref, channels)  # [R, Pc]
             mu = per_channel(k_min_ref, channels)  # [R, Pc]
             if int8:
-                kappa = per_token(k_sums_ref, p)  # [R, P]
+                kappa = kappas[p]  # [R, P]
                 dot, qs, qm = int8_dot(q[p] * sigma, k_tiles)  # [R, P], [R], [R]
                 logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
                            + jnp.sum(q[p] * mu, axis=1)[:, None])
@@ -264,12 +270,12 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         # as soon as its block output is ready.
         m_new, l_new, alpha, beta = common.merge_weights(m, l, mb, lb, valid, exp=exp)
         new_accs = []
+        taus, nus = per_token(v_scale_ref), per_token(v_min_ref)  # NP x [R, P]
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
             # T // C x u8[Pc, P], token-major: 4 consecutive tokens per 32-bit word, the MMA's B layout
             v_tiles = [v_codes_ref[pid, h, channels, pl.ds(r0, P)] for r0 in code_rows]
-            tau = per_token(v_scale_ref, p)  # [R, P]
-            nu = per_token(v_min_ref, p)  # [R, P]
+            tau, nu = taus[p], nus[p]  # [R, P]
             if int8:
                 omega = per_channel(v_sums_ref, channels)  # [R, Pc]
                 pv, ws, wm = int8_dot(w * tau, v_tiles)  # [R, Pc], [R], [R]
@@ -301,8 +307,8 @@ class KernelConfig:
     num_splits: programs per (sequence, kv head) along the sequence (split-K). open_split: one more
     program per (sequence, kv head) for the sinks and the open block alone (short sequences; otherwise
     split 0 does them after its packing groups; the dequant baseline ignores it). dot_dtype: the operand
-    mode (module docstring). num_warps, num_stages: Triton's (4 and 2 measured best for "int8"; the
-    folded modes use more registers, so their best warp count is still open). interleaved ("folded_f16",
+    mode (module docstring). num_warps, num_stages: Triton's (4 and 2 measured best; 8 warps and 3-4 stages
+    measured no faster, bench/NOTES_decode.md). interleaved ("folded_f16",
     2-bit codes only): the codes unpacked by `common.interleaved_plane` (no byte permutes; the K rows, q,
     sigma, mu, tau and nu read in the matching order), the same dots up to float32 rounding; 4.6% fewer
     loop instructions offline (bench/NOTES_decode.md, session 12); on the H200 24% slower at batch 8:
@@ -310,7 +316,8 @@ class KernelConfig:
     `common.denormal_plane` as exact f16 subnormals (no magic exponent: no offset term, no per-plane
     shift; 15% fewer loop instructions); default_config's choice for 2-bit folded_f16 (measured faster
     alone and end to end on the H200 with a float32 q, `common.kernel_q`); off for 4-bit codes, whose
-    batch-1 rows measured slower (docs/DESIGN.md "Decode numerics")."""
+    batch-1 rows measured slower (docs/DESIGN.md "Decode numerics"). maxnreg: a cap on the registers per
+    thread (`common.pallas_call`), None for the compiler's choice; default_config's is DEFAULT_MAXNREG."""
 
     num_splits: int = 1
     open_split: bool = False
@@ -319,6 +326,7 @@ class KernelConfig:
     num_stages: int = 2
     interleaved: bool = False
     denormal: bool = False
+    maxnreg: int | None = None
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int,
@@ -336,7 +344,7 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     slots = RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms
     splits, open_split = choose_num_splits(batch * num_kv_heads, trips, slots)
     return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype,
-                        denormal=dot_dtype == "folded_f16" and bits == 2)
+                        denormal=dot_dtype == "folded_f16" and bits == 2, maxnreg=DEFAULT_MAXNREG[dot_dtype])
 
 
 def choose_num_splits(num_pairs: int, num_packing_groups: int, slots: int) -> tuple[int, bool]:
@@ -411,7 +419,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         kernel, out_shape=out_shape, grid=(batch, num_kv_heads, programs),
         in_specs=[common.full_spec(x) for x in inputs], out_specs=out_specs,
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
-        name="hack_decode_attention")(*inputs)
+        name="hack_decode_attention", maxnreg=config.maxnreg)(*inputs)
     return common.combine_splits(acc, m, l, num_q_heads)
 
 
@@ -525,6 +533,9 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
         config = dataclasses.replace(config, denormal=denormal)
     if not isinstance(config.num_splits, int) or config.num_splits < 1:
         raise ValueError(f"config.num_splits must be a positive int, got {config.num_splits=}")
+    if config.maxnreg is not None and (not isinstance(config.maxnreg, int) or isinstance(config.maxnreg, bool)
+                                       or not 24 <= config.maxnreg <= 255):
+        raise ValueError(f"config.maxnreg must be None or an int in [24, 255], got {config.maxnreg=}")
     if config.interleaved is not False and (config.interleaved is not True or config.dot_dtype != "folded_f16"
                                             or bits != 2):
         raise ValueError(f"config.interleaved=True needs dot_dtype 'folded_f16' and 2-bit codes (at 4 bits it "

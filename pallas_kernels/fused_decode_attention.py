@@ -155,7 +155,8 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         kernel, out_shape=out_shape, grid=(batch, num_kv_heads, programs),
         in_specs=[common.full_spec(x) for x in inputs], out_specs=out_specs,
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
-        input_output_aliases=aliases, name="hack_fused_decode_attention")(*inputs)
+        input_output_aliases=aliases, name="hack_fused_decode_attention",
+        maxnreg=config.maxnreg)(*inputs)
     sinks = tuple(new[2:]) if writes_sinks else (sink_k, sink_v)
     return (common.combine_splits(acc, m, l, num_q_heads), new[0], new[1]) + sinks
 

@@ -334,6 +334,8 @@ CASES = [
     Case("d128_P128_g8_s2", 128, 128, 512, 1, 8, 2, (1000, 129), num_splits=2),
     # P > d (Pc = d), G 1, no sinks, page 8P.
     Case("d64_P128_g1_ns0_s2", 64, 128, 1024, 2, 1, 1, (0, 63, 1000), ns=0, num_splits=2),
+    # d 128, P 32: four channel groups (NP 4: the per-token metadata tile split 4 ways in the kernel).
+    Case("d128_P32_g4_np4_s2", 128, 32, 128, 1, 4, 3, (0, 37, 4 + 128, 300), num_splits=2),
 ]
 
 
@@ -540,8 +542,10 @@ def within_2x_naive(out, q, c, case, dot_dtype):
 @pytest.mark.parametrize("case,dot_dtype", [
     (ODD_CASE, "folded_f16"), (dataclasses.replace(ODD_CASE, num_splits=3), "folded_bf16"),
     (CASE["d64_P32_g4_s3"], "folded_f16"), (CASE["d128_P128_g8_s2"], "folded_f16"),
-    (CASE["d64_P64_g3_page8P_s4"], "folded_f16"), (CASE["d64_P128_g1_ns0_s2"], "folded_bf16")],
-    ids=["llama_f16", "llama_s3_bf16", "d64_P32_s3_f16", "P128_g8_f16", "g3_page8P_s4_f16", "P128_d64_ns0_bf16"])
+    (CASE["d64_P64_g3_page8P_s4"], "folded_f16"), (CASE["d64_P128_g1_ns0_s2"], "folded_bf16"),
+    (CASE["d128_P32_g4_np4_s2"], "folded_f16")],
+    ids=["llama_f16", "llama_s3_bf16", "d64_P32_s3_f16", "P128_g8_f16", "g3_page8P_s4_f16", "P128_d64_ns0_bf16",
+         "np4_f16"])
 def test_folded_kernel_within_2x_naive_16bit(case, dot_dtype, mode):
     """The scale-folded path (default_config(dot_dtype=folded_*): inline-PTX unpack on the GPU, jnp in
     interpret mode) vs float64 attention over the dequantized cache: its error is at most 2x that of the
@@ -718,6 +722,54 @@ def test_resolve_config_validates_options():
     for bad in (0, 3, 32, 8.0, True):
         with pytest.raises(ValueError, match="num_warps"):
             resolve_config(*args, partition_size=64, config=plain, num_warps=bad)
+    # maxnreg: default_config caps the folded modes' registers (3 programs per SM), not int8's; a given
+    # config's cap is checked
+    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16").maxnreg == 168
+    assert resolve_config(*args, partition_size=64, dot_dtype="int8").maxnreg is None
+    for bad in (16, 256, 168.0, True, "168"):
+        with pytest.raises(ValueError, match="maxnreg"):
+            resolve_config(*args, partition_size=64, config=dataclasses.replace(plain, maxnreg=bad))
+
+
+def _lowered_modules(fn, *args):
+    """The Triton modules (MLIR text) of the Pallas-Triton kernels in jit(fn) lowered for CUDA: the module
+    each lowering returns, after the register cap's wrapper (if any) has set its attributes."""
+    from jax._src.pallas.triton import lowering as triton_lowering
+    inner = triton_lowering.lower_jaxpr_to_triton_module
+    modules = []
+
+    def keep(*a, **k):
+        result = inner(*a, **k)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+    triton_lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        triton_lowering.lower_jaxpr_to_triton_module = inner
+    return modules
+
+
+@pytest.mark.parametrize("dot_dtype,cap", [("folded_f16", 168), ("int8", None), ("int8", 200)])
+def test_register_cap_reaches_the_triton_module(dot_dtype, cap):
+    """KernelConfig.maxnreg N puts `ttg.maxnreg = N` (Triton's register cap) on the kernel's Triton module and
+    `_maxnreg{N}` on its name; without a cap the module has no such attribute. default_config's folded_f16
+    cap is 168 (3 programs per SM), int8 has none; an int8 config with a cap of 200 gets it."""
+    from pallas_kernels.decode_attention import resolve_config
+    case = CASE["d128_P64_g4_s1"]
+    q, c = build(case, seed=0)
+    arrays = [jnp.asarray(c[f]) for f in FIELDS]
+    cfg = resolve_config(q, arrays[0], arrays[3], arrays[12], partition_size=case.P, dot_dtype=dot_dtype)
+    if cap != cfg.maxnreg:
+        cfg = dataclasses.replace(cfg, maxnreg=cap)
+    fn = lambda q, *a: hack_decode_attention(q, *a, partition_size=case.P, num_sink_tokens=case.ns,  # noqa: E731
+                                             config=cfg)
+    (module,) = _lowered_modules(fn, jnp.asarray(q), *arrays)
+    header = module.splitlines()[0]
+    if cap is None:
+        assert "maxnreg" not in header, header
+    else:
+        assert f"@hack_decode_attention_maxnreg{cap} " in header and f"ttg.maxnreg = {cap} : i32" in header, header
 
 
 # ----------------------------------------------------------------------------------------------
