@@ -86,9 +86,9 @@ DotDtype = Literal["int8", "folded_f16", "folded_bf16"]
 DOT_DTYPES = ("int8", "folded_f16", "folded_bf16")
 H200_NUM_SMS = 132
 # Programs per SM the split model counts as one wave, by operand mode: 4 warps x at most 168 registers,
-# 3 resident. The folded modes would take 220-232 registers (2 resident); default_config caps them at 168
-# (KernelConfig.maxnreg, DEFAULT_MAXNREG): measured on the H200, the kernel is latency-bound and the
-# third program per SM is worth more than the few spilled registers (bench/NOTES_decode.md, session 17).
+# 3 resident. Uncapped, XLA gives the folded modes 220 registers (2 resident); default_config caps them at
+# 168 (KernelConfig.maxnreg, DEFAULT_MAXNREG): the kernel is latency-bound, and on the H200 the third
+# program per SM made it 1.5x faster (104 vs 154 us at Llama 8 x 32K; bench/NOTES_decode.md, session 17).
 RESIDENT_PROGRAMS_PER_SM = {"int8": 3, "folded_f16": 3, "folded_bf16": 3}
 DEFAULT_MAXNREG = {"int8": None, "folded_f16": 168, "folded_bf16": 168}
 
@@ -308,7 +308,7 @@ class KernelConfig:
     program per (sequence, kv head) for the sinks and the open block alone (short sequences; otherwise
     split 0 does them after its packing groups; the dequant baseline ignores it). dot_dtype: the operand
     mode (module docstring). num_warps, num_stages: Triton's (4 and 2 measured best; 8 warps and 3-4 stages
-    measured no faster, bench/NOTES_decode.md). interleaved ("folded_f16",
+    measured no faster as defaults, bench/NOTES_decode.md). interleaved ("folded_f16",
     2-bit codes only): the codes unpacked by `common.interleaved_plane` (no byte permutes; the K rows, q,
     sigma, mu, tau and nu read in the matching order), the same dots up to float32 rounding; 4.6% fewer
     loop instructions offline (bench/NOTES_decode.md, session 12); on the H200 24% slower at batch 8:
