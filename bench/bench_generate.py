@@ -130,17 +130,19 @@ BATCHES = (1, 8, 32)
 FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
 EXTRA_FORMATS = ("hack4", "hack4-dn", "hack-clip", "hack-i", "hack-dn", "hack-magic", "hack-st3",
-                 "hack-w8")  # --formats choices
+                 "hack-w8", "hack-nocap")  # --formats choices
 KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack4-dn": "hack", "hack-clip": "hack", "hack-i": "hack",
-             "hack-dn": "hack", "hack-magic": "hack", "hack-st3": "hack", "hack-w8": "hack", "bf16": "bf16",
+             "hack-dn": "hack", "hack-magic": "hack", "hack-st3": "hack", "hack-w8": "hack", "hack-nocap": "hack",
+             "bf16": "bf16",
              "bf16_xla": "bf16",
              "int8": "int8", "fp8": "fp8", "kivi2": "kivi2", "int4": "int4", "turbo3": "turbo3", "turbo4": "turbo4"}
 CODE_BITS = {"hack4": 4, "hack4-dn": 4}  # QuantConfig.bits of a format (default 2)
 CLIP = {"hack-clip": 5}  # QuantConfig.clip of a format (default 0: min-max partitions)
-# Backend options of a format: KernelConfig.interleaved / .denormal, the decode loop's pipeline depth, its warps
+# Backend options of a format: KernelConfig.interleaved / .denormal, the decode loop's pipeline depth, its warps,
+# its register cap removed
 DECODE_OPTIONS = {"hack-i": {"interleaved": True}, "hack-dn": {"denormal": True}, "hack-magic": {"denormal": False},
                   "hack4-dn": {"denormal": True},
-                  "hack-st3": {"num_stages": 3}, "hack-w8": {"num_warps": 8}}
+                  "hack-st3": {"num_stages": 3}, "hack-w8": {"num_warps": 8}, "hack-nocap": {"maxnreg": 0}}
 PREFILL_FORMATS = ("hack", "bf16")
 LINK_GBPS = (10, 25, 100)
 MESH = None          # --tp N > 1: the tensor-parallel mesh (models/sharding.py), set by main()

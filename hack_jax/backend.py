@@ -34,8 +34,8 @@ from hack_jax.step import Step
 DECODE_DOT_DTYPE = "folded_f16"
 # Backend options that only the HACK decode kernels read: never passed to prefill. PALLAS_DECODE_ONLY are launch
 # settings of the Pallas kernel (impl="pallas" only), not passed to the decode of other formats' layers either.
-DECODE_ONLY = ("fuse", "interleaved", "denormal", "num_stages", "num_warps")
-PALLAS_DECODE_ONLY = ("interleaved", "denormal", "num_stages", "num_warps")
+DECODE_ONLY = ("fuse", "interleaved", "denormal", "num_stages", "num_warps", "maxnreg")
+PALLAS_DECODE_ONLY = ("interleaved", "denormal", "num_stages", "num_warps", "maxnreg")
 
 
 def write(layer: kv_cache.LayerCache | stacked.StackedLayer, k, v, step: Step, *, layer_index):
@@ -70,14 +70,15 @@ class Backend:
         KernelConfig.interleaved (folded f16 planes without byte permutes); {"denormal": False / True}: its
         KernelConfig.denormal (the codes as f16 subnormals, the default for 2-bit codes; False: the
         1024 + 64c planes); {"num_stages": 3}: its loop's pipeline depth;
-        {"num_warps": 8}: its warps per program. These reach the decode of kivi layers only (DECODE_ONLY);
-        interleaved, denormal, num_stages and num_warps need impl="pallas". Must be empty with
+        {"num_warps": 8}: its warps per program; {"maxnreg": 0 / N}: its register cap (KernelConfig.maxnreg;
+        0: none). These reach the decode of kivi layers only (DECODE_ONLY); interleaved, denormal,
+        num_stages, num_warps and maxnreg need impl="pallas". Must be empty with
         impl="reference".
       prefill_attention: hack_jax.prefill's `attention` ("auto" | "cudnn" | "xla" | "pallas" |
         "reference": exact causal attention of the prompt on its 16-bit K/V; "homomorphic": the paper's
         numerics over the 2-bit cache, not causal within a block).
     Raises ValueError for an unknown impl / prefill_attention, options with impl="reference", or
-    interleaved / denormal / num_stages / num_warps with an impl other than "pallas".
+    interleaved / denormal / num_stages / num_warps / maxnreg with an impl other than "pallas".
     """
     impl: attention.Impl = "reference"
     options: Any = ()

@@ -436,7 +436,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
                           num_stages: int | None = None, num_warps: int | None = None,
                           config: KernelConfig | None = None, layer_index=None,
                           open_full: bool = False, interleaved: bool = False, denormal: bool | None = None,
-                          interpret: bool = False):
+                          maxnreg: int | None = None, interpret: bool = False):
     """HACK decode attention over the paged INT2 (or INT4) kivi cache (module docstring; shapes there).
 
     Args:
@@ -468,6 +468,8 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
       denormal: None keeps the config's KernelConfig.denormal (default_config: True for 2-bit folded_f16;
         False where interleaved=True); True / False set it (True: dot_dtype "folded_f16" only, not with
         interleaved).
+      maxnreg: None keeps the config's KernelConfig.maxnreg (default_config: 168 for the folded modes); 0
+        removes the register cap; an int in [24, 255] sets it.
       interpret: run the kernel in Pallas interpret mode (CPU tests).
 
     Returns:
@@ -475,7 +477,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
 
     Raises:
       ValueError: shapes/dtypes off the layout, unsupported sizes, bad dot_dtype, num_splits, num_stages,
-        num_warps, interleaved or denormal.
+        num_warps, interleaved, denormal or maxnreg.
     """
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
     if num_sink_tokens == 0:
@@ -487,7 +489,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
     config = resolve_config(q, view.layer[0], view.layer[3], page_indices, partition_size=partition_size,
                             dot_dtype=dot_dtype, num_splits=num_splits, config=config, bits=bits,
                             interleaved=interleaved, num_stages=num_stages, num_warps=num_warps,
-                            denormal=denormal)
+                            denormal=denormal, maxnreg=maxnreg)
     if not isinstance(open_full, bool):
         raise ValueError(f"open_full must be a bool, got {open_full=}")
     return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, partition_size=partition_size,
@@ -497,11 +499,11 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
 
 def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtype="int8", num_splits=None,
                    config=None, bits=2, interleaved=False, num_stages=None, num_warps=None,
-                   denormal=None) -> KernelConfig:
+                   denormal=None, maxnreg=None) -> KernelConfig:
     """The KernelConfig to launch (inputs already validated): `config` or default_config(...),
     num_splits, num_stages, num_warps, interleaved=True (with denormal None: in place of the subnormal
-    planes) and denormal True / False overriding; ValueError on a bad dot_dtype, config, num_splits,
-    num_stages, num_warps, interleaved or denormal (or both set)."""
+    planes), denormal True / False and maxnreg (0: no cap) overriding; ValueError on a bad dot_dtype, config,
+    num_splits, num_stages, num_warps, interleaved, denormal (or both set) or maxnreg."""
     if config is None:
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1],
                                 pages_per_seq=page_indices.shape[1], page_size=k_sums.shape[2],
@@ -531,6 +533,10 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
         if not isinstance(denormal, bool):
             raise ValueError(f"denormal must be a bool or None, got {denormal=}")
         config = dataclasses.replace(config, denormal=denormal)
+    if maxnreg is not None:
+        if not isinstance(maxnreg, int) or isinstance(maxnreg, bool) or not (maxnreg == 0 or 24 <= maxnreg <= 255):
+            raise ValueError(f"maxnreg must be None, 0 (no register cap) or an int in [24, 255], got {maxnreg=}")
+        config = dataclasses.replace(config, maxnreg=maxnreg or None)
     if not isinstance(config.num_splits, int) or config.num_splits < 1:
         raise ValueError(f"config.num_splits must be a positive int, got {config.num_splits=}")
     if config.maxnreg is not None and (not isinstance(config.maxnreg, int) or isinstance(config.maxnreg, bool)

@@ -181,7 +181,8 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
                                 num_splits: int | None = None, num_stages: int | None = None,
                                 num_warps: int | None = None, config: KernelConfig | None = None,
                                 layer_index=None, write_sinks: bool = True, interleaved: bool = False,
-                                denormal: bool | None = None, interpret: bool = False):
+                                denormal: bool | None = None, maxnreg: int | None = None,
+                                interpret: bool = False):
     """Append one token per active slot and attend (module docstring; shapes there).
 
     Args:
@@ -191,7 +192,8 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held before this token;
         active: bool[batch].
       partition_size, num_sink_tokens, v_group, window, bits, dot_dtype, num_splits, num_stages, num_warps,
-        config, layer_index, interleaved, denormal, interpret: as decode_attention.hack_decode_attention; config None:
+        config, layer_index, interleaved, denormal, maxnreg, interpret: as decode_attention.hack_decode_attention;
+        config None:
         `default_config` (this kernel's occupancy).
         With layer_index i (a stacked cache) the token is written into layer i's rows of the stacked
         open_k ... sink_v, in place when the caller donates them.
@@ -226,7 +228,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
                                 bits=bits)
     config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, num_splits=num_splits,
                             config=config, bits=bits, interleaved=interleaved, num_stages=num_stages,
-                            num_warps=num_warps, denormal=denormal)
+                            num_warps=num_warps, denormal=denormal, maxnreg=maxnreg)
     out, *written = _fused_decode(q, k, v, *view.flat, page_indices, kv_lens, active, view.offsets,
                                   partition_size=partition_size, num_sink_tokens=num_sink_tokens,
                                   num_layers=view.num_layers, config=config, interpret=interpret, bits=bits,

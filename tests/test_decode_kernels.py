@@ -729,6 +729,12 @@ def test_resolve_config_validates_options():
     for bad in (16, 256, 168.0, True, "168"):
         with pytest.raises(ValueError, match="maxnreg"):
             resolve_config(*args, partition_size=64, config=dataclasses.replace(plain, maxnreg=bad))
+    # the keyword: 0 removes the cap, N sets it, on the default or a given config; other values are named
+    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", maxnreg=0).maxnreg is None
+    assert resolve_config(*args, partition_size=64, config=plain, maxnreg=200).maxnreg == 200
+    for bad in (1, 23, 256, 168.0, True):
+        with pytest.raises(ValueError, match="maxnreg must be None, 0"):
+            resolve_config(*args, partition_size=64, dot_dtype="folded_f16", maxnreg=bad)
 
 
 def _lowered_modules(fn, *args):

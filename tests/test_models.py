@@ -581,9 +581,11 @@ def test_generator_edge_inputs_on_a_tiny_model():
 
 @pytest.mark.parametrize("option,value,stacked,prefill", [("interleaved", True, True, "homomorphic"),
                                                          ("denormal", False, True, "homomorphic"),
-                                                         ("num_stages", 3, False, "auto")])
+                                                         ("num_stages", 3, False, "auto"),
+                                                         ("maxnreg", 200, False, "auto")])
 def test_decode_only_backend_options_reach_the_decode_kernel_only(option, value, stacked, prefill):
-  """Backend("pallas", {"interleaved": True}) / {"denormal": False} / {"num_stages": 3} (DECODE_ONLY): every call
+  """Backend("pallas", {"interleaved": True}) / {"denormal": False} / {"num_stages": 3} / {"maxnreg": 200}
+  (DECODE_ONLY): every call
   of the HACK decode kernel launches the default config with that field set (interleaved: in place of the
   default's subnormal planes; the stacked cache's in-place
   path and the sealing steps included), the prefill never sees the option (the homomorphic prefill's kernel
