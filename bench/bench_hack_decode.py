@@ -103,9 +103,25 @@ def variants(batch, kv_len, specs, bits=2):
     return out
 
 
-def cache_bytes(batch, kv_len):
-    per_token = 2 * D // 4 + 2 * 2 * D // P + D // P + 2 * 2 * (D // min(P, D)) + D // min(P, D)
+def cache_bytes(batch, kv_len, bits=2, sums=True):
+    """Bytes a launch must read: codes + metadata (+ the code sums, which only the int8 modes read) of the
+    kv_len tokens, the open blocks and sinks, the page table."""
+    NP = D // min(P, D)
+    per_token = 2 * D * bits // 8 + 2 * 2 * D // P + 2 * 2 * NP + (D // P + NP if sums else 0)
     return batch * HKV * (kv_len * per_token + 2 * 2 * (P + NS) * D) + batch * (kv_len // PAGE) * 4
+
+
+def layer_specs(batch, kv_len, bits=2):
+    """ShapeDtypeStructs of hack_decode_attention's positional operands (q, FIELDS..., page_indices, kv_lens)
+    at Llama heads, P 64, pages of 256, one spare page column per sequence (never read)."""
+    pps = kv_len // PAGE + 1
+    N, NP, bpp, rows = batch * pps + 1, D // min(P, D), PAGE // P, PAGE // (8 // bits)
+    S = jax.ShapeDtypeStruct
+    return [S((batch, HQ, D), jnp.float32), S((N, HKV, rows, D), jnp.uint8), S((N, HKV, bpp, D), jnp.float16),
+            S((N, HKV, bpp, D), jnp.float16), S((N, HKV, PAGE, NP), jnp.uint8), S((N, HKV, D, rows), jnp.uint8),
+            S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, bpp, D), jnp.uint8),
+            S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, NS, D), jnp.bfloat16),
+            S((batch, HKV, NS, D), jnp.bfloat16), S((batch, pps), jnp.int32), S((batch,), jnp.int32)]
 
 
 def make_inputs(batch, kv_len, n_copies, seed=0):
@@ -332,15 +348,8 @@ def sass(out_dir, log, specs, bits=2):
     import triton_offline
     from pallas_kernels import common
     batch, kv_len = SHAPES["b8_32k"]
-    pps = kv_len // PAGE + 1
-    N, NP, bpp, rows = batch * pps + 1, D // min(P, D), PAGE // P, PAGE // common.num_planes(bits)
     trip = getattr(common, "blocks_per_trip", lambda b, *_: common.num_planes(b))(bits, PAGE, P)
-    S = jax.ShapeDtypeStruct
-    args = [S((batch, HQ, D), jnp.float32), S((N, HKV, rows, D), jnp.uint8), S((N, HKV, bpp, D), jnp.float16),
-            S((N, HKV, bpp, D), jnp.float16), S((N, HKV, PAGE, NP), jnp.uint8), S((N, HKV, D, rows), jnp.uint8),
-            S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, bpp, D), jnp.uint8),
-            S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, NS, D), jnp.bfloat16),
-            S((batch, HKV, NS, D), jnp.bfloat16), S((batch, pps), jnp.int32), S((batch,), jnp.int32)]
+    args = layer_specs(batch, kv_len, bits)
     for name, fn, cfg in variants(batch, kv_len, specs, bits):
         if fn == "bf16paged":
             continue

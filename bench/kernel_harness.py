@@ -27,70 +27,56 @@ import json
 import os
 import sys
 
-HQ, HKV, D, P, PAGE, NS = 32, 8, 128, 64, 256, 4
-SHAPES = {"b8_32k": (8, 32768), "b1_32k": (1, 32768), "b1_128k": (1, 131072), "b8_128k": (8, 131072),
-          "b8_1k": (8, 1024)}
 DEFAULT_VARIANTS = ["w4s2=4:2:0", "w4s2r168=4:2:168", "w4s3r168=4:3:168", "w8s2=8:2:0"]
 
 
 def prepare(out_dir, shapes, bits_list):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import jax
-    import jax.numpy as jnp
+    import bench_hack_decode as bh
     import triton_offline
+    from bench_hack_decode import D, HKV, HQ, NS, P, PAGE, SHAPES
     from pallas_kernels import common
     from pallas_kernels.decode_attention import default_config, hack_decode_attention
     os.makedirs(out_dir, exist_ok=True)
+    fills = dict(q="normal", k_codes="u8:256", v_codes="u8:256", k_scale="uniform:0.01:0.3", v_scale="uniform:0.01:0.3",
+                 k_min="uniform:-1:0", v_min="uniform:-1:0", k_sums="u8:193", v_sums="u8:193", open_k="normal",
+                 open_v="normal", sink_k="normal", sink_v="normal", page_indices="table")
     entries = []
     for bits in bits_list:
-        planes = common.num_planes(bits)
         for shape in shapes:
+            if shape not in SHAPES:
+                raise ValueError(f"unknown shape {shape!r}: one of {sorted(SHAPES)}")
             batch, kv_len = SHAPES[shape]
-            pps = kv_len // PAGE + 1  # one spare page column, never read
-            N, NP, bpp = batch * pps + 1, D // min(P, D), PAGE // P
+            layer = bh.layer_specs(batch, kv_len, bits)  # q, bh.FIELDS..., page_indices, kv_lens
             # no register cap in the module (default_config's would ride along as `ttg.maxnreg`): the
             # variants below set their own
             cfg = dataclasses.replace(default_config(batch=batch, num_kv_heads=HKV, pages_per_seq=kv_len // PAGE,
                                                      page_size=PAGE, partition_size=P, dot_dtype="folded_f16",
                                                      bits=bits), maxnreg=None)
-            S = jax.ShapeDtypeStruct
-            layer = [S((batch, HQ, D), jnp.float32), S((N, HKV, PAGE // planes, D), jnp.uint8),
-                     S((N, HKV, bpp, D), jnp.float16), S((N, HKV, bpp, D), jnp.float16),
-                     S((N, HKV, PAGE, NP), jnp.uint8), S((N, HKV, D, PAGE // planes), jnp.uint8),
-                     S((N, HKV, PAGE, NP), jnp.float16), S((N, HKV, PAGE, NP), jnp.float16),
-                     S((N, HKV, bpp, D), jnp.uint8), S((batch, HKV, P, D), jnp.bfloat16),
-                     S((batch, HKV, P, D), jnp.bfloat16), S((batch, HKV, NS, D), jnp.bfloat16),
-                     S((batch, HKV, NS, D), jnp.bfloat16), S((batch, pps), jnp.int32), S((batch,), jnp.int32)]
             ttir = triton_offline.lower_ttir(
                 lambda *xs: hack_decode_attention(*xs, partition_size=P, num_sink_tokens=NS, config=cfg, bits=bits),
                 *layer)
             name = f"{shape}_hack{bits}"
             with open(os.path.join(out_dir, name + ".ttir"), "w") as fh:
                 fh.write(ttir)
-            trip = common.blocks_per_trip(bits, PAGE, P)
-            pad = common.q_per_kv_pad(HQ // HKV, at_least=16 // trip)
+            pad = common.q_per_kv_pad(HQ // HKV, at_least=16 // common.blocks_per_trip(bits, PAGE, P))
             programs = cfg.num_splits + cfg.open_split
-            per_meta = (N, HKV, bpp, P, NP)  # k_sums, v_scale, v_min as the kernel reads them
-            # (name, dtype, shape, fill) in the kernel's operand order (decode_attention._hack_decode)
-            args = [("kv_lens", "int32", (batch,), f"const:{kv_len + NS}"), ("page_indices", "int32", (batch, pps), "table"),
-                    ("offsets", "int32", (2,), "const:0"), ("q", "float32", (batch, HQ, D), "normal"),
-                    ("k_codes", "uint8", (N, HKV, PAGE // planes, D), "u8:256"),
-                    ("k_scale", "float16", (N, HKV, bpp, D), "uniform:0.01:0.3"),
-                    ("k_min", "float16", (N, HKV, bpp, D), "uniform:-1:0"), ("k_sums", "uint8", per_meta, "u8:193"),
-                    ("v_codes", "uint8", (N, HKV, D, PAGE // planes), "u8:256"),
-                    ("v_scale", "float16", per_meta, "uniform:0.01:0.3"), ("v_min", "float16", per_meta, "uniform:-1:0"),
-                    ("v_sums", "uint8", (N, HKV, bpp, D), "u8:193"), ("open_k", "bfloat16", (batch, HKV, P, D), "normal"),
-                    ("open_v", "bfloat16", (batch, HKV, P, D), "normal"), ("sink_k", "bfloat16", (batch, HKV, NS, D), "normal"),
-                    ("sink_v", "bfloat16", (batch, HKV, NS, D), "normal"),
-                    ("acc", "float32", (batch, HKV, programs, pad, D), "out"), ("m", "float32", (batch, HKV, programs, pad), "out"),
-                    ("l", "float32", (batch, HKV, programs, pad), "out")]
-            # bytes a launch must read: codes + metadata (+ code sums, read by the int8 modes only) of the
-            # kv_len tokens, the open blocks and sinks, the page table
-            code_b = 2 * D * bits // 8 + 2 * 2 * D // P + 2 * 2 * NP
+            # the kernel's operands in its order (decode_attention._hack_decode): k_sums, v_scale, v_min as
+            # [N, H, bpp, P, NP] (a free reshape), then the outputs acc, m, l
+            spec = dict(zip(("q",) + bh.FIELDS + ("page_indices", "kv_lens"), layer))
+            N, NP = spec["k_sums"].shape[0], spec["k_sums"].shape[3]
+            per_meta = (N, HKV, PAGE // P, P, NP)
+            operand = lambda f: (f, spec[f].dtype.name, per_meta if f in ("k_sums", "v_scale", "v_min")  # noqa: E731
+                                 else tuple(spec[f].shape), fills[f])
+            args = ([("kv_lens", "int32", (batch,), f"const:{kv_len + NS}"), operand("page_indices"),
+                     ("offsets", "int32", (2,), "const:0"), operand("q")] + [operand(f) for f in bh.FIELDS]
+                    + [("acc", "float32", (batch, HKV, programs, pad, D), "out"),
+                       ("m", "float32", (batch, HKV, programs, pad), "out"),
+                       ("l", "float32", (batch, HKV, programs, pad), "out")])
             entries.append(dict(name=name, shape=shape, bits=bits, batch=batch, kv_len=kv_len, grid=[batch, HKV, programs],
                                 config=str(cfg), ttir=name + ".ttir", args=args,
-                                bytes=batch * HKV * (kv_len * code_b + 2 * 2 * (P + NS) * D) + batch * pps * 4))
+                                bytes=bh.cache_bytes(batch, kv_len, bits, sums=False)))
             print(name, cfg, flush=True)
     with open(os.path.join(out_dir, "manifest.json"), "w") as fh:
         json.dump(entries, fh, indent=1)
@@ -191,7 +177,8 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("dir")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=sorted(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=["b8_32k", "b1_32k", "b1_128k", "b8_128k", "b8_1k"],
+                   help="bench_hack_decode.SHAPES names")
     p.add_argument("--bits", nargs="+", type=int, default=[2], choices=(2, 4))
     r = sub.add_parser("run")
     r.add_argument("dir")

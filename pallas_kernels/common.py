@@ -72,8 +72,7 @@ def pallas_call(kernel, *, out_shape, grid=(), in_specs=None, out_specs=None, nu
     `pl.pallas_call` does. `kwargs` go to `pl.pallas_call` unchanged.
     """
     if maxnreg is not None:
-        if not isinstance(maxnreg, int) or isinstance(maxnreg, bool) or not 24 <= maxnreg <= 255:
-            raise ValueError(f"maxnreg must be an int in [24, 255] or None, got {maxnreg=}")
+        check_maxnreg(maxnreg)
         if name is None:
             raise ValueError("a register cap (maxnreg) needs a kernel name")
         name = f"{name}{CAP_SUFFIX}{maxnreg}"
@@ -93,12 +92,23 @@ def pallas_call(kernel, *, out_shape, grid=(), in_specs=None, out_specs=None, nu
 
 
 CAP_SUFFIX = "_maxnreg"
+MAXNREG_RANGE = (24, 255)  # registers per thread a cap may ask for (ptxas' .maxnreg bounds on sm_90)
+
+
+def check_maxnreg(value, what: str = "maxnreg", *, zero: bool = False) -> None:
+    """ValueError naming `what` unless value is None, an int in MAXNREG_RANGE, or (zero=True) 0 for "no cap"."""
+    lo, hi = MAXNREG_RANGE
+    ok = value is None or (isinstance(value, int) and not isinstance(value, bool)
+                           and (lo <= value <= hi or (zero and value == 0)))
+    if not ok:
+        raise ValueError(f"{what} must be None{', 0 (no register cap)' if zero else ''} or an int in [{lo}, {hi}], "
+                         f"got {what}={value!r}")
 
 
 def _install_register_cap() -> bool:
     """Wraps the Pallas-Triton lowering (once, at import, so that tools which wrap and restore it later
     keep this wrapper; a tool that wrapped it before this import and restores it afterwards removes it)
-    so that a kernel named `..._maxnreg{N}`, 24 <= N <= 255, is lowered to a Triton module carrying
+    so that a kernel named `..._maxnreg{N}`, N in MAXNREG_RANGE, is lowered to a Triton module carrying
     `ttg.maxnreg = N`, the module attribute that Triton's own `maxnreg` option sets; other kernels are
     untouched. jax has no public route for it. Returns whether the hook is installed."""
     try:
@@ -115,7 +125,7 @@ def _install_register_cap() -> bool:
         result = lower(jaxpr, *args, **kwargs)
         name = getattr(getattr(jaxpr, "debug_info", None), "func_name", "") or ""
         match = re.search(re.escape(CAP_SUFFIX) + r"(\d+)$", name)
-        if match and 24 <= int(match.group(1)) <= 255:
+        if match and MAXNREG_RANGE[0] <= int(match.group(1)) <= MAXNREG_RANGE[1]:
             op = result.module.operation
             with op.context:
                 op.attributes["ttg.maxnreg"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32),

@@ -534,14 +534,11 @@ def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtyp
             raise ValueError(f"denormal must be a bool or None, got {denormal=}")
         config = dataclasses.replace(config, denormal=denormal)
     if maxnreg is not None:
-        if not isinstance(maxnreg, int) or isinstance(maxnreg, bool) or not (maxnreg == 0 or 24 <= maxnreg <= 255):
-            raise ValueError(f"maxnreg must be None, 0 (no register cap) or an int in [24, 255], got {maxnreg=}")
+        common.check_maxnreg(maxnreg, zero=True)
         config = dataclasses.replace(config, maxnreg=maxnreg or None)
     if not isinstance(config.num_splits, int) or config.num_splits < 1:
         raise ValueError(f"config.num_splits must be a positive int, got {config.num_splits=}")
-    if config.maxnreg is not None and (not isinstance(config.maxnreg, int) or isinstance(config.maxnreg, bool)
-                                       or not 24 <= config.maxnreg <= 255):
-        raise ValueError(f"config.maxnreg must be None or an int in [24, 255], got {config.maxnreg=}")
+    common.check_maxnreg(config.maxnreg, "config.maxnreg")
     if config.interleaved is not False and (config.interleaved is not True or config.dot_dtype != "folded_f16"
                                             or bits != 2):
         raise ValueError(f"config.interleaved=True needs dot_dtype 'folded_f16' and 2-bit codes (at 4 bits it "
