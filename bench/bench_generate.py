@@ -5,7 +5,8 @@ models.config.PRESETS in bf16, random weights: the KV path's speed does not depe
 runs the same jitted steps as models.generate.Generator (models.stepper.forward_step with its SampleHead), for
 Llama-3.1-8B and Qwen2.5-7B shapes, per cache "format":
   hack      kv_format="hack" (kivi, P=64, pages of 256, 4 sinks) + our Pallas kernels (impl=pallas)
-  hack4     the same with 4-bit codes (QuantConfig.bits=4; not in the default --formats)
+  hack4     the same with 4-bit codes (QuantConfig.bits=4; not in the default --formats); hack4-magic: with the
+            1024 + 64c planes instead of the (default) subnormal ones
   bf16      kv_format="bf16" paged + our bf16 Pallas kernels
   bf16_xla  kv_format="bf16" paged, decode attention by plain jnp/XLA (this file's adapter
             `xla_paged_decode`: the dispatch has no jax-native impl; the model receives it as its
@@ -130,19 +131,21 @@ BATCHES = (1, 8, 32)
 FORMATS = ("hack", "bf16", "bf16_xla", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4")  # timed
 CAPACITY_FORMATS = ("bf16", "int8", "hack")     # capacity / JCT bytes
 EXTRA_FORMATS = ("hack4", "hack4-dn", "hack-clip", "hack-i", "hack-dn", "hack-magic", "hack-st3",
-                 "hack-w8", "hack-nocap")  # --formats choices
+                 "hack-w8", "hack-nocap", "hack4-magic")  # --formats choices
 KV_FORMAT = {"hack": "hack", "hack4": "hack", "hack4-dn": "hack", "hack-clip": "hack", "hack-i": "hack",
              "hack-dn": "hack", "hack-magic": "hack", "hack-st3": "hack", "hack-w8": "hack", "hack-nocap": "hack",
+             "hack4-magic": "hack",
              "bf16": "bf16",
              "bf16_xla": "bf16",
              "int8": "int8", "fp8": "fp8", "kivi2": "kivi2", "int4": "int4", "turbo3": "turbo3", "turbo4": "turbo4"}
-CODE_BITS = {"hack4": 4, "hack4-dn": 4}  # QuantConfig.bits of a format (default 2)
+CODE_BITS = {"hack4": 4, "hack4-dn": 4, "hack4-magic": 4}  # QuantConfig.bits of a format (default 2)
 CLIP = {"hack-clip": 5}  # QuantConfig.clip of a format (default 0: min-max partitions)
 # Backend options of a format: KernelConfig.interleaved / .denormal, the decode loop's pipeline depth, its warps,
 # its register cap removed
 DECODE_OPTIONS = {"hack-i": {"interleaved": True}, "hack-dn": {"denormal": True}, "hack-magic": {"denormal": False},
                   "hack4-dn": {"denormal": True},
-                  "hack-st3": {"num_stages": 3}, "hack-w8": {"num_warps": 8}, "hack-nocap": {"maxnreg": 0}}
+                  "hack-st3": {"num_stages": 3}, "hack-w8": {"num_warps": 8}, "hack-nocap": {"maxnreg": 0},
+                  "hack4-magic": {"denormal": False}}
 PREFILL_FORMATS = ("hack", "bf16")
 LINK_GBPS = (10, 25, 100)
 MESH = None          # --tp N > 1: the tensor-parallel mesh (models/sharding.py), set by main()

@@ -42,7 +42,8 @@ import numpy as np  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-from pallas_kernels.decode_attention import default_config, hack_decode_attention  # noqa: E402
+from pallas_kernels.decode_attention import (H200_NUM_SMS, choose_num_splits, default_config,  # noqa: E402
+                                             hack_decode_attention)
 from pallas_kernels.dequant_decode_attention import dequant_decode_attention  # noqa: E402
 
 HQ, HKV, D, P, PAGE, NS = 32, 8, 128, 64, 256, 4
@@ -66,10 +67,11 @@ def variants(batch, kv_len, specs, bits=2):
     folded_f16i / folded_f16d / folded_f16m (folded_f16 with KernelConfig.interleaved / .denormal True / False);
     "default" = int8), NAME=bf16paged (the bf16 paged
     kernel on a bf16 cache of the same length), or
-    NAME=DOT:SPLITS:WARPS:STAGES[:MAXNREG] with DOT an operand mode or dequant, SPLITS a number or d
-    (default_config's, with its open_split), MAXNREG the HACK kernel's register cap (KernelConfig.maxnreg; 0:
-    none; absent: default_config's; the dequant kernel has none), e.g. fold_w8=folded_f16:d:8:2,
-    uncapped=folded_f16:d:4:2:0. (The INT8-in-float dots and the
+    NAME=DOT:SPLITS:WARPS:STAGES[:MAXNREG] with DOT an operand mode or dequant, SPLITS a number, d
+    (default_config's, with its open_split) or dN (choose_num_splits' choice, open_split included, for N
+    resident programs per SM: e.g. d4 with a cap of 128 registers at 4 warps), MAXNREG the HACK kernel's
+    register cap (KernelConfig.maxnreg; 0: none; absent: default_config's; the dequant kernel has none), e.g.
+    fold_w8=folded_f16:d2:8:2:128, uncapped=folded_f16:d:4:2:0. (The INT8-in-float dots and the
     KernelConfig flags of earlier runs are gone: their settled choices are the code; bench/NOTES_decode.md.)"""
     pps = kv_len // PAGE
     out = []
@@ -95,8 +97,13 @@ def variants(batch, kv_len, specs, bits=2):
         if len(launch) not in (3, 4):
             raise ValueError(f"variant {spec!r}: expected DOT:SPLITS:WARPS:STAGES[:MAXNREG]")
         splits, warps, stages, *cap = launch
-        cfg = base if splits == "d" else dataclasses.replace(base, num_splits=min(int(splits), pps * PAGE // (4 * P)),
-                                                             open_split=False)
+        if splits == "d":
+            cfg = base
+        elif splits.startswith("d"):
+            s, o = choose_num_splits(batch * HKV, max(1, pps * PAGE // (4 * P)), int(splits[1:]) * H200_NUM_SMS)
+            cfg = dataclasses.replace(base, num_splits=s, open_split=o)
+        else:
+            cfg = dataclasses.replace(base, num_splits=min(int(splits), pps * PAGE // (4 * P)), open_split=False)
         if cap:
             cfg = dataclasses.replace(cfg, maxnreg=int(cap[0]) or None)
         out.append((name, fn, dataclasses.replace(cfg, num_warps=int(warps), num_stages=int(stages))))

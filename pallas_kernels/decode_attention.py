@@ -226,15 +226,15 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                 return rows(ref[pid, h, slots, (channels.start + perm_c)[None, :]])
             return rows(ref[pid, h, pl.ds(slot0, T), channels])
 
-        def per_token(ref):  # per-token metadata (kappa, tau, nu) -> NP x [R, P], one per channel group
+        def per_token(ref):  # per-token metadata (kappa, tau, nu) -> NP x [T, P], one per channel group
             if interleaved:  # tokens in the order the permuted K rows gave the logits
-                return [rows(ref[pid, h, slots, perm_t[None, :], p]) for p in range(NP)]
+                return [ref[pid, h, slots, perm_t[None, :], p] for p in range(NP)]
             # the trip's whole [T, P, NP] tile in one contiguous load, split in registers: a channel group's
             # [T, P] column alone is a stride-NP gather of 2-byte elements, which Triton cannot issue as
             # cp.async, so it was a synchronous load each trip waited on (bench/NOTES_decode.md, session 17)
             tile = ref[pid, h, pl.ds(slot0, T), :, :]
             parts = jnp.split(tile, NP, axis=2) if NP > 1 else [tile]
-            return [rows(jnp.squeeze(x, axis=2)) for x in parts]
+            return [jnp.squeeze(x, axis=2) for x in parts]
 
         def k_tile(r0, channels):  # u8[P, Pc] of a packing group (interleaved: rows = tokens permuted)
             if interleaved:
@@ -252,7 +252,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
             sigma = per_channel(k_scale_ref, channels)  # [R, Pc]
             mu = per_channel(k_min_ref, channels)  # [R, Pc]
             if int8:
-                kappa = kappas[p]  # [R, P]
+                kappa = rows(kappas[p])  # [R, P]
                 dot, qs, qm = int8_dot(q[p] * sigma, k_tiles)  # [R, P], [R], [R]
                 logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
                            + jnp.sum(q[p] * mu, axis=1)[:, None])
@@ -270,12 +270,16 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         # as soon as its block output is ready.
         m_new, l_new, alpha, beta = common.merge_weights(m, l, mb, lb, valid, exp=exp)
         new_accs = []
-        taus, nus = per_token(v_scale_ref), per_token(v_min_ref)  # NP x [R, P]
+        taus, nus = per_token(v_scale_ref), per_token(v_min_ref)  # NP x [T, P]
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
             # T // C x u8[Pc, P], token-major: 4 consecutive tokens per 32-bit word, the MMA's B layout
             v_tiles = [v_codes_ref[pid, h, channels, pl.ds(r0, P)] for r0 in code_rows]
-            tau, nu = taus[p], nus[p]  # [R, P]
+            # [R, P], broadcast per channel group (fewer live at once). tau + 0 * nu (= tau for finite nu) puts
+            # the nu tile on the dot operand's input chain: Triton's pipeliner issues a load as cp.async one
+            # trip ahead only when a dot depends on it, so nu was a synchronous load each trip waited on
+            # (4% faster on the H200; bench/NOTES_decode.md, session 18)
+            tau, nu = rows(taus[p] + 0 * nus[p]), rows(nus[p])
             if int8:
                 omega = per_channel(v_sums_ref, channels)  # [R, Pc]
                 pv, ws, wm = int8_dot(w * tau, v_tiles)  # [R, Pc], [R], [R]
@@ -314,9 +318,9 @@ class KernelConfig:
     loop instructions offline (bench/NOTES_decode.md, session 12); on the H200 24% slower at batch 8:
     off by default. denormal ("folded_f16" only, not with interleaved): the codes unpacked by
     `common.denormal_plane` as exact f16 subnormals (no magic exponent: no offset term, no per-plane
-    shift; 15% fewer loop instructions); default_config's choice for 2-bit folded_f16 (measured faster
-    alone and end to end on the H200 with a float32 q, `common.kernel_q`); off for 4-bit codes, whose
-    batch-1 rows measured slower (docs/DESIGN.md "Decode numerics"). maxnreg: a cap on the registers per
+    shift; 15% fewer loop instructions); default_config's choice for folded_f16 at 2 and 4 bits (measured
+    faster alone and end to end on the H200 with a float32 q, `common.kernel_q`; docs/DESIGN.md "Decode
+    numerics"). maxnreg: a cap on the registers per
     thread (`common.pallas_call`), None for the compiler's choice; default_config's is DEFAULT_MAXNREG."""
 
     num_splits: int = 1
@@ -344,7 +348,7 @@ def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_si
     slots = RESIDENT_PROGRAMS_PER_SM[dot_dtype] * num_sms
     splits, open_split = choose_num_splits(batch * num_kv_heads, trips, slots)
     return KernelConfig(num_splits=splits, open_split=open_split, dot_dtype=dot_dtype,
-                        denormal=dot_dtype == "folded_f16" and bits == 2, maxnreg=DEFAULT_MAXNREG[dot_dtype])
+                        denormal=dot_dtype == "folded_f16", maxnreg=DEFAULT_MAXNREG[dot_dtype])
 
 
 def choose_num_splits(num_pairs: int, num_packing_groups: int, slots: int) -> tuple[int, bool]:

@@ -215,7 +215,8 @@ def test_decode_four_block_trips(dot_dtype, num_splits):
 def test_split_heuristics_count_trips():
     """default_config counts 4-block trips at 4 bits where the page allows, packing groups of 2 blocks
     where it does not (pages of 2 P), as 2 bits counts its 4-block packing groups; folded_f16's subnormal
-    planes (KernelConfig.denormal) are 2-bit codes' default, not 4-bit's."""
+    planes (KernelConfig.denormal) are the decode kernel's default at both widths, the fused kernel's at 2 bits
+    only."""
     from pallas_kernels import decode_attention, fused_decode_attention
     for mod in (decode_attention, fused_decode_attention):
         for page, trip in ((256, 4), (128, 2), (384, 2)):
@@ -225,8 +226,8 @@ def test_split_heuristics_count_trips():
             slots = mod.RESIDENT_PROGRAMS_PER_SM["folded_f16"] * decode_attention.H200_NUM_SMS
             assert (cfg.num_splits, cfg.open_split) == decode_attention.choose_num_splits(64, 32768 // (trip * 64), slots)
         four, two = (mod.default_config(**dict(kw, page_size=256, pages_per_seq=128), bits=b) for b in (4, 2))
-        assert (four.num_splits, four.open_split, four.denormal) == (two.num_splits, two.open_split, False)
-        assert two.denormal  # the subnormal planes: 2-bit codes' default only
+        assert (four.num_splits, four.open_split) == (two.num_splits, two.open_split)
+        assert two.denormal and four.denormal == (mod is decode_attention)
 
 
 def test_decode_seed_reference():

@@ -687,12 +687,12 @@ def test_resolve_config_validates_options():
         resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=1)
     with pytest.raises(ValueError, match="interleaved"):
         resolve_config(*args, partition_size=64, dot_dtype="int8", interleaved=True)
-    # denormal: the default for 2-bit folded_f16 only; the keyword sets it either way; the interleaved keyword
+    # denormal: the default for folded_f16 (2- and 4-bit codes); the keyword sets it either way; the interleaved keyword
     # replaces it on the default or a given config; denormal=True asked for with interleaved: a ValueError
     assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16").denormal is True
     for dot in ("int8", "folded_bf16"):
         assert resolve_config(*args, partition_size=64, dot_dtype=dot).denormal is False
-    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", bits=4).denormal is False  # magic
+    assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", bits=4).denormal is True
     assert resolve_config(*args, partition_size=64, dot_dtype="folded_f16", denormal=False).denormal is False
     both = resolve_config(*args, partition_size=64, dot_dtype="folded_f16", interleaved=True)
     assert (both.interleaved, both.denormal) == (True, False)
