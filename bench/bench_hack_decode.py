@@ -227,7 +227,10 @@ def bench(args, log):
                 else:
                     us, comp, n = time_variant(fn, config, c, table, lens, ppc, n_copies, batch, args.reps,
                                                args.target_ms, args.interpret, args.calls_per_iter)
-                    nbytes_row = nbytes
+                    # the folded modes do not read the code sums
+                    nbytes_row = cache_bytes(batch, kv_len, sums=fn is not hack_decode_attention
+                                             or config.dot_dtype == "int8")
+                    row.update(bytes=nbytes_row)
                 row.update(us=round(us, 2), gbps=round(nbytes_row / us / 1e3, 1),
                            roof_pct=round(100 * nbytes_row / us / 1e-6 / ROOF, 1), compile_s=round(comp, 1), calls=n)
             except Exception as e:  # keep going: a failing variant is a result too

@@ -313,11 +313,11 @@ def test_quantization_error_vs_2bit():
     assert errs[4] < errs[2] / 3
 
 
-@pytest.mark.parametrize("dot_dtype", ["int8", "folded_f16", "folded_bf16", "folded_f16-denormal"])
+@pytest.mark.parametrize("dot_dtype", ["int8", "folded_f16", "folded_bf16", "folded_f16-magic"])
 def test_decode_kernel_lowers_to_triton_for_cuda(dot_dtype):
     """The 4-bit kernel's GPU forms (the inline-PTX nibble planes, which interpret mode does not run) have
     a Pallas-Triton lowering: what can be checked without a GPU (folded_f16: the inline PTX of the planes
-    asked for, subnormal or 1024 + c). Llama-3.1-8B heads, P 64, pages of 256."""
+    asked for: subnormal by default, 1024 + c with denormal=False). Llama-3.1-8B heads, P 64, pages of 256."""
     config = QuantConfig(bits=4)
     layer = jax.eval_shape(lambda: kv_cache.init_layer(config, num_kv_heads=8, head_dim=128, num_pages=9,
                                                        max_seqs=2))
@@ -325,14 +325,14 @@ def test_decode_kernel_lowers_to_triton_for_cuda(dot_dtype):
     table = jax.ShapeDtypeStruct((2, 4), jnp.int32)
     lens = jax.ShapeDtypeStruct((2,), jnp.int32)
     dot_dtype, _, flag = dot_dtype.partition("-")
-    extra = {flag: True} if flag else {}
+    extra = {"denormal": False} if flag == "magic" else {}
     fn = lambda q, layer, table, lens: attention.decode_attention(  # noqa: E731
         q, layer, page_indices=table, kv_lens=lens, impl="pallas", dot_dtype=dot_dtype, **extra)
     text = jax.jit(fn).trace(q, layer, table, lens).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     if dot_dtype == "folded_f16":  # the option reaches the kernel: its planes' PRMT selectors, not the other's
         subnormal, magic = f"0x{common.DENORMAL_PRMT[1]:04X}" in text, "0x5140" in text
-        assert (subnormal, magic) == ((True, False) if flag else (False, True))
+        assert (subnormal, magic) == ((False, True) if flag else (True, False))
 
 
 @pytest.mark.parametrize("denormal", [None, False], ids=["default", "magic"])
