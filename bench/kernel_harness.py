@@ -6,7 +6,7 @@ compiles it (the options a Pallas CompilerParams cannot pass: `maxnreg`) and lau
 of the kernel's operands, so that Nsight Compute can profile one launch of exactly that build in a process
 that holds no XLA client.
 
-  prepare (CPU or GPU, jax only):             python bench/kernel_harness.py prepare DIR [--bits 2 4]
+  prepare (CPU or GPU, jax only):             python bench/kernel_harness.py prepare DIR [--bits 2 4] [--make-ttir]
       writes DIR/manifest.json and one TTIR per (shape, bits): the kernel operands in order (dtype,
       shape, how to fill), its grid, its default_config (without its register cap), the bytes it must read.
   run (GPU, torch + triton only):              python bench/kernel_harness.py run DIR [--variants ...]
@@ -30,7 +30,37 @@ import sys
 DEFAULT_VARIANTS = ["w4s2=4:2:0", "w4s2r168=4:2:168", "w4s3r168=4:3:168", "w8s2=8:2:0"]
 
 
-def prepare(out_dir, shapes, bits_list):
+def make_ttir(ttir: str) -> str:
+    """The TTIR after the passes XLA's Triton pipeline runs on it before TTGIR (xla/backends/gpu/codegen/triton/
+    compilation_pipeline_cuda.cc MakeTTIR: inliner, rewrite_tensor_pointer, canonicalize, combine,
+    reorder_broadcast, cse, symbol_dce, loop_unroll). triton.compile of a .ttir file skips its own make_ttir
+    stage, so without this the harness compiles a TTIR XLA never sees: e.g. no `dot(a, b, 0) + c ->
+    dot(a, b, c)` (combine). Needs pip triton."""
+    import tempfile
+    from triton._C.libtriton import ir, passes
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    CUDABackend(GPUTarget("cuda", 90, 32)).load_dialects(ctx)
+    with tempfile.NamedTemporaryFile("w", suffix=".ttir") as fh:
+        fh.write(ttir)
+        fh.flush()
+        mod = ir.parse_mlir_module(fh.name, ctx)
+    pm = ir.pass_manager(ctx)
+    passes.common.add_inliner(pm)
+    passes.ttir.add_rewrite_tensor_pointer(pm)
+    passes.common.add_canonicalizer(pm)
+    passes.ttir.add_combine(pm)
+    passes.ttir.add_reorder_broadcast(pm)
+    passes.common.add_cse(pm)
+    passes.common.add_symbol_dce(pm)
+    passes.ttir.add_loop_unroll(pm)
+    pm.run(mod, "make_ttir")
+    return str(mod)
+
+
+def prepare(out_dir, shapes, bits_list, xla_passes=False):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_hack_decode as bh
@@ -57,6 +87,8 @@ def prepare(out_dir, shapes, bits_list):
             ttir = triton_offline.lower_ttir(
                 lambda *xs: hack_decode_attention(*xs, partition_size=P, num_sink_tokens=NS, config=cfg, bits=bits),
                 *layer)
+            if xla_passes:
+                ttir = make_ttir(ttir)
             name = f"{shape}_hack{bits}"
             with open(os.path.join(out_dir, name + ".ttir"), "w") as fh:
                 fh.write(ttir)
@@ -75,6 +107,7 @@ def prepare(out_dir, shapes, bits_list):
                        ("m", "float32", (batch, HKV, programs, pad), "out"),
                        ("l", "float32", (batch, HKV, programs, pad), "out")])
             entries.append(dict(name=name, shape=shape, bits=bits, batch=batch, kv_len=kv_len, grid=[batch, HKV, programs],
+                                make_ttir=xla_passes,
                                 config=str(cfg), ttir=name + ".ttir", args=args,
                                 bytes=bh.cache_bytes(batch, kv_len, bits, sums=False)))
             print(name, cfg, flush=True)
@@ -180,6 +213,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["b8_32k", "b1_32k", "b1_128k", "b8_128k", "b8_1k"],
                    help="bench_hack_decode.SHAPES names")
     p.add_argument("--bits", nargs="+", type=int, default=[2], choices=(2, 4))
+    p.add_argument("--make-ttir", action="store_true",
+                   help="run XLA's MakeTTIR passes (combine etc.) on the TTIR first (`make_ttir`; needs pip triton)")
     r = sub.add_parser("run")
     r.add_argument("dir")
     r.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="NAME=WARPS:STAGES:MAXNREG (0: none)")
@@ -189,7 +224,7 @@ def main(argv=None):
     r.add_argument("--launches", type=int, default=5)
     a = ap.parse_args(argv)
     if a.cmd == "prepare":
-        prepare(a.dir, a.shapes, a.bits)
+        prepare(a.dir, a.shapes, a.bits, a.make_ttir)
     else:
         run(a.dir, a.variants, a.out, a.only, a.launches, a.shapes)
 
