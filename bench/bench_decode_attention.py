@@ -256,7 +256,7 @@ def _one_copy_slots(layer, shape):
 
 
 # decode_attention.DOT_DTYPES, the operand modes, and folded_f16d / folded_f16m: folded_f16 with KernelConfig.denormal
-# True / False (the codes as f16 subnormals, 2-bit's default / the 1024 + 64c planes, 4-bit's default)
+# True / False (the codes as f16 subnormals, the default / the 1024 + 64c planes)
 HACK_DOTS = ("int8", "folded_f16", "folded_bf16", "folded_f16d", "folded_f16m")
 KIVI_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k",
                "open_v", "sink_k", "sink_v")

@@ -6,7 +6,8 @@ runs the same jitted steps as models.generate.Generator (models.stepper.forward_
 Llama-3.1-8B and Qwen2.5-7B shapes, per cache "format":
   hack      kv_format="hack" (kivi, P=64, pages of 256, 4 sinks) + our Pallas kernels (impl=pallas)
   hack4     the same with 4-bit codes (QuantConfig.bits=4; not in the default --formats); hack4-magic: with the
-            1024 + 64c planes instead of the (default) subnormal ones
+            1024 + 64c planes instead of the subnormal ones (the default since session 18: hack4-dn, which asks
+            for them, is now the same as hack4)
   bf16      kv_format="bf16" paged + our bf16 Pallas kernels
   bf16_xla  kv_format="bf16" paged, decode attention by plain jnp/XLA (this file's adapter
             `xla_paged_decode`: the dispatch has no jax-native impl; the model receives it as its

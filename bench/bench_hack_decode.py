@@ -10,8 +10,9 @@ run 3 used 1, which adds the loop trip's ~25-30 us to every call: NOTES_decode.m
 q + 1e-3 * previous output (no hoisting), wall clock / calls, median of --reps loops. Caches smaller than 256 MiB are held in several
 copies in one page pool and the calls rotate through them (page-table offset), so consecutive
 calls do not hit the 60 MB L2.
-bytes = codes + metadata + code sums of the kv_len tokens (84 B per token per kv head at d 128,
-P 64) + open block + sinks + page table.
+bytes = codes + metadata (+ the code sums, for the int8 rows only: the other kernels do not read them) of
+the kv_len tokens (80 B per token per kv head at d 128, P 64; 84 with the sums) + open block + sinks + page
+table.
 
 Usage: PYTHONPATH=. python3 bench/bench_hack_decode.py --out DIR [--shapes b8_32k b1_32k ...]
 Stages (--stages): bench, accuracy, resources (ptxas report of the device's own compile), profile
@@ -100,6 +101,8 @@ def variants(batch, kv_len, specs, bits=2):
         if splits == "d":
             cfg = base
         elif splits.startswith("d"):
+            if not splits[1:].isdigit() or int(splits[1:]) < 1:
+                raise ValueError(f"variant {spec!r}: dN needs N >= 1 resident programs per SM")
             s, o = choose_num_splits(batch * HKV, max(1, pps * PAGE // (4 * P)), int(splits[1:]) * H200_NUM_SMS)
             cfg = dataclasses.replace(base, num_splits=s, open_split=o)
         else:
@@ -227,9 +230,9 @@ def bench(args, log):
                 else:
                     us, comp, n = time_variant(fn, config, c, table, lens, ppc, n_copies, batch, args.reps,
                                                args.target_ms, args.interpret, args.calls_per_iter)
-                    # the folded modes do not read the code sums
-                    nbytes_row = cache_bytes(batch, kv_len, sums=fn is not hack_decode_attention
-                                             or config.dot_dtype == "int8")
+                    # only the int8 mode reads the code sums
+                    nbytes_row = cache_bytes(batch, kv_len, sums=fn is hack_decode_attention
+                                             and config.dot_dtype == "int8")
                     row.update(bytes=nbytes_row)
                 row.update(us=round(us, 2), gbps=round(nbytes_row / us / 1e3, 1),
                            roof_pct=round(100 * nbytes_row / us / 1e-6 / ROOF, 1), compile_s=round(comp, 1), calls=n)

@@ -9,7 +9,7 @@ V per token and channel group: tau_j, nu_j), in one of two operand modes (`dot_d
     sums (kappa, omega) and the q.mu_b, W.nu terms.
   "folded_f16" / "folded_bf16" (scale-folded): logits = dot(r(Q*sigma_b), K codes) + Q.mu_b and
     PV = dot(r(W*tau), V codes) + W.nu with r() a rounding to f16 / bf16 and the codes as exact 16-bit
-    floats (for 2-bit codes by default f16 subnormals, common.denormal_plane; else 1024 + 64c,
+    floats (by default f16 subnormals, common.denormal_plane; else 1024 + 64c,
     common.folded_plane; KernelConfig.denormal); no requantization, no row min/max, the code sums are
     not read.
 Sinks and the 16-bit open region (the open block, or QuantConfig.window W: the newest u % W tokens
@@ -278,7 +278,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
             # [R, P], broadcast per channel group (fewer live at once). tau + 0 * nu (= tau for finite nu) puts
             # the nu tile on the dot operand's input chain: Triton's pipeliner issues a load as cp.async one
             # trip ahead only when a dot depends on it, so nu was a synchronous load each trip waited on
-            # (4% faster on the H200; bench/NOTES_decode.md, session 18)
+            # (bench/NOTES_decode.md, session 18)
             tau, nu = rows(taus[p] + 0 * nus[p]), rows(nus[p])
             if int8:
                 omega = per_channel(v_sums_ref, channels)  # [R, Pc]
@@ -318,9 +318,8 @@ class KernelConfig:
     loop instructions offline (bench/NOTES_decode.md, session 12); on the H200 24% slower at batch 8:
     off by default. denormal ("folded_f16" only, not with interleaved): the codes unpacked by
     `common.denormal_plane` as exact f16 subnormals (no magic exponent: no offset term, no per-plane
-    shift; 15% fewer loop instructions); default_config's choice for folded_f16 at 2 and 4 bits (measured
-    faster alone and end to end on the H200 with a float32 q, `common.kernel_q`; docs/DESIGN.md "Decode
-    numerics"). maxnreg: a cap on the registers per
+    shift; 15% fewer loop instructions); default_config's choice for folded_f16 at 2 and 4 bits (with a
+    float32 q, `common.kernel_q`; measured on the H200: docs/DESIGN.md "Decode numerics"). maxnreg: a cap on the registers per
     thread (`common.pallas_call`), None for the compiler's choice; default_config's is DEFAULT_MAXNREG."""
 
     num_splits: int = 1
@@ -469,7 +468,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
         that wrote the filling token; hack_jax.attention.decode_step). Other lengths read the same either way.
       interleaved: True sets KernelConfig.interleaved on the config (given or default), in place of its
         subnormal planes: 2-bit codes with dot_dtype "folded_f16" only (ValueError otherwise).
-      denormal: None keeps the config's KernelConfig.denormal (default_config: True for 2-bit folded_f16;
+      denormal: None keeps the config's KernelConfig.denormal (default_config: True for folded_f16;
         False where interleaved=True); True / False set it (True: dot_dtype "folded_f16" only, not with
         interleaved).
       maxnreg: None keeps the config's KernelConfig.maxnreg (default_config: 168 for the folded modes); 0

@@ -239,16 +239,17 @@ def test_decode_seed_reference():
 
 
 @pytest.mark.parametrize("impl", ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("dot_dtype,denormal", [("folded_f16", False), ("folded_bf16", False), ("folded_f16", True)],
-                         ids=["folded_f16", "folded_bf16", "folded_f16-denormal"])
+@pytest.mark.parametrize("dot_dtype,denormal", [("folded_f16", None), ("folded_bf16", None), ("folded_f16", False)],
+                         ids=["folded_f16", "folded_bf16", "folded_f16-magic"])
 def test_decode_folded_within_2x_naive(dot_dtype, denormal, impl):
     """The scale-folded operands (the model's decode path) round Q sigma and W tau to 16 bits on purpose:
     their error vs exact attention over the dequantized cache is at most 2x that of the same rounding
-    done naively (the twin with the transients rounded from float32), plus float32 order; also with the
-    nibbles unpacked as f16 subnormals (KernelConfig.denormal)."""
+    done naively (the twin with the transients rounded from float32), plus float32 order: folded_f16 with
+    its default nibble planes (f16 subnormals, KernelConfig.denormal) and with the 1024 + c planes
+    (denormal=False), 4-block trips (pages of 4 blocks)."""
     cache = _cache(B4_PAGE4)
     q = make_q((len(LENGTHS), NUM_Q_HEADS, HEAD_DIM))
-    extra = {"denormal": True} if denormal else {}
+    extra = {} if denormal is None else {"denormal": denormal}
     out = np.asarray(attention.decode_attention(q, cache.layer, page_indices=cache.table, kv_lens=cache.lengths,
                                                 **_impl(impl, dot_dtype=dot_dtype, **extra)))
     q_pos = (cache.lengths - 1)[:, None]

@@ -653,7 +653,7 @@ def test_denormal_plane_bits():
 def test_plane_variants_within_2x_naive_f16(case, flag, mode):
     """The folded f16 path's three plane encodings, each vs float64 attention over the dequantized cache:
     within 2x of the naive f16 math, open_split too. interleaved: planes unpacked without byte permutes and
-    the K rows, q, sigma, mu, tau, nu read in the planes' order; denormal (2-bit default_config's): the codes
+    the K rows, q, sigma, mu, tau, nu read in the planes' order; denormal (default_config's): the codes
     as f16 subnormals (on the GPU this checks that the tensor cores multiply them exactly); magic: 1024 + 64c."""
     q, c = build(case, seed=2)
     fields = {"interleaved": {"interleaved": True}, "denormal": {"denormal": True}, "magic": {"denormal": False}}
