@@ -250,7 +250,8 @@ def test_engine_decodes_the_generators_tokens(weights):
   """The Engine with per-layer formats decodes the Generator's greedy tokens."""
   model, tok = _model(weights, "stacked"), tiny_llama.tokenizer()
   prompt = np.random.default_rng(3).integers(0, 49152, 9).tolist()
-  gen = Generator(model, tok, BASE, layer_formats=SPEC, max_seqs=1, max_len=40)
+  # max_seqs 2 (slot 1 idle): the stacked Generator programs of the tests above, not new ones
+  gen = Generator(model, tok, BASE, layer_formats=SPEC, max_seqs=2, max_len=40)
   want = gen.generate_ids([prompt], 10, Sampling(), stop_on_eos=False).tokens[0]
   engine = Engine(model, tok, BASE, layer_formats=SPEC, max_seqs=2, max_len=40)
   (done,) = engine.generate([Request(prompt_ids=prompt, max_tokens=10, ignore_eos=True)])

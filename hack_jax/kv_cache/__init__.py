@@ -364,7 +364,7 @@ def write_prefill(layer: LayerCache, k, v, *, lengths, page_indices, start=None,
     _validate_pages(layer, page_indices, lengths if start is None else start + lengths)
     if not is_traced(lengths):  # rows t >= lengths[s] are ignored: not checked
         rows = np.arange(k.shape[1])[None, :] < np.asarray(lengths)[:, None]
-        check_finite(k[rows], v[rows], "write_prefill", layer.config)
+        check_finite(k, v, "write_prefill", layer.config, rows=rows)
     v = rotate_v(v, layer.config.v_rotation)
     return _compiled(ops.write_prefill)(layer, k, v, lengths, page_indices, start, key)
 
@@ -486,7 +486,7 @@ def append(layer: LayerCache, k, v, *, kv_lens, active, page_indices, key=None,
     if not is_traced(active):
         _validate_pages(layer, page_indices, kv_lens)
         rows = np.asarray(active)
-        check_finite(k[rows], v[rows], "append", layer.config)
+        check_finite(k, v, "append", layer.config, rows=rows)
     else:
         check_finite(k, v, "append", layer.config)
     if seal == "never" and not is_traced(kv_lens, active) and seals_block(layer.config, kv_lens, active):

@@ -9,6 +9,7 @@ from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hack_jax import paging
 from hack_jax.config import QuantConfig
@@ -223,24 +224,46 @@ def check_kv(layer, k, v, ndim, what):
 F16_META_FORMATS = ("hack", "int8", "kivi2", "int4", "turbo3", "turbo4")
 
 
-def check_finite(k, v, what, config=None):
+@jax.jit
+def _finite_stats(x, rows):
+    """(count of NaN / inf, max |x| over the finite-or-not values) of x's rows where rows (bool over
+    x's leading axes) holds; other rows count as 0. One compiled program per x shape, whatever rows
+    selects (an eager x[rows] compiles its gather and reductions per selected count)."""
+    keep = rows.reshape(rows.shape + (1,) * (x.ndim - rows.ndim))
+    bad = jnp.sum(keep & ~jnp.isfinite(x), dtype=jnp.int32)
+    return bad, jnp.max(jnp.where(keep, jnp.abs(x), jnp.zeros((), x.dtype)))
+
+
+def check_finite(k, v, what, config=None, rows=None):
     """Concrete K/V only (a host sync; inside jit nothing can raise): ValueError on NaN or inf, which
     no format can store (2-bit codes would hold garbage for the whole block), and, for the quantized
     formats with float16 scale/min (config given, kv_format "hack" / "int8" / "kivi2"; fp8's scale is
     float32), on a finite value beyond the float16 metadata's
     range (|x| > saturation_bound, 65504): quantize would clip it there silently. Under jit those
-    values saturate (quantize's documented behaviour) and NaN stays NaN."""
+    values saturate (quantize's documented behaviour) and NaN stays NaN. rows: None = every value of
+    k / v is checked, or a host bool array over their leading axes: only those rows (k[rows] and
+    v[rows], read in place)."""
     bound = None
     if config is not None and config.kv_format in F16_META_FORMATS:
         bound = saturation_bound(2, config.meta_dtype)  # finfo(meta_dtype).max for bits > 1
     for name, x in (("k", k), ("v", v)):
         if is_traced(x) or not x.size:
             continue
-        if not bool(jnp.isfinite(x).all()):
-            n = int((~jnp.isfinite(x)).sum())
+        if rows is not None:
+            mask = np.asarray(rows, bool)
+            if not mask.any():
+                continue
+            n, top = jax.device_get(_finite_stats(x, mask))
+            n, top = int(n), float(top)
+        else:
+            n = 0 if bool(jnp.isfinite(x).all()) else int((~jnp.isfinite(x)).sum())
+            top = None
+        if n:
             raise ValueError(f"{what}: {name} holds {n} NaN or inf value(s) in the rows to be written")
-        if bound is not None and float(jnp.abs(x).max()) > bound:
-            raise ValueError(f"{what}: {name} holds |value| up to {float(jnp.abs(x).max()):g}, beyond "
-                             f"{bound:g}, the largest the {jnp.dtype(config.meta_dtype).name} scale/min "
-                             f"of kv_format={config.kv_format!r} hold (it would be clipped); rescale, "
-                             f"or use kv_format='bf16' / 'float32'")
+        if bound is not None:
+            top = float(jnp.abs(x).max()) if top is None else top
+            if top > bound:
+                raise ValueError(f"{what}: {name} holds |value| up to {top:g}, beyond "
+                                 f"{bound:g}, the largest the {jnp.dtype(config.meta_dtype).name} scale/min "
+                                 f"of kv_format={config.kv_format!r} hold (it would be clipped); rescale, "
+                                 f"or use kv_format='bf16' / 'float32'")
