@@ -35,7 +35,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", help="JSON-lines file the rows are appended to")
     ap.add_argument("sources", nargs="+", help="NAME=PATH of a decode_attention.py variant")
-    ap.add_argument("--shapes", nargs="+", default=["b8_32k", "b1_32k", "b1_128k", "b8_128k"], choices=sorted(bh.SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["b8_32k", "b1_32k", "b1_128k", "b8_128k"],
+                    choices=sorted(bh.SHAPES))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--target-ms", type=float, default=40.0)
     args = ap.parse_args(argv)

@@ -68,8 +68,8 @@ class Backend:
         interpret mode on the CPU; {"fuse": True}: the non-sealing decode steps through the fused append +
         attention kernel (attention.decode_step); {"interleaved": True}: the 2-bit HACK decode kernel's
         KernelConfig.interleaved (folded f16 planes without byte permutes); {"denormal": False / True}: its
-        KernelConfig.denormal (the codes as f16 subnormals: the default, the fused kernel's at 2 bits only; False: the
-        1024 + 64c planes); {"num_stages": 3}: its loop's pipeline depth;
+        KernelConfig.denormal (the codes as f16 subnormals: the default, the fused kernel's at 2 bits only;
+        False: the 1024 + 64c planes); {"num_stages": 3}: its loop's pipeline depth;
         {"num_warps": 8}: its warps per program; {"maxnreg": 0 / N}: its register cap (KernelConfig.maxnreg;
         0: none). These reach the decode of kivi layers only (DECODE_ONLY); interleaved, denormal,
         num_stages, num_warps and maxnreg need impl="pallas". Must be empty with

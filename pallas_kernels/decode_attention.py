@@ -319,8 +319,9 @@ class KernelConfig:
     off by default. denormal ("folded_f16" only, not with interleaved): the codes unpacked by
     `common.denormal_plane` as exact f16 subnormals (no magic exponent: no offset term, no per-plane
     shift; 15% fewer loop instructions); default_config's choice for folded_f16 at 2 and 4 bits (with a
-    float32 q, `common.kernel_q`; measured on the H200: docs/DESIGN.md "Decode numerics"). maxnreg: a cap on the registers per
-    thread (`common.pallas_call`), None for the compiler's choice; default_config's is DEFAULT_MAXNREG."""
+    float32 q, `common.kernel_q`; measured on the H200: docs/DESIGN.md "Decode numerics"). maxnreg: a cap
+    on the registers per thread (`common.pallas_call`), None for the compiler's choice; default_config's is
+    DEFAULT_MAXNREG."""
 
     num_splits: int = 1
     open_split: bool = False
