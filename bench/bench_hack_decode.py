@@ -208,25 +208,37 @@ def time_variant(fn, config, c, table, lens, pages_per_copy, n_copies, batch, re
     return float(np.median(times)) * 1e6, compile_s, n * calls_per_iter
 
 
+def copies(nbytes):
+    """How many copies of a call's pages to rotate through so that consecutive calls do not hit the L2: enough
+    for 256 MiB in all, at most 8."""
+    return max(1, min(8, math.ceil((256 << 20) / nbytes)))
+
+
+def time_bf16(batch, kv_len, reps, target_ms, interpret=False, calls_per_iter=8):
+    """Our bf16 paged kernel on a bf16 cache of the same length, timed as time_variant times the HACK
+    kernel: (us, compile s, calls, bytes it must read (512 B per token per kv head), copies)."""
+    nbytes = batch * HKV * kv_len * 2 * D * 2
+    n_copies = copies(nbytes)
+    k, v, table, lens, ppc = bf16_inputs(batch, kv_len, n_copies)
+    us, comp, n = time_variant("bf16paged", None, dict(k=k, v=v), table, lens, ppc, n_copies, batch, reps, target_ms,
+                               interpret, calls_per_iter)
+    return us, comp, n, nbytes, n_copies
+
+
 def bench(args, log):
     for shape in args.shapes:
         batch, kv_len = SHAPES[shape]
         nbytes = cache_bytes(batch, kv_len)
-        n_copies = max(1, min(8, math.ceil((256 << 20) / nbytes)))
+        n_copies = copies(nbytes)
         c, table, lens, ppc = make_inputs(batch, kv_len, n_copies)
         for name, fn, config in variants(batch, kv_len, args.variants):
             row = dict(shape=shape, batch=batch, kv_len=kv_len, variant=name, config=str(config), bytes=nbytes,
                        copies=n_copies, calls_per_iter=args.calls_per_iter)
             try:
-                if fn == "bf16paged":  # its own cache: 512 B per token per kv head
-                    nb = batch * HKV * kv_len * 2 * D * 2
-                    nc = max(1, min(8, math.ceil((256 << 20) / nb)))
-                    k, v, bt, bl, bppc = bf16_inputs(batch, kv_len, nc)
-                    row.update(bytes=nb, copies=nc, config="bf16_decode_attention default_config")
-                    us, comp, n = time_variant(fn, None, dict(k=k, v=v), bt, bl, bppc, nc, batch, args.reps,
-                                               args.target_ms, args.interpret, args.calls_per_iter)
-                    del k, v
-                    nbytes_row = nb
+                if fn == "bf16paged":  # its own cache
+                    us, comp, n, nbytes_row, nc = time_bf16(batch, kv_len, args.reps, args.target_ms, args.interpret,
+                                                            args.calls_per_iter)
+                    row.update(bytes=nbytes_row, copies=nc, config="bf16_decode_attention default_config")
                 else:
                     us, comp, n = time_variant(fn, config, c, table, lens, ppc, n_copies, batch, args.reps,
                                                args.target_ms, args.interpret, args.calls_per_iter)

@@ -14,7 +14,6 @@ that holds it. Run its gpu tests in a copy of the tree with the file in place (b
 import argparse
 import importlib.util
 import json
-import math
 import os
 import sys
 
@@ -55,7 +54,7 @@ def main(argv=None):
         for shape in args.shapes:
             batch, kv_len = bh.SHAPES[shape]
             nbytes = bh.cache_bytes(batch, kv_len, sums=False)
-            n_copies = max(1, min(8, math.ceil((256 << 20) / nbytes)))
+            n_copies = bh.copies(nbytes)
             c, table, lens, ppc = bh.make_inputs(batch, kv_len, n_copies)
             for name in list(mods) + list(mods)[::-1]:
                 m = mods[name]
@@ -65,13 +64,8 @@ def main(argv=None):
                                            args.reps, args.target_ms, calls_per_iter=8)
                 log(dict(shape=shape, variant=name, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1), config=str(cfg)))
             del c
-            nb = batch * bh.HKV * kv_len * 2 * bh.D * 2
-            nc = max(1, min(8, math.ceil((256 << 20) / nb)))
-            k, v, bt, bl, bppc = bh.bf16_inputs(batch, kv_len, nc)
-            us, _, _ = bh.time_variant("bf16paged", None, dict(k=k, v=v), bt, bl, bppc, nc, batch, args.reps,
-                                       args.target_ms, calls_per_iter=8)
+            us, _, _, nb, _ = bh.time_bf16(batch, kv_len, args.reps, args.target_ms)
             log(dict(shape=shape, variant="bf16", us=round(us, 2), gbps=round(nb / us / 1e3, 1)))
-            del k, v
 
 
 if __name__ == "__main__":
