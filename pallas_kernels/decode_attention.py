@@ -112,9 +112,9 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     # k_codes_ref       u8[N, H, page_size // C, D]   C = 8 // bits planes (blocks) per packing group; a
     #                   loop trip reads T = common.blocks_per_trip blocks = T // C packing groups of one page
     # k_scale_ref, k_min_ref  f16[N, H, bpp, D]
-    # k_sums_ref        u8|u16[N, H, bpp, P, NP]   (the wrapper's free reshape of [N, H, page_size, NP])
+    # k_sums_ref        u8|u16[N, H, bpp, P * NP]   (the wrapper's free reshape of [N, H, page_size, NP])
     # v_codes_ref       u8[N, H, D, page_size // C]   (token-major)
-    # v_scale_ref, v_min_ref  f16[N, H, bpp, P, NP]   (reshaped likewise)
+    # v_scale_ref, v_min_ref  f16[N, H, bpp, P * NP]   (reshaped likewise)
     # v_sums_ref        u8|u16[N, H, bpp, D]
     # open_k_ref, open_v_ref  bf16[S, H, W, D]   the open region (W = window, or P)
     # refs = (sink_k_ref, sink_v_ref  bf16[S, H, ns, D],)  if ns else ()
@@ -188,13 +188,21 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         """x f32[R, n] rounded to 16 bits, dotted with each row's own (virtual) plane of the trip's u8 tiles
         [m, n] -> (f32[R, m] = dot of the rounded x with the codes up to the plane offset, the rounded x
         f32[R, n])."""
+        dots, xr = fold_plane_dots(x, tiles, None)
+        return fold_w * common.select_rows(row_plane, dots), xr
+
+    def fold_plane_dots(x, tiles, acc):
+        """`fold_dot` before the row select and fold_w: (T x f32[R, m], the dots of the rounded x with each
+        (virtual) plane, each plus acc's (None: nothing), the rounded x f32[R, n])."""
         xr = x.astype(fold_dtype)
         plane = (functools.partial(common.trip_plane, plane_fn=common.interleaved_plane) if interleaved else
                  functools.partial(common.trip_plane, plane_fn=common.denormal_plane) if denormal else
                  functools.partial(common.trip_plane, plane_fn=common.folded_plane, dot_dtype=dot_dtype))
         dots = [jnp.dot(xr, plane(tiles, j, asm=asm, bits=bits).T, preferred_element_type=jnp.float32)
                 for j in range(T)]
-        return fold_w * common.select_rows(row_plane, dots), xr.astype(jnp.float32)
+        if acc is not None:  # dot + acc: the combine pass's dot(a, b, 0) + c -> dot(a, b, c)
+            dots = [d + c for d, c in zip(dots, acc)]
+        return dots, xr.astype(jnp.float32)
 
     init = jax.lax.cond(
         split == prologue_split,
@@ -226,15 +234,17 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                 return rows(ref[pid, h, slots, (channels.start + perm_c)[None, :]])
             return rows(ref[pid, h, pl.ds(slot0, T), channels])
 
-        def per_token(ref):  # per-token metadata (kappa, tau, nu) -> NP x [T, P], one per channel group
+        def per_token(ref):  # per-token metadata (kappa, tau, nu) [N, H, bpp, P NP] -> NP x [T, P], one per group
             if interleaved:  # tokens in the order the permuted K rows gave the logits
-                return [ref[pid, h, slots, perm_t[None, :], p] for p in range(NP)]
-            # the trip's whole [T, P, NP] tile in one contiguous load, split in registers: a channel group's
-            # [T, P] column alone is a stride-NP gather of 2-byte elements, which Triton cannot issue as
-            # cp.async, so it was a synchronous load each trip waited on (bench/NOTES_decode.md, session 17)
-            tile = ref[pid, h, pl.ds(slot0, T), :, :]
-            parts = jnp.split(tile, NP, axis=2) if NP > 1 else [tile]
-            return [jnp.squeeze(x, axis=2) for x in parts]
+                return [ref[pid, h, slots, (perm_t * NP + p)[None, :]] for p in range(NP)]
+            # the trip's [T, P NP] tile (token t's group p at t NP + p) in one contiguous 2-D load, split in
+            # registers: a channel group's [T, P] column alone is a stride-NP gather of 2-byte elements, which
+            # Triton cannot issue as cp.async (a synchronous load each trip waited on: bench/NOTES_decode.md,
+            # session 17); as a 2-D tile (not [T, P, NP]) each cp.async copies whole rows
+            tile = ref[pid, h, pl.ds(slot0, T), :]
+            if NP == 1:
+                return [tile]
+            return [jnp.squeeze(x, axis=2) for x in jnp.split(tile.reshape(T, P, NP), NP, axis=2)]
 
         def k_tile(r0, channels):  # u8[P, Pc] of a packing group (interleaved: rows = tokens permuted)
             if interleaved:
@@ -246,6 +256,11 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
         # folded: logit_j = sum_c r(q_c sigma_c) k_jc + q . mu (the plane offset folded into the constant)
         logits = jnp.zeros((R, P), jnp.float32)
         kappas = per_token(k_sums_ref) if int8 else None
+        # folded: a plane's channel-group dots summed before the row select (the dots are linear in the
+        # channels; fold_w is a power of two per row, applied once after), written `dot_p + dot_{p-1}` so
+        # that Triton's combine pass (XLA's MakeTTIR runs it) chains them through the MMA accumulator: one
+        # select, one fold_w multiply and one [R] bias (one layout conversion) per trip instead of NP
+        plane_dots, bias_sum = None, None
         for p in range(NP):
             channels = pl.ds(p * Pc, Pc)
             k_tiles = [k_tile(r0, channels) for r0 in code_rows]  # T // C x u8[P, Pc]
@@ -257,9 +272,12 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                 logits += ((qs * plane_w)[:, None] * dot + qm[:, None] * kappa
                            + jnp.sum(q[p] * mu, axis=1)[:, None])
             else:
-                dot, a = fold_dot(qi[p] * sigma, k_tiles)  # [R, P], [R, Pc]
+                plane_dots, a = fold_plane_dots(qi[p] * sigma, k_tiles, plane_dots)  # T x [R, P], [R, Pc]
                 bias = qi[p] * mu if fold_off is None else qi[p] * mu - fold_off * a
-                logits += dot + jnp.sum(bias, axis=1)[:, None]
+                bias = jnp.sum(bias, axis=1)
+                bias_sum = bias if bias_sum is None else bias_sum + bias
+        if not int8:
+            logits = fold_w * common.select_rows(row_plane, plane_dots) + bias_sum[:, None]
 
         mb = jnp.max(logits, axis=1)  # [R] block-local max (sealed blocks are full: no mask)
         w = exp(logits - mb[:, None])  # [R, P]
@@ -397,10 +415,10 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=16 // trip)  # R = trip * pad >= 16
     splits = config.num_splits
     programs = splits + config.open_split
-    # per-token metadata as [N, H, bpp, P, NP] (a free reshape): the kernel reads a block group's [4, P]
-    # tile in one strided load instead of a [4P] vector reshaped in registers
-    k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size, partition_size,
-                                        num_channel_groups) for x in (k_sums, v_scale, v_min))
+    # per-token metadata as [N, H, bpp, P * NP] (a free reshape): the kernel reads a trip's blocks as one
+    # contiguous 2-D tile (its per_token)
+    k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size,
+                                        partition_size * num_channel_groups) for x in (k_sums, v_scale, v_min))
     inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), offsets, q, k_codes, k_scale, k_min,
               k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
     if num_sink_tokens:

@@ -124,8 +124,8 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     programs = config.num_splits + config.open_split
     prev = kv_lens.astype(jnp.int32)
     after = prev + active.astype(jnp.int32)  # what the attention sees: append's kv_lens + active
-    k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size, partition_size,
-                                        num_channel_groups) for x in (k_sums, v_scale, v_min))
+    k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size,
+                                        partition_size * num_channel_groups) for x in (k_sums, v_scale, v_min))
     cache = [k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
     writes_sinks = bool(num_sink_tokens) and write_sinks
     written = [open_k, open_v] + ([sink_k, sink_v] if writes_sinks else [])
