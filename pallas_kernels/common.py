@@ -738,12 +738,57 @@ def q_per_kv_pad(q_per_kv: int, *, at_least: int = 1) -> int:
     return max(at_least, _next_pow2(q_per_kv))
 
 
-def combine_splits(acc, m, l, num_q_heads: int):
-    """Merge the split-K partials: acc f32[S, H, splits, q_per_kv_pad, D], m, l f32[S, H, splits, q_per_kv_pad]
-    -> f32[S, Hq, D] (0 for rows that attended to nothing)."""
-    batch, num_kv_heads, _, _, head_dim = acc.shape
-    out = lse_combine(m, l, acc, axes=2)  # [S, H, q_per_kv_pad, D]
+# Split-K programs per (sequence, kv head) from which combine_splits merges with its Pallas kernel: on the H200 it
+# was faster with 43-47 programs (batch 1 at 32K-128K: 21.2 vs 23.6 us a call at Llama 1 x 32K) and slower with
+# 6 or fewer (batch 8: 98.7 vs 97.5 us at 8 x 32K, 12.3 vs 11.7 at 8 x 1K) than XLA's fusions of lse_combine
+# (bench/NOTES_decode.md, session 19)
+PALLAS_COMBINE_MIN_PROGRAMS = 16
+
+
+def split_slots(programs: int) -> int:
+    """Rows along the programs axis of a split-K kernel's partial outputs: `programs`, or with
+    PALLAS_COMBINE_MIN_PROGRAMS or more `programs` rounded up to a power of two (Triton's block shapes), so
+    that combine_splits' kernel reads them as one block; rows past `programs` are never written nor read."""
+    return _next_pow2(programs) if programs >= PALLAS_COMBINE_MIN_PROGRAMS else programs
+
+
+def _combine_kernel(m_ref, l_ref, acc_ref, o_ref, *, programs):
+    # m_ref, l_ref f32[SP, pad]; acc_ref f32[SP, pad, DC] (one (sequence, kv head), DC channels); rows >= programs
+    # were never written: selected away (not multiplied: they may hold NaN)
+    valid = jax.lax.broadcasted_iota(jnp.int32, m_ref.shape, 0) < programs  # [SP, pad]
+    m = jnp.where(valid, m_ref[...], -jnp.inf)
+    l = jnp.where(valid, l_ref[...], 0.0)
+    acc = jnp.where(valid[:, :, None], acc_ref[...], 0.0)
+    m_max = jnp.max(m, axis=0)  # [pad]
+    w = jnp.exp(m - jnp.where(m_max > -jnp.inf, m_max, 0.0)[None, :])  # [SP, pad]; 0 for empty states
+    l_tot = jnp.sum(l * w, axis=0)
+    acc_tot = jnp.sum(acc * w[:, :, None], axis=0)  # [pad, DC]
+    safe = jnp.where(l_tot == 0, 1.0, l_tot)  # == 0, not > 0: a NaN total stays NaN
+    o_ref[...] = jnp.where((l_tot == 0)[:, None], 0.0, acc_tot / safe[:, None])
+
+
+def combine_splits(acc, m, l, num_q_heads: int, *, programs: int | None = None, interpret: bool = False):
+    """Merge the split-K partials: acc f32[S, H, SP, q_per_kv_pad, D], m, l f32[S, H, SP, q_per_kv_pad], of
+    which the first `programs` rows along SP hold states (None: all; SP = split_slots(programs) lets the rest
+    be unwritten) -> f32[S, Hq, D] (0 for rows that attended to nothing). With PALLAS_COMBINE_MIN_PROGRAMS or
+    more programs (and SP, D powers of two) one small Pallas kernel merges them (XLA runs `lse_combine` as four
+    small kernels); otherwise `lse_combine`."""
+    batch, num_kv_heads, slots, pad, head_dim = acc.shape
     q_per_kv = num_q_heads // num_kv_heads
+    programs = slots if programs is None else programs
+    if programs < PALLAS_COMBINE_MIN_PROGRAMS or slots != _next_pow2(slots) or head_dim != _next_pow2(head_dim):
+        out = lse_combine(m[:, :, :programs], l[:, :, :programs], acc[:, :, :programs], axes=2)
+    else:
+        dc = min(head_dim, max(16, _next_pow2(8192 // (slots * pad) + 1) // 2))  # <= 8K partials a program
+        out = pallas_call(
+            functools.partial(_combine_kernel, programs=programs),
+            out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, pad, head_dim), jnp.float32),
+            grid=(batch, num_kv_heads, head_dim // dc),
+            in_specs=[pl.BlockSpec((None, None, slots, pad), lambda b, h, c: (b, h, 0, 0)),
+                      pl.BlockSpec((None, None, slots, pad), lambda b, h, c: (b, h, 0, 0)),
+                      pl.BlockSpec((None, None, slots, pad, dc), lambda b, h, c: (b, h, 0, 0, c))],
+            out_specs=pl.BlockSpec((None, None, pad, dc), lambda b, h, c: (b, h, 0, c)),
+            num_warps=4, num_stages=1, interpret=interpret, name="combine_splits")(m, l, acc)
     return out[:, :, :q_per_kv].reshape(batch, num_q_heads, head_dim)
 
 

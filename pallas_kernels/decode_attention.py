@@ -415,6 +415,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=16 // trip)  # R = trip * pad >= 16
     splits = config.num_splits
     programs = splits + config.open_split
+    out_rows = common.split_slots(programs)  # the partials' rows; combine_splits reads the first `programs`
     # per-token metadata as [N, H, bpp, P * NP] (a free reshape): the kernel reads a trip's blocks as one
     # contiguous 2-D tile (its per_token)
     k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size,
@@ -431,9 +432,9 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         num_splits=splits, open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret,
         interleaved=config.interleaved, denormal=config.denormal,
         open_full=open_full, bits=bits)
-    out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32)]
     out_specs = [pl.BlockSpec((None, None, None, pad, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
                  pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0)),
                  pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0))]
@@ -442,7 +443,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         in_specs=[common.full_spec(x) for x in inputs], out_specs=out_specs,
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
         name="hack_decode_attention", maxnreg=config.maxnreg)(*inputs)
-    return common.combine_splits(acc, m, l, num_q_heads)
+    return common.combine_splits(acc, m, l, num_q_heads, programs=programs, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -143,6 +143,7 @@ def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k,
     pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=4)
     packing_groups_per_page = page_size // (NUM_PLANES * partition_size)
     splits = config.num_splits
+    out_rows = common.split_slots(splits)  # the partials' rows; combine_splits reads the first `splits`
     inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q,
               k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v]
     if num_sink_tokens:
@@ -155,9 +156,9 @@ def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k,
         num_splits=splits)
     acc, m, l = common.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad, head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, num_kv_heads, splits, pad), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32)],
         grid=(batch, num_kv_heads, splits),
         in_specs=[common.full_spec(x) for x in inputs],
         out_specs=[pl.BlockSpec((None, None, None, pad, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
@@ -165,7 +166,7 @@ def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k,
                    pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0))],
         num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret,
         name="dequant_decode_attention")(*inputs)
-    return common.combine_splits(acc, m, l, num_q_heads)
+    return common.combine_splits(acc, m, l, num_q_heads, programs=splits, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ attention over sinks + sealed blocks + open block uses the new rows from registe
 reads back what it writes). Everything else is decode_attention.py's kernel, unchanged
 (`_hack_decode_kernel`, every dot_dtype and KernelConfig): q is read in its natural
 [S, num_q_heads, head_dim] layout with sm_scale applied in-kernel; the split-K partials are merged
-by common.combine_splits (XLA), as for the plain kernel.
+by common.combine_splits, as for the plain kernel.
 
 Non-sealing steps only: the caller promises that no active slot fills its open block with this token
 (hack_jax.kv_cache.seals_block is False); a slot that does anyway keeps the block unsealed, exactly as
@@ -122,6 +122,7 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     pad = common.q_per_kv_pad(num_q_heads // num_kv_heads,
                               at_least=16 // common.blocks_per_trip(bits, page_size, partition_size))
     programs = config.num_splits + config.open_split
+    out_rows = common.split_slots(programs)  # the partials' rows; combine_splits reads the first `programs`
     prev = kv_lens.astype(jnp.int32)
     after = prev + active.astype(jnp.int32)  # what the attention sees: append's kv_lens + active
     k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size,
@@ -143,9 +144,9 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         num_splits=config.num_splits, open_split=config.open_split, dot_dtype=config.dot_dtype,
         interpret=interpret, bits=bits, write_sinks=write_sinks, interleaved=config.interleaved,
         denormal=config.denormal)
-    out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, num_kv_heads, programs, pad), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32)]
     out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in written]
     out_specs = [pl.BlockSpec((None, None, None, pad, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
                  pl.BlockSpec((None, None, None, pad), lambda b, h, s: (b, h, s, 0)),
@@ -158,7 +159,8 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         input_output_aliases=aliases, name="hack_fused_decode_attention",
         maxnreg=config.maxnreg)(*inputs)
     sinks = tuple(new[2:]) if writes_sinks else (sink_k, sink_v)
-    return (common.combine_splits(acc, m, l, num_q_heads), new[0], new[1]) + sinks
+    out = common.combine_splits(acc, m, l, num_q_heads, programs=programs, interpret=interpret)
+    return (out, new[0], new[1]) + sinks
 
 
 def default_config(*, batch: int, num_kv_heads: int, pages_per_seq: int, page_size: int, partition_size: int,

@@ -433,10 +433,11 @@ ODD_CASE = Case("d128_P64_g4_int8_odd", 128, 64, 256, 1, 4, 6, (1, 4 + 63, 4 + 6
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("splits,open_split", [(1, False), (3, True)], ids=["s1", "s3_open"])
+@pytest.mark.parametrize("splits,open_split", [(1, False), (3, True), (20, True)], ids=["s1", "s3_open", "s20_open"])
 def test_hack_kernel_llama_heads_odd_lengths(splits, open_split, mode):
     """ODD_CASE (Llama-3 heads, lengths 1, 63, 64, 65 + sinks, 3 and 5 packing groups, shuffled pages) vs the
-    float64 NumPy twin: 1 split, and 3 splits + open_split."""
+    float64 NumPy twin: 1 split, 3 splits + open_split, and 21 programs (common.combine_splits' Pallas merge,
+    most of them empty)."""
     case = dataclasses.replace(ODD_CASE, num_splits=splits)
     q, c = build(case, seed=0)
     out = run_config(q, c, case, KernelConfig(num_splits=splits, open_split=open_split), mode)
@@ -770,7 +771,9 @@ def test_register_cap_reaches_the_triton_module(dot_dtype, cap):
         cfg = dataclasses.replace(cfg, maxnreg=cap)
     fn = lambda q, *a: hack_decode_attention(q, *a, partition_size=case.P, num_sink_tokens=case.ns,  # noqa: E731
                                              config=cfg)
-    (module,) = _lowered_modules(fn, jnp.asarray(q), *arrays)
+    # the kernel's module (with many splits combine_splits lowers a second one, its merge)
+    modules = _lowered_modules(fn, jnp.asarray(q), *arrays)
+    (module,) = [m for m in modules if "@hack_decode_attention" in m.splitlines()[0]]
     header = module.splitlines()[0]
     if cap is None:
         assert "maxnreg" not in header, header
@@ -844,6 +847,35 @@ def test_merge_and_combine_empty_parts_stay_finite():
     out = common.lse_combine(jnp.stack([m, m2]), jnp.stack([l, l2]), jnp.stack([acc[0], a2]), axes=0)
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_array_equal(np.asarray(out[:2]), 0.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("programs,heads,q_per_kv,head_dim", [(43, 8, 4, 128), (16, 2, 7, 64), (5, 2, 4, 32)])
+def test_combine_splits_vs_numpy(programs, heads, q_per_kv, head_dim, mode):
+    """common.combine_splits vs a float64 log-sum-exp merge: rows past `programs` hold NaN (never written by
+    a kernel: must not be read), one empty state (m -inf, l 0) per (sequence, kv head), one all-empty row;
+    43 and 16 programs take its Pallas kernel (PALLAS_COMBINE_MIN_PROGRAMS), 5 the jnp lse_combine."""
+    rng = np.random.default_rng(programs)
+    batch, num_q_heads, pad = 2, heads * q_per_kv, common.q_per_kv_pad(q_per_kv, at_least=4)
+    slots = common.split_slots(programs)
+    m = rng.normal(size=(batch, heads, slots, pad)) * 20
+    l = rng.uniform(0.5, 3.0, size=m.shape)
+    acc = rng.normal(size=m.shape + (head_dim,))
+    m[:, :, 1] = -np.inf
+    l[:, :, 1] = acc[:, :, 1] = 0
+    m[0, 0, :, 0], l[0, 0, :, 0], acc[0, 0, :, 0] = -np.inf, 0, 0  # a row that attended to nothing
+    m[:, :, programs:] = l[:, :, programs:] = acc[:, :, programs:] = np.nan
+    w = np.exp(m[:, :, :programs] - np.max(np.where(np.isinf(m), -1e300, m)[:, :, :programs], axis=2, keepdims=True))
+    l_tot = np.sum(w * l[:, :, :programs], axis=2)
+    with np.errstate(invalid="ignore"):
+        want = np.where(l_tot[..., None] > 0, np.sum(w[..., None] * acc[:, :, :programs], axis=2) / l_tot[..., None], 0)
+    want = want[:, :, :q_per_kv].reshape(batch, num_q_heads, head_dim)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    got = np.asarray(common.combine_splits(f32(acc), f32(m), f32(l), num_q_heads, programs=programs,
+                                           interpret=(mode == "interpret")))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[0, 0] == 0).all()
 
 
 def test_default_config_and_rows():
