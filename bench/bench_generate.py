@@ -665,8 +665,9 @@ KINDS = (("attention", ("decode_attention",)),
 def kernel_kinds(row):
     """GPU us per step of a profiled decode row by kind: attention (our decode kernels), append (the
     cache's row writes: XLA scatters and dynamic-update-slices), matmul (GEMM fusions / cuBLAS), other (the
-    rest of the step, incl. XLA's split combine, norms, RoPE, activations and the kernels beyond the
-    profile's top N: gpu_us_per_step minus the three). None without a profile."""
+    rest of the step, incl. the split combine (XLA's fusions or combine_splits' kernel), norms, RoPE,
+    activations and the kernels beyond the profile's top N: gpu_us_per_step minus the three). None without a
+    profile."""
     if not row.get("gpu_kernels") or not row.get("gpu_us_per_step"):
         return None
     out = dict.fromkeys([k for k, _ in KINDS], 0.0)
@@ -707,7 +708,7 @@ def write_markdown(rows, path, header):
         lines += ["## GPU time per decode step, by kind (rows with --profile-steps)", "",
                   "From the profiler's device events over the profiled steps (`kernel_kinds`): attention = our decode "
                   "kernels; append = the cache's row writes (scatters, dynamic-update-slices); matmul = GEMM fusions; "
-                  "other = the rest (XLA's split combine, norms, RoPE, activations, small kernels). "
+                  "other = the rest (the split combine, norms, RoPE, activations, small kernels). "
                   "kernels / TPOT = the summed kernel time of a profiled step over the timed TPOT: near or above "
                   "100% the GPU does not wait on the host (the profiled steps run under the tracer, and events of "
                   "concurrent kernels overlap, so it can exceed 100%).", "",

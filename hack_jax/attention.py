@@ -479,7 +479,7 @@ def decode_step(q, k, v, layer: kv_cache.LayerCache | stacked.StackedLayer, *, p
     page_indices=page_indices, kv_lens=kv_lens, impl=impl, **kernel_options)`, which is what
     runs, except for impl="pallas" with seal="never" on a kivi layer when `fuse`: one fused Pallas call
     (pallas_kernels.fused_decode_attention) writes the token's sink / open-block rows in place and
-    attends, plus one small kernel for the split combine, so no XLA scatter runs around the kernel (the
+    attends, plus the split combine, so no XLA scatter runs around the kernel (the
     same cache bytes, the same output up to float32 order). The fused kernel holds 2 programs per SM
     instead of 3 (more registers). fuse=True forces it (ValueError where it cannot apply); None / False do
     not fuse: where the model used it on the H200 (Qwen2.5-7B heads, batch 1, 4K and 32K) its split-combine

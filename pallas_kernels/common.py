@@ -21,7 +21,8 @@
   and `q_per_kv_pad` (prefill's too), `blocks_per_trip` / `trip_plane` (a loop trip's 4 blocks: one 2-bit
   packing group or two 4-bit ones), `split_range`, `load_q_rows`, `empty_state`,
   `sinks_and_open_block_state`,
-  `combine_splits`, `full_spec`.
+  `split_slots` / `combine_splits` (the split-K merge: a small Pallas kernel from PALLAS_COMBINE_MIN_PROGRAMS
+  programs, `lse_combine` below), `full_spec`.
 - The per-token decode kernels' (fp8, int8, int4 / turbo) tile walk `per_token_tiles` and launch
   `per_token_paged_decode`.
 
@@ -738,23 +739,27 @@ def q_per_kv_pad(q_per_kv: int, *, at_least: int = 1) -> int:
     return max(at_least, _next_pow2(q_per_kv))
 
 
-# Split-K programs per (sequence, kv head) from which combine_splits merges with its Pallas kernel: on the H200 it
-# was faster with 43-47 programs (batch 1 at 32K-128K: 21.2 vs 23.6 us a call at Llama 1 x 32K) and slower with
-# 6 or fewer (batch 8: 98.7 vs 97.5 us at 8 x 32K, 12.3 vs 11.7 at 8 x 1K) than XLA's fusions of lse_combine
-# (bench/NOTES_decode.md, session 19)
+# Split-K programs per (sequence, kv head) from which combine_splits merges with its Pallas kernel. On the H200
+# (bench/NOTES_decode.md, session 19, call 5: one process, means of two rows) it was faster than XLA's fusions of
+# lse_combine with 43-47 programs (Llama batch 1 at 32K-128K: 21.2 vs 23.6 us a call at 1 x 32K) and slower with 6
+# or fewer (batch 8: 98.8 vs 97.5 us at 8 x 32K, 12.3 vs 11.6 at 8 x 1K); 16 is a value between the two, not
+# measured itself. COMBINE_MAX_PARTIALS caps the rows x query heads a program merges (the measured 64 x 4 = 256,
+# in 32-channel blocks): more fall back to lse_combine, not measured.
 PALLAS_COMBINE_MIN_PROGRAMS = 16
+COMBINE_MAX_PARTIALS = 512
 
 
 def split_slots(programs: int) -> int:
     """Rows along the programs axis of a split-K kernel's partial outputs: `programs`, or with
     PALLAS_COMBINE_MIN_PROGRAMS or more `programs` rounded up to a power of two (Triton's block shapes), so
-    that combine_splits' kernel reads them as one block; rows past `programs` are never written nor read."""
+    that combine_splits' kernel reads them as one block; rows past `programs` are never written (the kernel
+    loads them with the rest and selects them away, never multiplying them)."""
     return _next_pow2(programs) if programs >= PALLAS_COMBINE_MIN_PROGRAMS else programs
 
 
 def _combine_kernel(m_ref, l_ref, acc_ref, o_ref, *, programs):
     # m_ref, l_ref f32[SP, pad]; acc_ref f32[SP, pad, DC] (one (sequence, kv head), DC channels); rows >= programs
-    # were never written: selected away (not multiplied: they may hold NaN)
+    # were never written: loaded, then selected away (not multiplied: they may hold NaN)
     valid = jax.lax.broadcasted_iota(jnp.int32, m_ref.shape, 0) < programs  # [SP, pad]
     m = jnp.where(valid, m_ref[...], -jnp.inf)
     l = jnp.where(valid, l_ref[...], 0.0)
@@ -771,15 +776,18 @@ def combine_splits(acc, m, l, num_q_heads: int, *, programs: int | None = None, 
     """Merge the split-K partials: acc f32[S, H, SP, q_per_kv_pad, D], m, l f32[S, H, SP, q_per_kv_pad], of
     which the first `programs` rows along SP hold states (None: all; SP = split_slots(programs) lets the rest
     be unwritten) -> f32[S, Hq, D] (0 for rows that attended to nothing). With PALLAS_COMBINE_MIN_PROGRAMS or
-    more programs (and SP, D powers of two) one small Pallas kernel merges them (XLA runs `lse_combine` as four
-    small kernels); otherwise `lse_combine`."""
+    more programs (SP, D powers of two, SP * q_per_kv_pad <= COMBINE_MAX_PARTIALS) one small Pallas kernel
+    merges them (XLA ran `lse_combine` as four small kernels at Llama batch 1); otherwise `lse_combine`."""
     batch, num_kv_heads, slots, pad, head_dim = acc.shape
     q_per_kv = num_q_heads // num_kv_heads
     programs = slots if programs is None else programs
-    if programs < PALLAS_COMBINE_MIN_PROGRAMS or slots != _next_pow2(slots) or head_dim != _next_pow2(head_dim):
+    if not 1 <= programs <= slots:
+        raise ValueError(f"programs must be in [1, {slots}] (the partials' rows), got {programs=}")
+    if (programs < PALLAS_COMBINE_MIN_PROGRAMS or slots != _next_pow2(slots) or head_dim != _next_pow2(head_dim)
+            or slots * pad > COMBINE_MAX_PARTIALS):
         out = lse_combine(m[:, :, :programs], l[:, :, :programs], acc[:, :, :programs], axes=2)
     else:
-        dc = min(head_dim, max(16, _next_pow2(8192 // (slots * pad) + 1) // 2))  # <= 8K partials a program
+        dc = min(head_dim, _next_pow2(8192 // (slots * pad) + 1) // 2)  # <= 8K partials a program, >= 16 channels
         out = pallas_call(
             functools.partial(_combine_kernel, programs=programs),
             out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, pad, head_dim), jnp.float32),

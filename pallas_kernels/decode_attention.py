@@ -254,7 +254,7 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
 
         # QK^T. int8: logit_j = sum_p [ s_p sum_{c in p} qc_c k_jc + m_p kappa_jp ] + q . mu;
         # folded: logit_j = sum_c r(q_c sigma_c) k_jc + q . mu (the plane offset folded into the constant)
-        logits = jnp.zeros((R, P), jnp.float32)
+        logits = jnp.zeros((R, P), jnp.float32) if int8 else None  # folded: set after the loop
         kappas = per_token(k_sums_ref) if int8 else None
         # folded: a plane's channel-group dots summed before the row select (the dots are linear in the
         # channels; fold_w is a power of two per row, applied once after), written `dot_p + dot_{p-1}` so

@@ -1,7 +1,7 @@
 """HACK decode step in one Pallas kernel: append the new token to the kivi cache and attend, Triton lowering.
 
 Computes what hack_jax.kv_cache.append(..., seal="never") followed by decode_attention.hack_decode_attention
-computes, in one kernel launch (plus XLA's split combine, as the plain kernel) instead of the append's four
+computes, in one kernel launch (plus the split combine, as the plain kernel) instead of the append's four
 row scatters (sink_k, sink_v, open_k, open_v) and the attention kernel: the new
 token's k / v rows are written into their open-block (or sink) row of the slot through
 `input_output_aliases` (the cache arrays are updated in place when the caller donates them), and the

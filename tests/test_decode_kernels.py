@@ -787,8 +787,9 @@ def test_register_cap_reaches_the_triton_module(dot_dtype, cap):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", [dataclasses.replace(CASES[0], num_splits=2), CASE["d128_P64_g4_s1"]],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [dataclasses.replace(CASES[0], num_splits=2), CASE["d128_P64_g4_s1"],
+                                  dataclasses.replace(CASES[0], name="d64_P32_g4_s16", num_splits=16)],
+                         ids=lambda c: c.name)  # 16 splits: combine_splits' kernel
 def test_dequant_kernel_within_2x_naive_bf16(case, mode):
     q, c = build(case)
     out = run_kernel(dequant_decode_attention, q, c, case, mode)
@@ -850,15 +851,19 @@ def test_merge_and_combine_empty_parts_stay_finite():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("programs,heads,q_per_kv,head_dim", [(43, 8, 4, 128), (16, 2, 7, 64), (5, 2, 4, 32)])
+@pytest.mark.parametrize("programs,heads,q_per_kv,head_dim", [(43, 8, 4, 128), (20, 2, 7, 64), (5, 2, 4, 32),
+                                                             (86, 1, 7, 32)])
 def test_combine_splits_vs_numpy(programs, heads, q_per_kv, head_dim, mode):
     """common.combine_splits vs a float64 log-sum-exp merge: rows past `programs` hold NaN (never written by
-    a kernel: must not be read), one empty state (m -inf, l 0) per (sequence, kv head), one all-empty row;
-    43 and 16 programs take its Pallas kernel (PALLAS_COMBINE_MIN_PROGRAMS), 5 the jnp lse_combine."""
+    a kernel: must not be read), one empty state (m -inf, l 0) per (sequence, kv head), one all-empty row,
+    one (sequence, kv head) whose states all have m near -200 (an empty state's weight must not take their
+    place); 43 and 20 programs take its Pallas kernel (PALLAS_COMBINE_MIN_PROGRAMS), 5 (too few) and 86 (128
+    rows x 8 heads: over COMBINE_MAX_PARTIALS) the jnp lse_combine."""
     rng = np.random.default_rng(programs)
     batch, num_q_heads, pad = 2, heads * q_per_kv, common.q_per_kv_pad(q_per_kv, at_least=4)
     slots = common.split_slots(programs)
     m = rng.normal(size=(batch, heads, slots, pad)) * 20
+    m[1, 0] = rng.normal(size=m[1, 0].shape) - 200
     l = rng.uniform(0.5, 3.0, size=m.shape)
     acc = rng.normal(size=m.shape + (head_dim,))
     m[:, :, 1] = -np.inf
