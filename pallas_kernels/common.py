@@ -749,12 +749,18 @@ PALLAS_COMBINE_MIN_PROGRAMS = 16
 COMBINE_MAX_PARTIALS = 512
 
 
-def split_slots(programs: int) -> int:
-    """Rows along the programs axis of a split-K kernel's partial outputs: `programs`, or with
-    PALLAS_COMBINE_MIN_PROGRAMS or more `programs` rounded up to a power of two (Triton's block shapes), so
-    that combine_splits' kernel reads them as one block; rows past `programs` are never written (the kernel
-    loads them with the rest and selects them away, never multiplying them)."""
-    return _next_pow2(programs) if programs >= PALLAS_COMBINE_MIN_PROGRAMS else programs
+def _merge_in_kernel(programs: int, pad: int, head_dim: int) -> bool:
+    """Whether combine_splits merges `programs` partials of q_per_kv_pad `pad` rows with its Pallas kernel."""
+    return (programs >= PALLAS_COMBINE_MIN_PROGRAMS and head_dim == _next_pow2(head_dim)
+            and _next_pow2(programs) * pad <= COMBINE_MAX_PARTIALS)
+
+
+def split_slots(programs: int, pad: int, head_dim: int) -> int:
+    """Rows along the programs axis of a split-K kernel's partial outputs (acc f32[S, H, rows, pad, head_dim]):
+    `programs`, or where combine_splits merges them with its kernel `programs` rounded up to a power of two
+    (Triton's block shapes), read as one block; rows past `programs` are never written (the kernel loads them
+    with the rest and selects them away, never multiplying them)."""
+    return _next_pow2(programs) if _merge_in_kernel(programs, pad, head_dim) else programs
 
 
 def _combine_kernel(m_ref, l_ref, acc_ref, o_ref, *, programs):
@@ -774,17 +780,18 @@ def _combine_kernel(m_ref, l_ref, acc_ref, o_ref, *, programs):
 
 def combine_splits(acc, m, l, num_q_heads: int, *, programs: int | None = None, interpret: bool = False):
     """Merge the split-K partials: acc f32[S, H, SP, q_per_kv_pad, D], m, l f32[S, H, SP, q_per_kv_pad], of
-    which the first `programs` rows along SP hold states (None: all; SP = split_slots(programs) lets the rest
-    be unwritten) -> f32[S, Hq, D] (0 for rows that attended to nothing). With PALLAS_COMBINE_MIN_PROGRAMS or
-    more programs (SP, D powers of two, SP * q_per_kv_pad <= COMBINE_MAX_PARTIALS) one small Pallas kernel
-    merges them (XLA ran `lse_combine` as four small kernels at Llama batch 1); otherwise `lse_combine`."""
+    which the first `programs` rows along SP hold states (None: all; SP = split_slots(...) lets the rest be
+    unwritten) -> f32[S, Hq, D] (0 for rows that attended to nothing). Where `_merge_in_kernel` holds
+    (PALLAS_COMBINE_MIN_PROGRAMS or more programs, D a power of two, SP * q_per_kv_pad <= COMBINE_MAX_PARTIALS)
+    and SP is the programs rounded up to a power of two, one small Pallas kernel merges them (XLA ran
+    `lse_combine` as four small kernels at Llama batch 1); otherwise `lse_combine`. ValueError if `programs`
+    is outside [1, SP]."""
     batch, num_kv_heads, slots, pad, head_dim = acc.shape
     q_per_kv = num_q_heads // num_kv_heads
     programs = slots if programs is None else programs
     if not 1 <= programs <= slots:
         raise ValueError(f"programs must be in [1, {slots}] (the partials' rows), got {programs=}")
-    if (programs < PALLAS_COMBINE_MIN_PROGRAMS or slots != _next_pow2(slots) or head_dim != _next_pow2(head_dim)
-            or slots * pad > COMBINE_MAX_PARTIALS):
+    if slots != _next_pow2(programs) or not _merge_in_kernel(programs, pad, head_dim):
         out = lse_combine(m[:, :, :programs], l[:, :, :programs], acc[:, :, :programs], axes=2)
     else:
         dc = min(head_dim, _next_pow2(8192 // (slots * pad) + 1) // 2)  # <= 8K partials a program, >= 16 channels

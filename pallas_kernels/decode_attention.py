@@ -415,7 +415,8 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=16 // trip)  # R = trip * pad >= 16
     splits = config.num_splits
     programs = splits + config.open_split
-    out_rows = common.split_slots(programs)  # the partials' rows; combine_splits reads the first `programs`
+    # the partials' rows (a power of two where combine_splits' kernel merges them); it reads the first `programs`
+    out_rows = common.split_slots(programs, pad, head_dim)
     # per-token metadata as [N, H, bpp, P * NP] (a free reshape): the kernel reads a trip's blocks as one
     # contiguous 2-D tile (its per_token)
     k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size,

@@ -143,7 +143,8 @@ def _dequant_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k,
     pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=4)
     packing_groups_per_page = page_size // (NUM_PLANES * partition_size)
     splits = config.num_splits
-    out_rows = common.split_slots(splits)  # the partials' rows; combine_splits reads the first `splits`
+    # the partials' rows (a power of two where combine_splits' kernel merges them); it reads the first `splits`
+    out_rows = common.split_slots(splits, pad, head_dim)
     inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), q,
               k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v]
     if num_sink_tokens:

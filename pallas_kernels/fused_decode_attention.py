@@ -122,7 +122,8 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     pad = common.q_per_kv_pad(num_q_heads // num_kv_heads,
                               at_least=16 // common.blocks_per_trip(bits, page_size, partition_size))
     programs = config.num_splits + config.open_split
-    out_rows = common.split_slots(programs)  # the partials' rows; combine_splits reads the first `programs`
+    # the partials' rows (a power of two where combine_splits' kernel merges them); it reads the first `programs`
+    out_rows = common.split_slots(programs, pad, head_dim)
     prev = kv_lens.astype(jnp.int32)
     after = prev + active.astype(jnp.int32)  # what the attention sees: append's kv_lens + active
     k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size,

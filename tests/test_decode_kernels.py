@@ -858,10 +858,10 @@ def test_combine_splits_vs_numpy(programs, heads, q_per_kv, head_dim, mode):
     a kernel: must not be read), one empty state (m -inf, l 0) per (sequence, kv head), one all-empty row,
     one (sequence, kv head) whose states all have m near -200 (an empty state's weight must not take their
     place); 43 and 20 programs take its Pallas kernel (PALLAS_COMBINE_MIN_PROGRAMS), 5 (too few) and 86 (128
-    rows x 8 heads: over COMBINE_MAX_PARTIALS) the jnp lse_combine."""
+    rows, rounded up, x 8 heads: over COMBINE_MAX_PARTIALS, so not padded) the jnp lse_combine."""
     rng = np.random.default_rng(programs)
     batch, num_q_heads, pad = 2, heads * q_per_kv, common.q_per_kv_pad(q_per_kv, at_least=4)
-    slots = common.split_slots(programs)
+    slots = common.split_slots(programs, pad, head_dim)
     m = rng.normal(size=(batch, heads, slots, pad)) * 20
     m[1, 0] = rng.normal(size=m[1, 0].shape) - 200
     l = rng.uniform(0.5, 3.0, size=m.shape)
