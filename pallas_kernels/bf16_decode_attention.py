@@ -51,7 +51,7 @@ NUM_SMS_H200 = 132
 def _bf16_decode_kernel(
     page_indices_ref,  # i32[pages_per_seq_padded]  (this sequence's row)
     kv_lens_ref,  # i32[1]
-    first_page_ref,  # i32[1]  the layer's first page in the pools (0, or i * num_pages: layer i of a stack)
+    first_page_ref,  # i32[1]  the layer's first page in the pools (i * num_pages: layer i of a stack); None: 0
     q_ref,  # bf16[block_h, head_dim]
     k_ref,  # bf16[num_layers * num_pages, page_size, head_dim]  (the pool of this kv head)
     v_ref,  # bf16[num_layers * num_pages, page_size, head_dim]
@@ -68,7 +68,7 @@ def _bf16_decode_kernel(
     block_h = q_ref.shape[0]
     split = pl.program_id(2)
     kv_len = kv_lens_ref[0]
-    first_page = first_page_ref[0]
+    first_page = 0 if first_page_ref is None else first_page_ref[0]
 
     # This sequence's tiles are shared out evenly between the splits (by its own length, not capacity).
     num_blocks = pl.cdiv(kv_len, block_k)
@@ -153,13 +153,14 @@ def default_config(*, batch: int, num_q_heads: int, num_kv_heads: int, head_dim:
 def _launch(q, k, v, page_indices, kv_lens, first_page, *, num_layers: int, config: KernelConfig, sm_scale: float,
             interpret: bool):
     """q bf16[batch, num_kv_heads, block_h, head_dim], k, v the pools of num_layers layers seen flat,
-    first_page i32[1] -> (acc, m, l) per split."""
+    first_page i32[1] (None: 0, no operand) -> (acc, m, l) per split."""
     batch, num_kv_heads, block_h, head_dim = q.shape
     num_pages, _, page_size, _ = k.shape  # of all the layers
     pages_per_seq = page_indices.shape[1]
     splits = config.num_splits
     kernel = functools.partial(_bf16_decode_kernel, block_k=config.block_k, num_splits=splits,
                                num_pages=num_pages // num_layers, sm_scale=sm_scale)
+    kernel = common.without_operand(kernel, 2, first_page is not None)
     page_table_spec = pl.BlockSpec((None, pages_per_seq), lambda b, h, s: (b, 0))
     kv_lens_spec = pl.BlockSpec((1,), lambda b, h, s: (b,))
     first_page_spec = pl.BlockSpec((1,), lambda b, h, s: (0,))
@@ -171,7 +172,8 @@ def _launch(q, k, v, page_indices, kv_lens, first_page, *, num_layers: int, conf
     return common.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, splits),
-        in_specs=[page_table_spec, kv_lens_spec, first_page_spec, q_spec, pool_spec, pool_spec],
+        in_specs=[page_table_spec, kv_lens_spec] + [first_page_spec] * (first_page is not None)
+                 + [q_spec, pool_spec, pool_spec],
         out_specs=[acc_spec, row_spec, row_spec],
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_kv_heads, splits, block_h, head_dim), jnp.float32),
@@ -182,7 +184,7 @@ def _launch(q, k, v, page_indices, kv_lens, first_page, *, num_layers: int, conf
         num_stages=config.num_stages,
         interpret=interpret,
         name="bf16_decode_attention",
-    )(page_indices, kv_lens, first_page, q, k, v)
+    )(page_indices, kv_lens, *([] if first_page is None else [first_page]), q, k, v)
 
 
 @common.quiet
@@ -222,7 +224,8 @@ def bf16_decode_attention(q, k, v, page_indices, kv_lens, *, config: KernelConfi
                                 head_dim=head_dim, page_size=page_size, pages_per_seq=pages_per_seq)
     if not common.is_pow2(config.block_k) or config.block_k < 16 or config.num_splits < 1:
         raise ValueError(f"config.block_k must be a power of two >= 16 and num_splits >= 1, got {config=}")
-    return _bf16_decode(q, *view.flat, page_indices, kv_lens, view.offsets[:1], num_layers=view.num_layers,
+    first_page = None if view.offsets is None else view.offsets[:1]
+    return _bf16_decode(q, *view.flat, page_indices, kv_lens, first_page, num_layers=view.num_layers,
                         config=config, interpret=interpret)
 
 

@@ -818,8 +818,17 @@ class StackedView(NamedTuple):
     """A layer's cache arrays as a kernel launch takes them (`stacked_view`)."""
     layer: tuple  # one layer's arrays (or ShapeDtypeStructs of their shapes): what the checks see
     flat: tuple  # the arrays the kernel gets: [num_layers * X, ...] (a free reshape of a stacked array)
-    offsets: Any  # i32[2]: (first page, first sequence row) of the layer in `flat`
+    offsets: Any  # i32[2]: (first page, first sequence row) of the layer in `flat`; None: (0, 0)
     num_layers: int
+
+
+def without_operand(kernel, index: int, present: bool):
+    """`kernel` as a launch passes its refs when the operand at ref position `index` may be left out
+    (`present` False): the kernel then gets None there (e.g. a StackedView's offsets of None, known zeros
+    that would otherwise cost a launch of their own to materialize)."""
+    if present:
+        return kernel
+    return lambda *refs: kernel(*refs[:index], None, *refs[index:])
 
 
 def misaddressed(dtype, size: int) -> bool:
@@ -834,10 +843,12 @@ def stacked_view(arrays, layer_index, *, batch: int) -> StackedView:
     """The kernel operands of layer `layer_index` of a stacked cache, read in place.
 
     arrays: a layer's cache arrays, the first a page pool (None entries, e.g. absent sinks, kept).
-    layer_index None: they are one layer's own ([num_pages, ...], [batch, ...]); offsets (0, 0).
+    layer_index None: they are one layer's own ([num_pages, ...], [batch, ...]); offsets None (the
+    kernels then take no operand: a constant of zeros is materialized by a launch of its own).
     Else an int or i32 scalar i: every array carries a leading num_layers axis L; each is viewed flat
     ([L * num_pages, ...], [L * batch, ...]: page p of layer i is flat page i * num_pages + p) and
-    offsets = (i * num_pages, i * batch). A Python int gives constant offsets (no kernel); an int
+    offsets = (i * num_pages, i * batch). A Python int gives constant offsets (no kernel; layer 0 keeps
+    its zeros operand so that every layer of a stack runs one compiled kernel); an int
     outside [0, L) or arrays of different L raise ValueError, as does a 1-byte operand (u8 codes) of more
     than 2**31 and at most 2**32 bytes: Pallas-Triton indexes it with 32-bit offsets that Triton's pointer
     arithmetic sign-extends, so it would read the wrong bytes past 2**31 (measured on the H200:
@@ -848,7 +859,7 @@ def stacked_view(arrays, layer_index, *, batch: int) -> StackedView:
                              f"what the Pallas-Triton kernels address correctly (2**31 < bytes <= 2**32): use "
                              f"fewer layers per stack (kv_cache.init_cache(group_layers=...)) or fewer pages")
     if layer_index is None:
-        return StackedView(tuple(arrays), tuple(arrays), np.zeros(2, np.int32), 1)
+        return StackedView(tuple(arrays), tuple(arrays), None, 1)
     present = [x for x in arrays if x is not None]
     if any(x.ndim < 2 or x.shape[0] != present[0].shape[0] for x in present):
         raise ValueError(f"with layer_index, every cache array needs the same leading num_layers axis, got "

@@ -55,7 +55,8 @@ docs/DESIGN.md "Decode numerics".
 
 Stacked caches: `layer_index` i (an int or i32 scalar) reads layer i of arrays with a leading
 num_layers axis in place: they are viewed flat and one i32[2] operand gives the layer's first page and
-sequence row (common.stacked_view), so one compiled kernel serves every layer.
+sequence row (common.stacked_view), so one compiled kernel serves every layer (one layer's own arrays:
+no operand, the kernel's offsets are zeros).
 
 Caveats: partition_size and head_dim powers of two >= 32, page_size a multiple of 4 * partition_size.
 "int8": a transient INT8 code at a near-.5 tie may round differently from the reference (the GPU's
@@ -106,8 +107,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
                         denormal=False, open_state=common.sinks_and_open_block_state):
     # kv_lens_ref       i32[S]
     # page_indices_ref  i32[S, pages_per_seq]   layer-local page ids
-    # offsets_ref       i32[2]: (first page, first sequence row) of the layer read, in the arrays below
-    #                   (0, 0) for one layer's own arrays; (i N, i S) for layer i of a stacked cache seen flat
+    # offsets_ref       i32[2]: (first page, first sequence row) of the layer read, in the arrays below:
+    #                   (i N, i S) for layer i of a stacked cache seen flat; None: (0, 0) (no operand)
     # q_ref             float[S, Hq, D]
     # k_codes_ref       u8[N, H, page_size // C, D]   C = 8 // bits planes (blocks) per packing group; a
     #                   loop trip reads T = common.blocks_per_trip blocks = T // C packing groups of one page
@@ -133,7 +134,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     Pc = q_ref.shape[-1] // NP
 
     kv_len = kv_lens_ref[b]
-    first_page, row = offsets_ref[0], offsets_ref[1] + b  # row: this sequence's open block / sinks
+    # row: this sequence's open block / sinks
+    first_page, row = (0, b) if offsets_ref is None else (offsets_ref[0], offsets_ref[1] + b)
     after_sinks = jnp.clip(kv_len - ns, 0, max_blocks * P)  # beyond the capacity: clipped (as kv_cache)
     W = open_k_ref.shape[2]
     # sealed blocks: the open region's W // P seal together; open_full: a full region is still open (its
@@ -404,7 +406,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
                  sink_k, sink_v, page_indices, kv_lens, offsets, *, partition_size, num_sink_tokens, num_layers,
                  config, open_full, interpret, bits):
     # the cache arrays of num_layers layers seen flat ([num_layers * N, ...], [num_layers * S, ...]);
-    # offsets i32[2] picks the layer (the kernel's offsets_ref)
+    # offsets i32[2] picks the layer (the kernel's offsets_ref); None: the first (no operand)
     q = common.kernel_q(q, config)
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
@@ -421,8 +423,8 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     # contiguous 2-D tile (its per_token)
     k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size,
                                         partition_size * num_channel_groups) for x in (k_sums, v_scale, v_min))
-    inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), offsets, q, k_codes, k_scale, k_min,
-              k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
+    inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32)] + ([] if offsets is None else [offsets])
+    inputs += [q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
     if num_sink_tokens:
         inputs += [sink_k, sink_v]
     kernel = functools.partial(
@@ -433,6 +435,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         num_splits=splits, open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret,
         interleaved=config.interleaved, denormal=config.denormal,
         open_full=open_full, bits=bits)
+    kernel = common.without_operand(kernel, 2, offsets is not None)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32)]

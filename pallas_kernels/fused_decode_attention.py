@@ -67,7 +67,7 @@ RESIDENT_PROGRAMS_PER_SM = {"int8": 2, "folded_f16": 2, "folded_bf16": 2}
 def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_ref, k_ref, v_ref, *refs,
                   num_sink_tokens, partition_size, max_blocks, num_splits, open_split, write_sinks, **kernel_kwargs):
     # kv_lens_ref   i32[S] after this token; prev_lens_ref i32[S] before it
-    # offsets_ref   i32[2] (first page, first sequence row) of the layer: _hack_decode_kernel's
+    # offsets_ref   i32[2] (first page, first sequence row) of the layer, or None: _hack_decode_kernel's
     # k_ref, v_ref  float[S, H, D] the new token
     # refs = 8 page-pool refs, open_k, open_v bf16[S, H, W, D], (sink_k, sink_v bf16[S, H, ns, D] if ns)
     #        + outputs acc, m, l (as _hack_decode_kernel's) + open_k, open_v (, sink_k, sink_v if ns and
@@ -76,7 +76,7 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_r
     n_cache = 10 + 2 * bool(ns)
     cache_in, (acc_ref, m_ref, l_ref), cache_out = refs[:n_cache], refs[n_cache:n_cache + 3], refs[n_cache + 3:]
     b, h = pl.program_id(0), pl.program_id(1)
-    row = offsets_ref[1] + b  # the slot's row in the per-sequence arrays
+    row = b if offsets_ref is None else offsets_ref[1] + b  # the slot's row in the per-sequence arrays
     prev, kv_len = prev_lens_ref[b], kv_lens_ref[b]
     written = (kv_len > prev) & (prev >= 0)  # active; a negative position is dropped, as append does
     to_sink = written & (prev < ns) & write_sinks  # write_sinks=False: a sink token is dropped, as append's
@@ -133,8 +133,9 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     written = [open_k, open_v] + ([sink_k, sink_v] if writes_sinks else [])
     if num_sink_tokens:
         cache += [sink_k, sink_v]
-    inputs = [after, prev, page_indices.astype(jnp.int32), offsets, q, k, v] + cache
-    first = 7 + 8  # index of open_k among the inputs
+    inputs = [after, prev, page_indices.astype(jnp.int32)] + ([] if offsets is None else [offsets])
+    inputs += [q, k, v] + cache
+    first = len(inputs) - len(cache) + 8  # index of open_k among the inputs
     aliases = {first + i: 3 + i for i in range(len(written))}
     kernel = functools.partial(
         _fused_kernel, partition_size=partition_size, num_channel_groups=num_channel_groups,
@@ -145,6 +146,7 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         num_splits=config.num_splits, open_split=config.open_split, dot_dtype=config.dot_dtype,
         interpret=interpret, bits=bits, write_sinks=write_sinks, interleaved=config.interleaved,
         denormal=config.denormal)
+    kernel = common.without_operand(kernel, 3, offsets is not None)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32)]
