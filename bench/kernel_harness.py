@@ -101,8 +101,9 @@ def prepare(out_dir, shapes, bits_list, xla_passes=False):
             per_meta = (N, HKV, PAGE // P, P, NP)
             operand = lambda f: (f, spec[f].dtype.name, per_meta if f in ("k_sums", "v_scale", "v_min")  # noqa: E731
                                  else tuple(spec[f].shape), fills[f])
+            # (one layer's own arrays: no layer-offsets operand, common.stacked_view's offsets None)
             args = ([("kv_lens", "int32", (batch,), f"const:{kv_len + NS}"), operand("page_indices"),
-                     ("offsets", "int32", (2,), "const:0"), operand("q")] + [operand(f) for f in bh.FIELDS]
+                     operand("q")] + [operand(f) for f in bh.FIELDS]
                     + [("acc", "float32", (batch, HKV, programs, pad, D), "out"),
                        ("m", "float32", (batch, HKV, programs, pad), "out"),
                        ("l", "float32", (batch, HKV, programs, pad), "out")])

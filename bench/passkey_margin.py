@@ -13,6 +13,11 @@ gives p(token), the best other token and its probability, and the margin log p(t
 greedy decoding keeps the token while the margin is > 0. Answer token 0 is scored by the prefill's last
 logits (exact 16-bit attention of the prompt in every format: `scored_by` "prefill"), the others by decode
 steps over the cache.
+
+Layer sensitivity (`--layer-scan SPEC`): the formats become float32, SPEC, and SPEC with each layer L in turn
+held in bf16 (`SPEC+L:bf16`); at the end the layers are ranked by how much of the answer's log-probability
+(its decode-scored tokens, summed over the needles) that one exact layer gives back over SPEC. Calibrate on
+needles the evaluation does not use (another --haystack and --seed): bench/NOTES_eval.md, session 20.
 """
 
 import argparse
@@ -36,6 +41,8 @@ def main(argv=None):
   ap.add_argument("--keys", default="", help="comma list of keys to score (default: all needles)")
   ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
   ap.add_argument("--out", default=None, help="append jsonl rows here")
+  ap.add_argument("--layer-scan", default=None, metavar="SPEC",
+                  help="rank the layers of SPEC's cache by what one bf16 layer gives back (replaces --formats)")
   args = ap.parse_args(argv)
 
   import jax.numpy as jnp
@@ -44,9 +51,17 @@ def main(argv=None):
   from models.gguf_loader import load_checkpoint
   from models.llama import Llama
 
-  fmts = ev.parse_formats(args.formats)
   ckpt = load_checkpoint(args.model, dtype=jnp.float32, scan_layers=True)
   model, tok = Llama.from_weights(ckpt.config, ckpt.weights), ckpt.tokenizer
+  if args.layer_scan:
+    scan = args.layer_scan.strip()
+    fmts = ev.parse_formats(",".join(["float32", scan] + [f"{scan}+{i}:bf16"
+                                                         for i in range(ckpt.config.num_layers)]))
+  else:
+    fmts = ev.parse_formats(args.formats)
+  for f in fmts:  # a per-layer format that does not fit this model fails now, not after the formats before it
+    if hasattr(f.quant, "configs"):
+      f.quant.configs(ckpt.config.num_layers)
   hay = tok.encode(ev.load_text(args.haystack)[1])
   prompts = passkey.make_prompts(tok, hay, length=args.length, depths=[float(d) for d in args.depths.split(",")],
                                  trials=args.trials, seed=args.seed)
@@ -90,7 +105,24 @@ def main(argv=None):
   if args.out:
     with open(args.out, "a", encoding="utf-8") as fh:
       fh.writelines(json.dumps(r) + "\n" for r in rows)
+  if args.layer_scan:
+    print_layer_ranking(rows, fmts[1].name)
   return 0
+
+
+def print_layer_ranking(rows, base: str):
+  """--layer-scan's table: per format, the decode-scored answer tokens' summed log p, its gain over `base`,
+  and each needle's smallest margin; best first."""
+  logp, worst = {}, {}
+  for r in rows:
+    if r["scored_by"] == "decode":
+      logp[r["format"]] = logp.get(r["format"], 0.0) + float(np.log(r["p"]))
+      w = worst.setdefault(r["format"], {})
+      w[r["key"]] = min(w.get(r["key"], np.inf), r["margin"])
+  print(f"\nlayer scan over {base} (sum of log p of the decode-scored answer tokens; gain over {base}):")
+  for name in sorted(logp, key=logp.get, reverse=True):
+    margins = " ".join(f"{k}:{m:+.2f}" for k, m in worst[name].items())
+    print(f"  {name:60s} {logp[name]:8.2f}  gain {logp[name] - logp[base]:+6.2f}  smallest margins {margins}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ per layer. `LayerFormats(base, rules)` says it without knowing the model's depth
 
 Layer selectors: an index i (negative counts from the end, as in Python), `firstN`, `lastN`. A rule's
 format is a kv_format name ("int8", "bf16", "float32", "fp8", "kivi2", "hack"; the base config
-itself when it names the base's kv_format) or, from Python, a QuantConfig. Every layer a rule does
-not name uses `base`. `configs(num_layers)` resolves the rules to one QuantConfig per layer
+itself when it names the base's kv_format), that name with QuantConfig fields changed
+(`NAME:FIELD=VALUE[,/]...`, e.g. "18:hack:bits=4,partition_size=64": the base's hack cache with 4-bit
+codes and 64-token blocks in layer 18), or, from Python, a QuantConfig. Every layer a rule does not
+name uses `base`. `configs(num_layers)` resolves the rules to one QuantConfig per layer
 (ValueError for an index beyond the model or a layer named by two rules).
 
 Every format shares the base's page_size: all layers read one page table (hack_jax.paging), whose
@@ -58,17 +60,50 @@ def _selectors(layers: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _field_value(text: str):
+    """A FIELD=VALUE value: an int, true / false, a float, else the string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def layer_config(kv_format: str, base: QuantConfig) -> QuantConfig:
-    """The QuantConfig a rule names by kv_format: `base` itself for the base's kv_format, else that
-    format's defaults with the base's page_size. ValueError naming an unknown format."""
-    name = kv_format.strip()
+    """The QuantConfig a rule names: "NAME" is `base` itself for the base's kv_format, else that
+    format's defaults with the base's page_size; "NAME:FIELD=VALUE,..." (items separated by ',' or '/')
+    is that config with those QuantConfig fields replaced. ValueError naming an unknown format, an
+    unknown field, or values QuantConfig rejects."""
+    name, _, fields = kv_format.strip().partition(":")
+    name = name.strip()
     if name not in get_args(KVFormat):
-        raise ValueError(f"unknown layer format {kv_format!r}; one of {get_args(KVFormat)}")
-    if name == base.kv_format:
-        return base
-    # partition_size only so that the base's page_size passes QuantConfig's check (the formats
-    # without blocks ignore it)
-    return QuantConfig(kv_format=name, page_size=base.page_size, partition_size=base.partition_size)
+        raise ValueError(f"unknown layer format {name!r}; one of {get_args(KVFormat)}")
+    known = {f.name for f in dataclasses.fields(QuantConfig)} - {"kv_format"}
+    changes = {}
+    for item in filter(None, (x.strip() for x in re.split(r"[,/]", fields))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or key not in known or not value:
+            raise ValueError(f"layer format {kv_format!r}: {item!r} is not FIELD=VALUE with FIELD one of "
+                             f"{sorted(known)}")
+        changes[key] = _field_value(value)
+    if fields.strip() and not changes:
+        raise ValueError(f"layer format {kv_format!r} names no FIELD=VALUE after ':'")
+    try:
+        if name == base.kv_format:
+            return dataclasses.replace(base, **changes) if changes else base
+        # partition_size only so that the base's page_size passes QuantConfig's check (the formats
+        # without blocks ignore it): the base's, halved while the page holds no 2-bit packing group of it
+        # (a 4-bit hack base's page may hold 2 blocks only); the fields are applied in the same call
+        p = base.partition_size
+        while p > 16 and base.page_size % (4 * p):
+            p //= 2
+        return QuantConfig(**{"kv_format": name, "page_size": base.page_size, "partition_size": p, **changes})
+    except ValueError as e:
+        raise ValueError(f"layer format {kv_format!r}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +127,7 @@ class LayerFormats:
             if not isinstance(rule, (tuple, list)) or len(rule) != 2:
                 raise ValueError(f"a LayerFormats rule is (layers, format), got {rule!r}")
             layers, config = rule
+            selectors = _selectors(layers)  # first: 'hack:bits=4' names its missing LAYERS, not 'bits=4'
             if isinstance(config, str):
                 config = layer_config(config, self.base)
             if not isinstance(config, QuantConfig):
@@ -99,7 +135,7 @@ class LayerFormats:
             if config.page_size != self.base.page_size:
                 raise ValueError(f"every layer format must share the base's page_size={self.base.page_size} "
                                  f"(one page table): layers {layers!r} have page_size={config.page_size}")
-            rules.append((_selectors(layers), config))
+            rules.append((selectors, config))
         object.__setattr__(self, "rules", tuple(rules))
 
     @property
@@ -139,9 +175,15 @@ class LayerFormats:
 
     @property
     def spec(self) -> str:
-        """The rules in parse_layer_formats' spelling (a QuantConfig that no name gives is shown whole)."""
+        """The rules in parse_layer_formats' spelling (a config as its kv_format and the fields that
+        differ from what that name alone gives)."""
         def name(c):
-            return c.kv_format if layer_config(c.kv_format, self.base) == c else repr(c)
+            start = layer_config(c.kv_format, self.base)
+            if start == c:
+                return c.kv_format
+            changed = [f"{f.name}={getattr(c, f.name)}" for f in dataclasses.fields(c)
+                       if getattr(c, f.name) != getattr(start, f.name)]
+            return f"{c.kv_format}:{'/'.join(changed)}"
         return ";".join(f"{','.join(sel)}:{name(c)}" for sel, c in self.rules)
 
     def __str__(self):
@@ -151,10 +193,11 @@ class LayerFormats:
 def parse_layer_formats(spec: str, base: QuantConfig) -> LayerFormats:
     """'LAYERS:FORMAT[;LAYERS:FORMAT...]' (rules also separated by '+') -> LayerFormats over base.
     LAYERS: indices, firstN, lastN separated by ',' or '/' (or written together: 'first2last2');
-    FORMAT: a kv_format name. ValueError naming the bad part."""
+    FORMAT: a kv_format name, optionally with fields ('hack:bits=4/partition_size=64', layer_config).
+    ValueError naming the bad part."""
     rules = []
     for part in filter(None, (p.strip() for p in re.split(r"[;+]", spec))):
-        layers, colon, fmt = part.rpartition(":")
+        layers, colon, fmt = part.partition(":")
         if not colon or not layers.strip() or not fmt.strip():
             raise ValueError(f"layer formats {spec!r}: {part!r} is not LAYERS:FORMAT (e.g. '0,-1:bf16' or "
                              f"'first2,last2:int8')")

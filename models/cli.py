@@ -78,8 +78,10 @@ def _parser() -> argparse.ArgumentParser:
                       "(QuantConfig.rotation)")
   common.add_argument("--layer-formats", default=None, metavar="LAYERS:FMT[;LAYERS:FMT]",
                       help="per-layer cache formats over --kv-format's: e.g. '0,-1:bf16' (the first and "
-                      "last layer in bf16), 'first2,last2:int8;5:float32'; LAYERS: indices (negative "
-                      "from the end), firstN, lastN (hack_jax.layer_formats)")
+                      "last layer in bf16), 'first2,last2:int8;5:float32', '18:hack:bits=4/partition_size=64' (layer "
+                      "18 in the base's hack cache with 4-bit codes and 64-token blocks); LAYERS: indices "
+                      "(negative from the end), firstN, lastN; FMT: a kv_format, optionally :FIELD=VALUE "
+                      "of QuantConfig fields (hack_jax.layer_formats)")
   common.add_argument("--keep-layers", default=None, metavar="N:FMT",
                       help="the first N and last N layers in FMT, the others in --kv-format: e.g. "
                       "'2:int8' (= --layer-formats first2,last2:int8)")

@@ -843,8 +843,9 @@ def stacked_view(arrays, layer_index, *, batch: int) -> StackedView:
     """The kernel operands of layer `layer_index` of a stacked cache, read in place.
 
     arrays: a layer's cache arrays, the first a page pool (None entries, e.g. absent sinks, kept).
-    layer_index None: they are one layer's own ([num_pages, ...], [batch, ...]); offsets None (the
-    kernels then take no operand: a constant of zeros is materialized by a launch of its own).
+    layer_index None: they are one layer's own ([num_pages, ...], [batch, ...]); offsets None: the
+    kernels then take no offsets operand and read zeros (a constant zeros operand would cost a launch of
+    its own to materialize).
     Else an int or i32 scalar i: every array carries a leading num_layers axis L; each is viewed flat
     ([L * num_pages, ...], [L * batch, ...]: page p of layer i is flat page i * num_pages + p) and
     offsets = (i * num_pages, i * batch). A Python int gives constant offsets (no kernel; layer 0 keeps

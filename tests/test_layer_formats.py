@@ -133,21 +133,47 @@ def test_spec_resolves_and_names_errors():
     LayerFormats(BASE, (("0", QuantConfig(kv_format="int8")),))
   with pytest.raises(ValueError, match="N:FORMAT"):
     keep_layers("two:int8", BASE)
+  # a format with fields: the base's hack cache (or a format's defaults) with those fields changed
+  four = parse_layer_formats("1:hack:bits=4/partition_size=32;0:int8:page_size=64", BASE)
+  assert four.configs(3) == (QuantConfig(kv_format="int8", page_size=64, partition_size=16),
+                             dataclasses.replace(BASE, bits=4, partition_size=32), BASE)
+  assert parse_layer_formats(four.spec, BASE) == four  # the spec spells the changed fields
+  for spec, match in [("0:hack:bitz=4", "'bitz=4' is not FIELD=VALUE"), ("0:hack:bits", "'bits' is not FIELD=VALUE"),
+                      ("0:hack:bits=3", "bits must be one of"), ("0:int8:bits=4", "bits applies to kv_format='hack'"),
+                      ("0:hack:page_size=128", "share the base's page_size=64")]:
+    with pytest.raises(ValueError, match=match):
+      parse_layer_formats(spec, BASE)
+  with pytest.raises(ValueError, match="selector 'hack'"):  # the missing LAYERS named, not 'bits=4'
+    parse_layer_formats("hack:bits=4", BASE)
+  # a 4-bit base whose page holds 2 blocks: another format's defaults (and its fields) still resolve
+  two_blocks = dataclasses.replace(BASE, bits=4, partition_size=32)
+  other = parse_layer_formats("0:int8;1:bf16:num_sink_tokens=0", two_blocks)
+  assert [c.kv_format for c in other.configs(3)] == ["int8", "bf16", "hack"]
+  assert parse_layer_formats(other.spec, two_blocks) == other
+  python_rule = LayerFormats(BASE, (("0", QuantConfig(kv_format="int8", page_size=64, partition_size=16,
+                                                      num_sink_tokens=0)),))
+  assert parse_layer_formats(python_rule.spec, BASE) == python_rule
   fmt = model_eval.parse_format("hack-k32v64-vhad-w128+first2last2:int8")
   assert fmt.quant.base == model_eval.FORMATS["hack-k32v64-vhad-w128"].quant and fmt.quant.spec == "first2,last2:int8"
   with pytest.raises(ValueError, match="real cache format before"):
     model_eval.parse_format("kivi2+0:int8")
+  listed = model_eval.parse_formats("float32,hack-k32v64-vhad-w128+18:hack:bits=4,partition_size=64,int8")
+  assert [f.name for f in listed] == ["float32", "hack-k32v64-vhad-w128+18:hack:bits=4,partition_size=64", "int8"]
+  assert listed[1].quant.configs(20)[18] == dataclasses.replace(listed[1].quant.base, bits=4, partition_size=64)
 
 
 def test_array_bits_from_the_cache_arrays():
   """Bits per element read from the arrays, against hand counts at head_dim 32, P = 16: int8 (32 codes
   + f16 scale and min) / 32 = 9 bits; bf16 16; hack K: 2-bit codes + f16 scale / min per 16 tokens (2)
-  + u8 sums per (token, 16-channel group) (0.5), V likewise: 4.5."""
+  + u8 sums per (token, 16-channel group) (0.5), V likewise: 4.5; 4-bit codes: 6.5."""
   cache = kv_cache.init_cache(parse_layer_formats(SPEC, BASE), num_layers=4, num_kv_heads=2, head_dim=32,
                               num_pages=5, max_seqs=2, pages_per_seq=2, stacked=True)
   bits = mixed.array_bits(cache)
   assert [b for _, b in bits["per_layer"]] == [9.0, 4.5, 32.0, 16.0]
   assert bits["page_bits_per_element"] == pytest.approx((9 + 4.5 + 32 + 16) / 4)
+  four = kv_cache.init_cache(parse_layer_formats("1:hack:bits=4", BASE), num_layers=3, num_kv_heads=2, head_dim=32,
+                             num_pages=5, max_seqs=2, pages_per_seq=2, stacked=True)
+  assert [b for _, b in mixed.array_bits(four)["per_layer"]] == [4.5, 6.5, 4.5]
   total = sum(a.nbytes for a in jax.tree.leaves(cache.layers))
   assert bits["total_bytes"] == total
   held = 2 * 2 * 32 * 2 * (2 * 64 + np.array([0, 4, 0, 0]))  # K+V x heads x dim x slots x capacity
@@ -185,11 +211,11 @@ def _layers(cache):
 
 @pytest.mark.parametrize("form", ["scan", "stacked"])
 def test_a_layer_holds_the_bytes_of_its_format(weights, form):
-  """Mixed [bf16, hack, hack, int8] vs one-format caches: every layer's bytes after a prefill (prompts
-  of 45 and 23 tokens: hack seals two 16-token blocks), the bf16 first layer's after 6 decode steps
-  (the hack layers seal again at 52 tokens)."""
+  """Mixed [bf16, 4-bit hack, hack, int8] vs one-format caches: every layer's bytes after a prefill
+  (prompts of 45 and 23 tokens: hack seals two 16-token blocks), the bf16 first layer's after 6 decode
+  steps (the hack layers seal again at 52 tokens)."""
   model = _model(weights, form)
-  spec = "0:bf16;-1:int8"
+  spec = "0:bf16;1:hack:bits=4;-1:int8"
   rng = np.random.default_rng(2)
   lens = np.array([45, 23], np.int32)
   tokens = rng.integers(0, 49152, (2, 64)).astype(np.int32)
