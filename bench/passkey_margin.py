@@ -15,7 +15,7 @@ logits (exact 16-bit attention of the prompt in every format: `scored_by` "prefi
 steps over the cache.
 
 Layer sensitivity (`--layer-scan SPEC`): the formats become float32, SPEC, and SPEC with each layer L in turn
-held in bf16 (`SPEC+L:bf16`); at the end the layers are ranked by how much of the answer's log-probability
+held in bf16 (`SPEC+L:bf16`; layers SPEC's own per-layer rules set are skipped); at the end the layers are ranked by how much of the answer's log-probability
 (its decode-scored tokens, summed over the needles) that one exact layer gives back over SPEC. Calibrate on
 needles the evaluation does not use (another --haystack and --seed): bench/NOTES_eval.md, session 20.
 """
@@ -55,8 +55,12 @@ def main(argv=None):
   model, tok = Llama.from_weights(ckpt.config, ckpt.weights), ckpt.tokenizer
   if args.layer_scan:
     scan = args.layer_scan.strip()
-    fmts = ev.parse_formats(",".join(["float32", scan] + [f"{scan}+{i}:bf16"
-                                                         for i in range(ckpt.config.num_layers)]))
+    base = ev.parse_format(scan)
+    n = ckpt.config.num_layers
+    # layers the SPEC's own rules already set are left as they are
+    named = {i for i, c in enumerate(base.quant.configs(n)) if c != base.quant.base} if hasattr(base.quant, "configs") \
+        else set()
+    fmts = ev.parse_formats(",".join(["float32", scan] + [f"{scan}+{i}:bf16" for i in range(n) if i not in named]))
   else:
     fmts = ev.parse_formats(args.formats)
   for f in fmts:  # a per-layer format that does not fit this model fails now, not after the formats before it
@@ -90,6 +94,7 @@ def main(argv=None):
       _, _, store, _ = ev.score_format(fmt, model, tok, [prompts[j].ids for j in js],
                                        np.asarray([forced[j] for j in js]), keep=True)
       logps.update({j: store.logp[w] for w, j in enumerate(js)})  # [len(forced[j]), V]
+    first = len(rows)
     for j, (p, f) in enumerate(zip(prompts, forced)):
       logp = logps[j]
       for i, t in enumerate(f):
@@ -102,9 +107,9 @@ def main(argv=None):
         rows.append(r)
         print(f"{fmt.name:36s} key {p.key} depth {p.depth:.1f} pos {i}: {r['token']!r:8s} p={r['p']:.3f}  "
               f"best other {r['other']!r:8s} p={r['p_other']:.3f}  margin {r['margin']:+.2f}", flush=True)
-  if args.out:
-    with open(args.out, "a", encoding="utf-8") as fh:
-      fh.writelines(json.dumps(r) + "\n" for r in rows)
+    if args.out:  # each format's rows as soon as they exist (a long scan that stops keeps what it did)
+      with open(args.out, "a", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows[first:])
   if args.layer_scan:
     print_layer_ranking(rows, fmts[1].name)
   return 0

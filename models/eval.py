@@ -798,15 +798,17 @@ def parse_format(spec: str) -> EvalFormat:
 
 
 def split_specs(spec: str) -> list[str]:
-  """--formats value -> spec strings: comma- (or ;-) separated; a FIELD=VALUE part without ':'
-  continues the spec before it (so `float32,hack:v_rotation=64,v_group=64,int8` is 3 specs);
+  """--formats value -> spec strings: comma- (or ;-) separated; a part that starts with FIELD=VALUE
+  (no ':' before its first '+') continues the spec before it (so `float32,hack:v_rotation=64,v_group=64,int8`
+  is 3 specs, and so is `A+18:hack:bits=4,partition_size=64,B+18:hack:bits=4,C`);
   'all', 'variants' and '4bit' expand to BASE_FORMATS / VARIANT_FORMATS / FOUR_BIT_FORMATS."""
   out: list[str] = []
   for group in spec.split(";"):
     for part in (x.strip() for x in group.split(",")):
       if not part:
         continue
-      if "=" in part and ":" not in part.split("+")[0] and out and ":" in out[-1]:
+      head = part.split("+")[0]
+      if "=" in head and ":" not in head and out and ":" in out[-1]:
         out[-1] += "," + part
       elif part == "all":
         out += BASE_FORMATS

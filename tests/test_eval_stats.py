@@ -75,6 +75,11 @@ def test_ci_degenerate_and_bad_input():
 def test_format_specs():
   assert ev.split_specs("float32,hack:partition_size=32,v_rotation=64,int8;kivi2") == [
       "float32", "hack:partition_size=32,v_rotation=64", "int8", "kivi2"]
+  # per-layer specs whose rules carry fields: a part is a new spec unless it starts with FIELD=VALUE
+  assert ev.split_specs("hack-p64+18:hack:bits=4,partition_size=64,hack-p32+0:bf16,hack-p64+1:hack:bits=4,int8") == [
+      "hack-p64+18:hack:bits=4,partition_size=64", "hack-p32+0:bf16", "hack-p64+1:hack:bits=4", "int8"]
+  assert ev.split_specs("hack:partition_size=32,v_group=64+first2:int8,bf16") == [
+      "hack:partition_size=32,v_group=64+first2:int8", "bf16"]
   f = ev.parse_format("hack:partition_size=32,v_rotation=64,num_sink_tokens=0,hadamard=16")
   assert f.quant == QuantConfig(kv_format="hack", partition_size=32, page_size=256,
                                 num_sink_tokens=0, v_rotation=64) and f.hadamard == 16
