@@ -15,8 +15,9 @@ logits (exact 16-bit attention of the prompt in every format: `scored_by` "prefi
 steps over the cache.
 
 Layer sensitivity (`--layer-scan SPEC`): the formats become float32, SPEC, and SPEC with each layer L in turn
-held in bf16 (`SPEC+L:bf16`; layers SPEC's own per-layer rules set are skipped); at the end the layers are ranked by how much of the answer's log-probability
-(its decode-scored tokens, summed over the needles) that one exact layer gives back over SPEC. Calibrate on
+held in bf16 (`SPEC+L:bf16`; layers SPEC's own per-layer rules set are skipped); at the end the layers are
+ranked by how much of the answer's log-probability (its decode-scored tokens, summed over the needles) that
+one exact layer gives back over SPEC. Calibrate on
 needles the evaluation does not use (another --haystack and --seed): bench/NOTES_eval.md, session 20.
 """
 
