@@ -501,18 +501,21 @@ def test_rope_scaling_settings(tmp_path):
     dataclasses.replace(linear, rope_freq_factors=(0.0,) * 8)
 
 
-def test_truncated_or_corrupt_gguf_is_one_clear_error(tmp_path):
+def test_truncated_or_corrupt_gguf_is_one_clear_error(tmp_path, llama3_gguf):
   """issue 17 unclear errors: a corrupted tensor count gave an IndexError from inside the gguf
   reader, truncated files numpy's 'cannot reshape array of size ...'; now one ValueError names the
-  file and says it is truncated / corrupt (models.gguf_loader.open_gguf, used by load_checkpoint)."""
+  file and says it is truncated / corrupt (models.gguf_loader.open_gguf, used by load_checkpoint).
+  Cut and miscounted copies of a small GGUF written here (the shipped SmolLM2 file fails the same way,
+  only 100 MB slower)."""
   import struct
-  from models.gguf_loader import default_model_path
-  src = default_model_path()
-  size = os.path.getsize(src)
-  with open(src, "rb") as f:
+  size = os.path.getsize(llama3_gguf)
+  with open(llama3_gguf, "rb") as f:
     data = f.read()
-  cases = {f"cut{n}.gguf": data[:n] for n in (100, 1_000_000, size // 2, size - 1)}
-  for count in (10**6, 34):  # more tensors than the file holds; fewer (the rest unread, offsets shifted)
+  n_tensors = struct.unpack("<Q", data[8:16])[0]
+  assert n_tensors > 10 and size > 20_000
+  # cuts in the header, the metadata (the tokenizer's strings), the tensor data and its last byte
+  cases = {f"cut{n}.gguf": data[:n] for n in (100, 2_000, size // 2, size - 1)}
+  for count in (10**6, n_tensors - 5):  # more tensors than the file holds; fewer (the rest unread, offsets shifted)
     cases[f"count{count}.gguf"] = data[:8] + struct.pack("<Q", count) + data[16:]
   for name, content in cases.items():
     path = tmp_path / name

@@ -579,23 +579,17 @@ def test_generator_edge_inputs_on_a_tiny_model():
     Generator(model, ckpt.tokenizer, QuantConfig(), max_len=100.0)
 
 
-_PLAIN_RUNS = {}  # (stacked, prefill) -> the plain backend's (logits, kernel configs): the same run for
-                 # the two options of each (stacked, prefill) pair below, computed once
-
-
-@pytest.mark.parametrize("option,value,stacked,prefill", [("interleaved", True, True, "homomorphic"),
-                                                         ("denormal", False, True, "homomorphic"),
-                                                         ("num_stages", 3, False, "auto"),
-                                                         ("maxnreg", 200, False, "auto")])
-def test_decode_only_backend_options_reach_the_decode_kernel_only(option, value, stacked, prefill):
-  """Backend("pallas", {"interleaved": True}) / {"denormal": False} / {"num_stages": 3} / {"maxnreg": 200}
-  (DECODE_ONLY): every call
-  of the HACK decode kernel launches the default config with that field set (interleaved: in place of the
-  default's subnormal planes; the stacked cache's in-place
-  path and the sealing steps included), the prefill never sees the option (the homomorphic prefill's kernel
-  would reject it), and the logits stay those of the plain backend within float32 reassociation of the same
-  f16 products (the kernels' own accuracy against float64 is tests/test_decode_kernels.py's). Either option
-  with another impl, or interleaved on 4-bit codes, is a ValueError naming it."""
+@pytest.mark.parametrize("options,stacked,prefill", [({"interleaved": True, "num_stages": 3}, True, "homomorphic"),
+                                                     ({"denormal": False, "maxnreg": 200}, False, "auto")],
+                         ids=["interleaved+num_stages", "denormal+maxnreg"])
+def test_decode_only_backend_options_reach_the_decode_kernel_only(options, stacked, prefill):
+  """Backend("pallas", {"interleaved": True, "num_stages": 3}) / {"denormal": False, "maxnreg": 200}
+  (DECODE_ONLY options, two per run): every call of the HACK decode kernel launches the default config with
+  those fields set (interleaved: in place of the default's subnormal planes; the stacked cache's in-place
+  path and the sealing steps included), the prefill never sees them (the homomorphic prefill's kernel
+  would reject them), and the logits stay those of the plain backend within float32 reassociation of the
+  same f16 products (the kernels' own accuracy against float64 is tests/test_decode_kernels.py's). Each
+  option with another impl, or interleaved on 4-bit codes, is a ValueError naming it."""
   from hack_jax.backend import Backend
   from pallas_kernels import decode_attention as dec
   base = dict(architecture="llama", vocab_size=61, num_layers=2, embed_dim=32, hidden_dim=48,
@@ -613,18 +607,17 @@ def test_decode_only_backend_options_reach_the_decode_kernel_only(option, value,
                                    jax.random.key(1))
     return logits, {c.kwargs["config"] for c in calls.call_args_list}
 
-  if (stacked, prefill) not in _PLAIN_RUNS:
-    _PLAIN_RUNS[stacked, prefill] = run({})
-  plain, plain_configs = _PLAIN_RUNS[stacked, prefill]
-  got, configs = run({option: value})
+  plain, plain_configs = run({})
+  got, configs = run(options)
   assert plain_configs and all(c.dot_dtype == "folded_f16" and c.denormal for c in plain_configs)
-  fields = {option: value, **({"denormal": False} if option == "interleaved" else {})}
+  fields = {**options, **({"denormal": False} if "interleaved" in options else {})}
   assert configs == {dataclasses.replace(c, **fields) for c in plain_configs} != plain_configs
   for a, b in zip(plain, got):
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * np.abs(a).max())
-  for impl in ("pallas_dequant", "triton"):
-    with pytest.raises(ValueError, match=option):
-      Backend(impl, {option: value})
-  if option == "interleaved":
+  for option, value in options.items():
+    for impl in ("pallas_dequant", "triton"):
+      with pytest.raises(ValueError, match=option):
+        Backend(impl, {option: value})
+  if "interleaved" in options:
     with pytest.raises(ValueError, match="interleaved"):  # 4-bit codes: named, before anything runs
-      run({option: value}, dataclasses.replace(quant, bits=4), "auto")  # (no 4-bit homomorphic prefill)
+      run(options, dataclasses.replace(quant, bits=4), "auto")  # (no 4-bit homomorphic prefill)
