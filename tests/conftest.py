@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
+import models  # noqa: F401  (sets its XLA flag before pytest_configure below starts jax's backend)
+
 # Production code runs with 32-bit JAX; the tests' float64 references are NumPy, never JAX.
 jax.config.update("jax_enable_x64", False)
 
@@ -27,11 +29,13 @@ def pytest_configure(config):
     ends. Many modules compile the same programs (the tiny models' steps, the kernels' configs), and
     _free_compiled_executables below drops the in-memory executables after each module: in a full run about
     a fifth of the compiles are then read back instead (4461 distinct programs of 5641 compiles, 2026-12-05).
-    Never reused across runs, so every run compiles each program at least once. An xdist controller only
-    makes the directory: it runs no test, and touching jax there would take a GPU the workers need."""
+    Never reused across runs, so every run compiles each program at least once; HACK_JAX_TEST_COMPILE_CACHE=""
+    (empty) runs without it. An xdist controller only makes the directory: it runs no test, and touching jax
+    there would take a GPU the workers need."""
     if _CACHE_ENV not in os.environ:
         os.environ[_CACHE_ENV] = config._hack_jax_cache = tempfile.mkdtemp(prefix="hack-jax-xla-cache-")
-    controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+    xdist = getattr(config.option, "numprocesses", None) or getattr(config.option, "tx", None)
+    controller = bool(xdist) and not hasattr(config, "workerinput")
     if controller or jax.devices()[0].platform != "cpu":
         return
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
@@ -43,7 +47,7 @@ def pytest_unconfigure(config):
     path = getattr(config, "_hack_jax_cache", None)
     if path:
         shutil.rmtree(path, ignore_errors=True)
-        del os.environ[_CACHE_ENV]
+        os.environ.pop(_CACHE_ENV, None)
 
 
 def pytest_collection_modifyitems(config, items):

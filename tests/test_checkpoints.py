@@ -513,17 +513,22 @@ def test_truncated_or_corrupt_gguf_is_one_clear_error(tmp_path, llama3_gguf):
     data = f.read()
   n_tensors = struct.unpack("<Q", data[8:16])[0]
   assert n_tensors > 10 and size > 20_000
-  # cuts in the header, the metadata (the tokenizer's strings), the tensor data and its last byte
-  cases = {f"cut{n}.gguf": data[:n] for n in (100, 2_000, size // 2, size - 1)}
-  for count in (10**6, n_tensors - 5):  # more tensors than the file holds; fewer (the rest unread, offsets shifted)
-    cases[f"count{count}.gguf"] = data[:8] + struct.pack("<Q", count) + data[16:]
-  for name, content in cases.items():
+  # (file content, what the message must say): cuts in the header, the metadata (the tokenizer's strings),
+  # the tensor data and its last byte; a tensor count past what the file holds, and five short of it (the
+  # last five tensor infos unread, so the data offsets shift past the file's end)
+  reading = "truncated or corrupt GGUF file ({} bytes; reading it failed"
+  cases = {"cut100.gguf": (data[:100], f"corrupt GGUF header: it claims {n_tensors} tensors"),
+           **{f"cut{n}.gguf": (data[:n], reading.format(n)) for n in (2_000, size // 2, size - 1)},
+           "count1000000.gguf": (data[:8] + struct.pack("<Q", 10**6) + data[16:],
+                                 "corrupt GGUF header: it claims 1000000 tensors"),
+           "count_short.gguf": (data[:8] + struct.pack("<Q", n_tensors - 5) + data[16:],
+                                f"corrupt GGUF file: its {n_tensors - 5} tensors end at byte")}
+  for name, (content, says) in cases.items():
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(ValueError) as info:
       load_checkpoint(str(path), verify=False)
-    msg = str(info.value)
-    assert msg.startswith(f"{path}:") and ("truncated" in msg or "corrupt" in msg), (name, msg)
+    assert str(info.value).startswith(f"{path}: {says}"), (name, str(info.value))
   (tmp_path / "text.gguf").write_bytes(b"hello world" * 10)
   with pytest.raises(ValueError, match="not a GGUF file"):
     load_checkpoint(str(tmp_path / "text.gguf"))
