@@ -2,9 +2,10 @@
 
 Each NAME=PATH is a copy of `pallas_kernels/decode_attention.py` (edited: the candidate); it is imported as a
 module of its own beside the others and timed with its own default_config (dot mode folded_f16: the model's)
-by `bench_hack_decode.time_variant` (a jitted loop of 8 calls per trip, inputs rotated over copies so the L2
-does not serve them), per shape in the order given and then reversed (drift between the two passes shows as
-a spread), followed by our bf16 paged kernel on a bf16 cache of the same length. Rows go to OUT (JSON lines).
+by `bench_hack_decode.time_variant` (a jitted loop of --calls-per-iter calls per trip, default 8; inputs
+rotated over copies so the L2 does not serve them), per shape in the order given and then reversed (drift between
+the two passes shows as a spread), followed by our bf16 paged kernel on a bf16 cache of the same length. Rows go
+to OUT (JSON lines).
 
   python bench/kernel_ab.py OUT ship=pallas_kernels/decode_attention.py cand=/tmp/da_cand.py [--shapes b8_32k b1_128k]
 
@@ -38,6 +39,8 @@ def main(argv=None):
                     choices=sorted(bh.SHAPES))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--target-ms", type=float, default=40.0)
+    ap.add_argument("--calls-per-iter", type=int, default=8,
+                    help="kernel calls per loop trip (1: each call pays the trip and any per-call setup kernel)")
     args = ap.parse_args(argv)
     mods = {}
     for item in args.sources:
@@ -61,11 +64,15 @@ def main(argv=None):
                 cfg = m.default_config(batch=batch, num_kv_heads=bh.HKV, pages_per_seq=kv_len // bh.PAGE,
                                        page_size=bh.PAGE, partition_size=bh.P, dot_dtype="folded_f16")
                 us, _, _ = bh.time_variant(m.hack_decode_attention, cfg, c, table, lens, ppc, n_copies, batch,
-                                           args.reps, args.target_ms, calls_per_iter=8)
-                log(dict(shape=shape, variant=name, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1), config=str(cfg)))
+                                           args.reps, args.target_ms,
+                                           calls_per_iter=args.calls_per_iter)
+                log(dict(shape=shape, variant=name, calls_per_iter=args.calls_per_iter, us=round(us, 2),
+                         gbps=round(nbytes / us / 1e3, 1), config=str(cfg)))
             del c
-            us, _, _, nb, _ = bh.time_bf16(batch, kv_len, args.reps, args.target_ms)
-            log(dict(shape=shape, variant="bf16", us=round(us, 2), gbps=round(nb / us / 1e3, 1)))
+            us, _, _, nb, _ = bh.time_bf16(batch, kv_len, args.reps, args.target_ms,
+                                          calls_per_iter=args.calls_per_iter)
+            log(dict(shape=shape, variant="bf16", calls_per_iter=args.calls_per_iter, us=round(us, 2),
+                     gbps=round(nb / us / 1e3, 1)))
 
 
 if __name__ == "__main__":
