@@ -173,7 +173,8 @@ def prep_bf16(shape, key, *, interpret, config_fields=None):
 def _random_hack_layer(key, layer_shapes):
     """Random finite contents for every field of a hack-format LayerCache (shapes from eval_shape)."""
     fields = {}
-    names = [f.name for f in dataclasses.fields(layer_shapes) if f.name != "config"]
+    names = [f.name for f in dataclasses.fields(layer_shapes)  # not the arrays a format leaves out (None)
+             if f.name != "config" and getattr(layer_shapes, f.name) is not None]
     for name, k in zip(names, jax.random.split(key, len(names))):
         s = getattr(layer_shapes, name)
         if name.endswith("codes"):
@@ -197,7 +198,7 @@ def _cache_bytes(layer_shapes, shape, config, pps, skip_fields=()):
     sealed, open_rows = (in_pages // p) * p, in_pages % p
     total = 0
     for f in dataclasses.fields(layer_shapes):
-        if f.name == "config" or f.name in skip_fields:
+        if f.name == "config" or f.name in skip_fields or getattr(layer_shapes, f.name) is None:
             continue
         s = getattr(layer_shapes, f.name)
         row = math.prod(s.shape[3:]) * jnp.dtype(s.dtype).itemsize  # one row, one kv head

@@ -294,7 +294,8 @@ def layer_fill_fn(layer_shapes):
     """jit(seed) -> a LayerCache of pseudo-random finite contents shaped like layer_shapes (one
     compile per shape, reused for every layer). Codes: any byte (int8: any value); sums: [0, 192);
     scales: [0.01, 0.1]; everything else (minima, open blocks, sinks, bf16 K/V): uniform [-2, 2]."""
-    names = [f.name for f in dataclasses.fields(layer_shapes) if f.name != "config"]
+    names = [f.name for f in dataclasses.fields(layer_shapes)  # not the arrays a format leaves out (None)
+             if f.name != "config" and getattr(layer_shapes, f.name) is not None]
 
     @jax.jit
     def fill(seed):

@@ -6,7 +6,8 @@ attention, fused into one kernel call on request) (STYLE.md rule 11). `impl` pic
   "reference": pure jnp, jit-able, vectorized over sequences and blocks.
     kv_format="hack": the paged homomorphic reference. Codes, metadata and sums are read from the
       pages through page_indices (`kv_cache.read_blocks`, which zeroes everything beyond a
-      sequence's length), then hack_jax.reference's per-segment steps run the exact DESIGN.md
+      sequence's length and derives the sums from the codes where the cache stores none), then
+      hack_jax.reference's per-segment steps run the exact DESIGN.md
       "Homomorphic attention semantics" (HACK.md §3-§5): sinks, the sealed blocks in order
       (`lax.scan`, each step vmapped over sequences and kv heads), the open block, one online
       softmax. This is the twin the Pallas kernels are tested against, code for code.
@@ -219,7 +220,9 @@ def kernel_args(layer: kv_cache.LayerCache) -> tuple[tuple, dict]:
     that unpacks a layer (the kernels take arrays and static ints only). bf16 pages: (k, v); fp8 /
     int8 / int4 / kivi2: their arrays (kivi2 with quant_group_size); turbo: its four arrays and the
     codebook f32[16 or 8]; kivi: the 12 arrays in the kernels' order (k_codes,
-    k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v) with
+    k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v; k_sums and
+    v_sums None without code sums, QuantConfig.code_sums False: the kernels then launch without them, and
+    the operand modes that read them raise ValueError naming dot_dtype and the fix) with
     partition_size and num_sink_tokens, and v_group / window / bits when the config sets them (bits when
     not 2). Kernels are called as
     fn(q, *arrays, page_indices, kv_lens, **static, **kernel_options) (prefill: also q_start=)."""

@@ -63,6 +63,15 @@ class QuantConfig:
         both K and V are multiplied by before they are quantized (q by the same matrix, the output
         by its transpose: hack_jax.rotation); 0 = one block over the whole head_dim (a power of
         two), 1 = no Hadamard (turbo keeps its random signs); else a power of two dividing head_dim.
+      code_sums: kv_format="hack", layout="kivi": True (default) stores the code sums of every sealed block
+        (k_sums, kappa: per token and channel group; v_sums, omega: per block and channel), which only the
+        INT8 numerics read (the Pallas decode kernel's dot_dtype "int8", the prefill kernel's "int8" /
+        "bf16"); False stores none (KiviPages.k_sums / v_sums are None): the jnp reference derives them
+        from the codes on read (exact integers, so its output is bit-identical), the folded dot dtypes
+        (the model's decode path, hack_jax.backend.DECODE_DOT_DTYPE) never read them, and a kernel mode
+        that needs them raises ValueError. Saves 8 * (sum bytes) / (K and V elements) bits per element
+        (0.19 of 2.94 at K32 / V64, head_dim 64). layout="seed" keeps its sums (the paper's four-term
+        identity on stored sums; no kernel reads that layout, so dropping them would save nothing run).
       meta_dtype: dtype of scale and minimum (class constant).
       residual_dtype: dtype of the open block and the sinks (class constant).
 
@@ -82,6 +91,7 @@ class QuantConfig:
     rotation: int = 0
     bits: int = 2
     clip: int = 0
+    code_sums: bool = True
 
     meta_dtype: ClassVar = jnp.float16
     residual_dtype: ClassVar = jnp.bfloat16
@@ -103,6 +113,12 @@ class QuantConfig:
         if self.bits != 2 and self.kv_format != "hack":
             raise ValueError(f"bits applies to kv_format='hack' only, got kv_format={self.kv_format!r}, "
                              f"bits={self.bits}")
+        if not isinstance(self.code_sums, bool):
+            raise ValueError(f"code_sums must be a bool, got code_sums={self.code_sums!r}")
+        if not self.code_sums and (self.kv_format, self.layout) != ("hack", "kivi"):
+            raise ValueError(f"code_sums=False applies to kv_format='hack', layout='kivi' only (the other formats "
+                             f"store no code sums; layout='seed' keeps its own), got kv_format={self.kv_format!r}, "
+                             f"layout={self.layout!r}, code_sums=False")
         c = self.clip
         if c and not 2 <= c <= MAX_CLIP:
             raise ValueError(f"clip must be 0 (min-max) or an int in [2, {MAX_CLIP}], got clip={c}")

@@ -2,7 +2,7 @@
 
 HACK's case (HACK.md §1, §7) is a cache sent from a prefill instance to a decode instance in 2 bits.
 `export_sequence` packs everything one sequence holds in a KVCache (its pages of every layer: codes,
-metadata and code sums; its open block and sinks; its length) into a self-describing payload;
+metadata and code sums, where stored; its open block and sinks; its length) into a self-describing payload;
 `import_sequence` writes it into another cache, usually in another process, at the page ids that
 cache's own `paging.PageAllocator` assigned. Decoding then continues bit-identically: the payload
 is the cache's bytes, nothing is re-quantized. `send_payload` / `recv_payload` move a payload over a
@@ -88,7 +88,8 @@ def _config_dict(config: QuantConfig) -> dict:
 
 
 def _array_fields(layer):
-    return [f.name for f in dataclasses.fields(layer) if f.name != "config"]
+    """The arrays a layer holds (a field it leaves None, kivi's sums with code_sums=False, has no bytes)."""
+    return [f.name for f in dataclasses.fields(layer) if f.name != "config" and getattr(layer, f.name) is not None]
 
 
 def _live_pages(cache, slot, page_indices, kv_len):

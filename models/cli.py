@@ -11,7 +11,8 @@
                    [--haystack T] [--out FILE.jsonl]   (passkey retrieval, models/passkey.py)
   model and cache options of generate / perplexity: [--model PATH] [--kv-format FMT] [--dtype D]
   [--impl I] [--interpret] [--partition-size P] [--num-sink-tokens N] [--rounding R] [--layout L]
-  [--v-group G] [--v-rotation B] [--window W] [--bits B] [--clip N] [--prefill-attention A]
+  [--v-group G] [--v-rotation B] [--window W] [--bits B] [--clip N] [--no-code-sums]
+  [--prefill-attention A]
 
 Errors (empty prompt, prompt beyond the cache, bad option values) print
 `hack-jax SUBCOMMAND: error: ...` naming the flag and value on stderr and exit with status 2
@@ -68,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
   common.add_argument("--clip", type=int, default=0,
                       help="hack: per partition, the least-squares scale/min over N x N ranges shrunk "
                       "from [min, max] (QuantConfig.clip; 5 measured best at 2 bits); 0 = min-max")
+  common.add_argument("--no-code-sums", action="store_true",
+                      help="hack kivi: store no code sums (QuantConfig.code_sums=False; 2.75 instead of "
+                      "2.94 bits at --partition-size 32 --v-group 64, head_dim 64): the reference and the "
+                      "model's folded --impl pallas decode give the same attention; the INT8 kernel modes "
+                      "refuse the cache")
   common.add_argument("--v-rotation", type=int, default=0,
                       help="V multiplied by a block-diagonal Hadamard matrix of this block size "
                       "(a power of two dividing head_dim) before it is cached, undone on the "

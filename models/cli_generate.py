@@ -129,7 +129,7 @@ def quant_config(args) -> QuantConfig | LayerFormats:
                       num_sink_tokens=args.num_sink_tokens, rounding=args.rounding,
                       layout=args.layout, v_rotation=args.v_rotation, v_group=args.v_group,
                       rotation=getattr(args, "rotation", 0), bits=getattr(args, "bits", 2),
-                      clip=getattr(args, "clip", 0))
+                      clip=getattr(args, "clip", 0), code_sums=not getattr(args, "no_code_sums", False))
   spec, keep = getattr(args, "layer_formats", None), getattr(args, "keep_layers", None)
   if spec is not None and keep is not None:
     raise ValueError(f"give --layer-formats or --keep-layers, not both: {spec=} {keep=}")

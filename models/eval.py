@@ -238,6 +238,11 @@ FORMATS = {f.name: f for f in [
     EvalFormat("hack-k32v64-vhad-w128-clip-s16", _hack(32, v_group=64, v_rotation=64, window=128, clip=5,
                                                        num_sink_tokens=16),
                note="as hack-k32v64-vhad-w128-clip with 16 bf16 sinks instead of 4 (real cache)"),
+    EvalFormat("hack-k32v64-vhad-w128-clip-s16-ns", _hack(32, v_group=64, v_rotation=64, window=128, clip=5,
+                                                          num_sink_tokens=16, code_sums=False),
+               note="as hack-k32v64-vhad-w128-clip-s16 without the code sums (QuantConfig.code_sums=False: 2.75 "
+                    "page bits at head_dim 64 instead of 2.94; the same attention on the folded decode path and the "
+                    "reference, the INT8 kernel modes refuse it; real cache)"),
     EvalFormat("hack-k32v64-vhad-w128-clip-s8", _hack(32, v_group=64, v_rotation=64, window=128, clip=5,
                                                       num_sink_tokens=8),
                note="as hack-k32v64-vhad-w128-clip with 8 bf16 sinks instead of 4 (real cache)"),

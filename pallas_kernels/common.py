@@ -987,7 +987,8 @@ def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_mi
     v_group: channels per V / query group (None: partition_size), clamped to head_dim. window: the open
     region's tokens W (None: partition_size), a power-of-two multiple of it dividing page_size. bits: the
     code width (QuantConfig.bits, 2 or 4): k_codes has page_size // (8 // bits) rows per page, page_size
-    read from k_sums."""
+    read from v_scale. k_sums / v_sums may be None (a cache without code sums, QuantConfig.code_sums
+    False): whether the kernel's mode may do without them is `require_code_sums`'s question."""
     P, ns = partition_size, num_sink_tokens
     for name, x in (("q", q), ("k_codes", k_codes), ("page_indices", page_indices), ("kv_lens", kv_lens)):
         if not hasattr(x, "shape"):
@@ -1003,10 +1004,12 @@ def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_mi
         raise ValueError(f"k_codes must be u8[num_pages, num_kv_heads, page_size // {C}, head_dim], got {k_codes.shape=}")
     num_pages, num_kv_heads, code_rows, _ = k_codes.shape
     page_size = C * code_rows
-    if getattr(k_sums, "ndim", 0) == 4 and k_sums.shape[2] != page_size and k_sums.shape[2] % code_rows == 0:
-        held = 8 // (k_sums.shape[2] // code_rows)
-        raise ValueError(f"k_codes has {code_rows} rows per page of page_size={k_sums.shape[2]} (k_sums): a "
-                         f"{held}-bit cache (QuantConfig.bits={held}), but {bits=} was given")
+    rows = v_scale if k_sums is None else k_sums  # [num_pages, H, page_size, NP] both
+    if getattr(rows, "ndim", 0) == 4 and rows.shape[2] != page_size and rows.shape[2] % code_rows == 0:
+        held = 8 // (rows.shape[2] // code_rows)
+        raise ValueError(f"k_codes has {code_rows} rows per page of page_size={rows.shape[2]} "
+                         f"({'v_scale' if k_sums is None else 'k_sums'}): a {held}-bit cache "
+                         f"(QuantConfig.bits={held}), but {bits=} was given")
     check_kivi_geometry(P, head_dim, page_size, planes=C)
     if not isinstance(ns, int) or ns < 0:
         raise ValueError(f"num_sink_tokens must be an int >= 0, got {num_sink_tokens=}")
@@ -1038,7 +1041,7 @@ def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_mi
                   sink_k=sink_k, sink_v=sink_v)
     for name, (shape, dtypes) in expect.items():
         x = arrays[name]
-        if x is None and name.startswith("sink") and ns == 0:
+        if x is None and (name.startswith("sink") and ns == 0 or name.endswith("sums")):
             continue
         if x is None or tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} (DESIGN.md kivi layout), got "
@@ -1051,6 +1054,15 @@ def check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_mi
                          f"{page_indices.dtype=}")
     if kv_lens.shape != (batch,) or kv_lens.dtype != jnp.int32:
         raise ValueError(f"kv_lens must be i32[{batch}], got {kv_lens.shape=}, {kv_lens.dtype=}")
+
+
+def require_code_sums(kernel: str, dot_dtype: str, k_sums, v_sums) -> None:
+    """ValueError when `kernel`'s operand mode `dot_dtype` reads the code sums (the INT8 numerics' kappa and
+    omega terms) and the cache holds none (k_sums / v_sums None: QuantConfig.code_sums False)."""
+    if k_sums is None or v_sums is None:
+        raise ValueError(f"{kernel}: dot_dtype={dot_dtype!r} reads the code sums (k_sums, v_sums), which this "
+                         f"cache does not store (QuantConfig(code_sums=False)); use a folded dot dtype "
+                         f"(dot_dtype='folded_f16' or 'folded_bf16') or a cache with QuantConfig(code_sums=True)")
 
 
 def per_token_tiles(page_indices_ref, kv_lens_ref, pool_shape, *, block_k, num_splits):

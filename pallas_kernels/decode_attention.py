@@ -23,10 +23,10 @@ two nibble planes) and everything below that says 4 blocks / planes says C = 8 /
   q          float[S, num_q_heads, head_dim]          -> out f32[S, num_q_heads, head_dim]
   k_codes    u8[num_pages, num_kv_heads, page_size // 4, head_dim]   (planar per packing group of 4 blocks)
   k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]
-  k_sums     u8|u16[num_pages, num_kv_heads, page_size, NP]
+  k_sums     u8|u16[num_pages, num_kv_heads, page_size, NP]   (None: a cache without code sums, folded modes)
   v_codes    u8[num_pages, num_kv_heads, head_dim, page_size // 4]   (token-major)
   v_scale, v_min  f16[num_pages, num_kv_heads, page_size, NP]
-  v_sums     u8|u16[num_pages, num_kv_heads, bpp, head_dim]
+  v_sums     u8|u16[num_pages, num_kv_heads, bpp, head_dim]         (None as k_sums)
   open_k, open_v  bf16[S, num_kv_heads, W, head_dim] (W = window or P);  sink_k, sink_v  bf16[S, num_kv_heads, ns, head_dim]
   page_indices i32[S, pages_per_seq];  kv_lens i32[S] (sinks + sealed + open tokens, the new one included)
 
@@ -113,7 +113,8 @@ def _hack_decode_kernel(kv_lens_ref, page_indices_ref, offsets_ref, q_ref, k_cod
     # k_codes_ref       u8[N, H, page_size // C, D]   C = 8 // bits planes (blocks) per packing group; a
     #                   loop trip reads T = common.blocks_per_trip blocks = T // C packing groups of one page
     # k_scale_ref, k_min_ref  f16[N, H, bpp, D]
-    # k_sums_ref        u8|u16[N, H, bpp, P * NP]   (the wrapper's free reshape of [N, H, page_size, NP])
+    # k_sums_ref        u8|u16[N, H, bpp, P * NP]   (the wrapper's free reshape of [N, H, page_size, NP]);
+    #                   None without code sums (k_sums_ref, v_sums_ref: read by dot_dtype "int8" only)
     # v_codes_ref       u8[N, H, D, page_size // C]   (token-major)
     # v_scale_ref, v_min_ref  f16[N, H, bpp, P * NP]   (reshaped likewise)
     # v_sums_ref        u8|u16[N, H, bpp, D]
@@ -410,8 +411,7 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     q = common.kernel_q(q, config)
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
-    page_size = k_sums.shape[2]
-    num_channel_groups = k_sums.shape[3]
+    page_size, num_channel_groups = v_scale.shape[2], v_scale.shape[3]  # [N, H, page_size, NP], as k_sums
     pages_per_seq = page_indices.shape[1]
     trip = common.blocks_per_trip(bits, page_size, partition_size)
     pad = common.q_per_kv_pad(num_q_heads // num_kv_heads, at_least=16 // trip)  # R = trip * pad >= 16
@@ -421,10 +421,13 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
     out_rows = common.split_slots(programs, pad, head_dim)
     # per-token metadata as [N, H, bpp, P * NP] (a free reshape): the kernel reads a trip's blocks as one
     # contiguous 2-D tile (its per_token)
-    k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size,
+    k_sums, v_scale, v_min = (None if x is None else
+                              x.reshape(num_pages, num_kv_heads, page_size // partition_size,
                                         partition_size * num_channel_groups) for x in (k_sums, v_scale, v_min))
     inputs = [kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32)] + ([] if offsets is None else [offsets])
-    inputs += [q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
+    # absent code sums (a cache without them, the folded modes only): no operand, the kernel gets None
+    inputs += [x for x in (q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v)
+               if x is not None]
     if num_sink_tokens:
         inputs += [sink_k, sink_v]
     kernel = functools.partial(
@@ -435,6 +438,10 @@ def _hack_decode(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_
         num_splits=splits, open_split=config.open_split, dot_dtype=config.dot_dtype, interpret=interpret,
         interleaved=config.interleaved, denormal=config.denormal,
         open_full=open_full, bits=bits)
+    # the kernel's ref positions of v_sums, k_sums and offsets, highest first (each wrapper sees the refs
+    # with the lower absent ones already put back)
+    kernel = common.without_operand(kernel, 11, v_sums is not None)
+    kernel = common.without_operand(kernel, 7, k_sums is not None)
     kernel = common.without_operand(kernel, 2, offsets is not None)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32),
@@ -469,11 +476,12 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
     Args:
       q: float[batch, num_q_heads, head_dim], one query token per sequence.
       k_codes ... sink_v: the cache arrays of one layer (module docstring); sink_k / sink_v may be None
-        when num_sink_tokens == 0; k_sums / v_sums are validated but not read by the folded modes.
+        when num_sink_tokens == 0; k_sums / v_sums are validated but not read by the folded modes, and may
+        be None for them (a cache without code sums, QuantConfig.code_sums False: no operand is passed).
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] (lists / NumPy arrays of ints accepted).
       partition_size: P (the quantization block). num_sink_tokens: ns.
       v_group: channels per V / query channel group (None: P), clamped to head_dim; the kernel reads
-        it from k_sums' shape, this checks the arrays against it.
+        it from v_scale's shape, this checks the arrays against it.
       window: the 16-bit open region's length W (None: P; QuantConfig.window), a power-of-two multiple
         of P dividing page_size; the kernel reads it from open_k's shape, this checks it.
       bits: the code width (QuantConfig.bits): 2 (4 blocks per packing group) or 4 (2 blocks, the
@@ -504,7 +512,7 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
 
     Raises:
       ValueError: shapes/dtypes off the layout, unsupported sizes, bad dot_dtype, num_splits, num_stages,
-        num_warps, interleaved, denormal or maxnreg.
+        num_warps, interleaved, denormal or maxnreg; dot_dtype "int8" without k_sums / v_sums.
     """
     page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
     if num_sink_tokens == 0:
@@ -513,10 +521,12 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
     view = common.stacked_view(cache, layer_index, batch=q.shape[0])
     common.check_kivi_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
                              num_sink_tokens=num_sink_tokens, v_group=v_group, window=window, bits=bits)
-    config = resolve_config(q, view.layer[0], view.layer[3], page_indices, partition_size=partition_size,
+    config = resolve_config(q, view.layer[0], view.layer[5], page_indices, partition_size=partition_size,
                             dot_dtype=dot_dtype, num_splits=num_splits, config=config, bits=bits,
                             interleaved=interleaved, num_stages=num_stages, num_warps=num_warps,
                             denormal=denormal, maxnreg=maxnreg)
+    if config.dot_dtype == "int8":
+        common.require_code_sums("hack_decode_attention", config.dot_dtype, k_sums, v_sums)
     if not isinstance(open_full, bool):
         raise ValueError(f"open_full must be a bool, got {open_full=}")
     return _hack_decode(q, *view.flat, page_indices, kv_lens, view.offsets, partition_size=partition_size,
@@ -524,16 +534,17 @@ def hack_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, 
                         open_full=open_full, interpret=interpret, bits=bits)
 
 
-def resolve_config(q, k_codes, k_sums, page_indices, *, partition_size, dot_dtype="int8", num_splits=None,
+def resolve_config(q, k_codes, per_token, page_indices, *, partition_size, dot_dtype="int8", num_splits=None,
                    config=None, bits=2, interleaved=False, num_stages=None, num_warps=None,
                    denormal=None, maxnreg=None) -> KernelConfig:
-    """The KernelConfig to launch (inputs already validated): `config` or default_config(...),
+    """The KernelConfig to launch (inputs already validated; per_token: a per-token page array
+    [num_pages, H, page_size, X], v_scale or k_sums, giving page_size): `config` or default_config(...),
     num_splits, num_stages, num_warps, interleaved=True (with denormal None: in place of the subnormal
     planes), denormal True / False and maxnreg (0: no cap) overriding; ValueError on a bad dot_dtype, config,
     num_splits, num_stages, num_warps, interleaved, denormal (or both set) or maxnreg."""
     if config is None:
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1],
-                                pages_per_seq=page_indices.shape[1], page_size=k_sums.shape[2],
+                                pages_per_seq=page_indices.shape[1], page_size=per_token.shape[2],
                                 partition_size=partition_size, dot_dtype=dot_dtype, bits=bits)
     elif not isinstance(config, KernelConfig):
         raise ValueError(f"config must be a decode_attention.KernelConfig, got {type(config).__name__}")

@@ -183,7 +183,7 @@ def dequant_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scal
     """Fused-dequant decode attention over the paged INT2 kivi cache (module docstring).
 
     Same arguments as pallas_kernels.decode_attention.hack_decode_attention (the code sums k_sums /
-    v_sums are validated but not read; config.dot_dtype, config.open_split and config.interleaved are ignored: the math
+    v_sums are validated but not read, and may be None: a cache without them; config.dot_dtype, config.open_split and config.interleaved are ignored: the math
     is bf16 operands with float32 accumulation, the splits as the "int8" kernel's).
     Returns f32[batch, num_q_heads, head_dim]; ValueError as there; NotImplementedError for bits != 2.
     """
@@ -192,7 +192,7 @@ def dequant_decode_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scal
     common.check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k,
                              open_v, sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
                              num_sink_tokens=num_sink_tokens, v_group=v_group)
-    config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size,
+    config = resolve_config(q, k_codes, v_scale, page_indices, partition_size=partition_size,
                             num_splits=num_splits, config=config)
     if num_sink_tokens == 0:
         sink_k = sink_v = None

@@ -69,7 +69,8 @@ def _fused_kernel(kv_lens_ref, prev_lens_ref, page_indices_ref, offsets_ref, q_r
     # kv_lens_ref   i32[S] after this token; prev_lens_ref i32[S] before it
     # offsets_ref   i32[2] (first page, first sequence row) of the layer, or None: _hack_decode_kernel's
     # k_ref, v_ref  float[S, H, D] the new token
-    # refs = 8 page-pool refs, open_k, open_v bf16[S, H, W, D], (sink_k, sink_v bf16[S, H, ns, D] if ns)
+    # refs = 8 page-pool refs (k_sums, v_sums None without code sums), open_k, open_v bf16[S, H, W, D],
+    #        (sink_k, sink_v bf16[S, H, ns, D] if ns)
     #        + outputs acc, m, l (as _hack_decode_kernel's) + open_k, open_v (, sink_k, sink_v if ns and
     #        write_sinks): aliased
     ns, P = num_sink_tokens, partition_size
@@ -117,8 +118,7 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     q = common.kernel_q(q, config)
     batch, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape  # of all the layers
-    page_size = k_sums.shape[2]
-    num_channel_groups = k_sums.shape[3]
+    page_size, num_channel_groups = v_scale.shape[2], v_scale.shape[3]  # [N, H, page_size, NP], as k_sums
     pad = common.q_per_kv_pad(num_q_heads // num_kv_heads,
                               at_least=16 // common.blocks_per_trip(bits, page_size, partition_size))
     programs = config.num_splits + config.open_split
@@ -126,16 +126,19 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
     out_rows = common.split_slots(programs, pad, head_dim)
     prev = kv_lens.astype(jnp.int32)
     after = prev + active.astype(jnp.int32)  # what the attention sees: append's kv_lens + active
-    k_sums, v_scale, v_min = (x.reshape(num_pages, num_kv_heads, page_size // partition_size,
+    k_sums, v_scale, v_min = (None if x is None else
+                              x.reshape(num_pages, num_kv_heads, page_size // partition_size,
                                         partition_size * num_channel_groups) for x in (k_sums, v_scale, v_min))
-    cache = [k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v]
+    # the page pools (absent code sums: no operand, decode_attention._hack_decode), then the per-sequence rows
+    pools = [x for x in (k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums) if x is not None]
+    cache = pools + [open_k, open_v]
     writes_sinks = bool(num_sink_tokens) and write_sinks
     written = [open_k, open_v] + ([sink_k, sink_v] if writes_sinks else [])
     if num_sink_tokens:
         cache += [sink_k, sink_v]
     inputs = [after, prev, page_indices.astype(jnp.int32)] + ([] if offsets is None else [offsets])
     inputs += [q, k, v] + cache
-    first = len(inputs) - len(cache) + 8  # index of open_k among the inputs
+    first = len(inputs) - len(cache) + len(pools)  # index of open_k among the inputs
     aliases = {first + i: 3 + i for i in range(len(written))}
     kernel = functools.partial(
         _fused_kernel, partition_size=partition_size, num_channel_groups=num_channel_groups,
@@ -146,6 +149,9 @@ def _fused_decode(q, k, v, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_
         num_splits=config.num_splits, open_split=config.open_split, dot_dtype=config.dot_dtype,
         interpret=interpret, bits=bits, write_sinks=write_sinks, interleaved=config.interleaved,
         denormal=config.denormal)
+    # ref positions of v_sums, k_sums (behind the 7 refs before the cache) and offsets, highest first
+    kernel = common.without_operand(kernel, 14, v_sums is not None)
+    kernel = common.without_operand(kernel, 10, k_sums is not None)
     kernel = common.without_operand(kernel, 3, offsets is not None)
     out_shape = [jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, num_kv_heads, out_rows, pad), jnp.float32),
@@ -193,7 +199,7 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
     Args:
       q: float[batch, num_q_heads, head_dim]; k, v: float[batch, num_kv_heads, head_dim], the new token.
       k_codes ... sink_v: the cache arrays of one layer (decode_attention.py); sink_k / sink_v may be None
-        when num_sink_tokens == 0.
+        when num_sink_tokens == 0; k_sums / v_sums may be None with a folded dot_dtype (no code sums).
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held before this token;
         active: bool[batch].
       partition_size, num_sink_tokens, v_group, window, bits, dot_dtype, num_splits, num_stages, num_warps,
@@ -212,14 +218,14 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
 
     Raises:
       ValueError: shapes/dtypes off the layout (as hack_decode_attention), k / v not
-        float[batch, num_kv_heads, head_dim], active not bool[batch].
+        float[batch, num_kv_heads, head_dim], active not bool[batch]; dot_dtype "int8" without code sums.
     """
     page_indices, kv_lens, active = common.as_index_arrays(page_indices, kv_lens, active)
     cache = (k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v, sink_k, sink_v)
     view = common.stacked_view(cache, layer_index, batch=q.shape[0])
     common.check_kivi_inputs(q, *view.layer, page_indices, kv_lens, partition_size=partition_size,
                              num_sink_tokens=num_sink_tokens, v_group=v_group, window=window, bits=bits)
-    k_codes, k_sums = view.layer[0], view.layer[3]
+    k_codes, per_token = view.layer[0], view.layer[5]  # per_token: v_scale [N, H, page_size, NP]
     want = (q.shape[0], k_codes.shape[1], q.shape[2])
     for name, x in (("k", k), ("v", v)):
         if not hasattr(x, "shape") or tuple(x.shape) != want or not jnp.issubdtype(x.dtype, jnp.floating):
@@ -229,11 +235,13 @@ def hack_fused_decode_attention(q, k, v, k_codes, k_scale, k_min, k_sums, v_code
         raise ValueError(f"active must be bool[{q.shape[0]}], got {active.shape=} {active.dtype=}")
     if config is None:
         config = default_config(batch=q.shape[0], num_kv_heads=k_codes.shape[1], pages_per_seq=page_indices.shape[1],
-                                page_size=k_sums.shape[2], partition_size=partition_size, dot_dtype=dot_dtype,
+                                page_size=per_token.shape[2], partition_size=partition_size, dot_dtype=dot_dtype,
                                 bits=bits)
-    config = resolve_config(q, k_codes, k_sums, page_indices, partition_size=partition_size, num_splits=num_splits,
+    config = resolve_config(q, k_codes, per_token, page_indices, partition_size=partition_size, num_splits=num_splits,
                             config=config, bits=bits, interleaved=interleaved, num_stages=num_stages,
                             num_warps=num_warps, denormal=denormal, maxnreg=maxnreg)
+    if config.dot_dtype == "int8":
+        common.require_code_sums("hack_fused_decode_attention", config.dot_dtype, k_sums, v_sums)
     out, *written = _fused_decode(q, k, v, *view.flat, page_indices, kv_lens, active, view.offsets,
                                   partition_size=partition_size, num_sink_tokens=num_sink_tokens,
                                   num_layers=view.num_layers, config=config, interpret=interpret, bits=bits,

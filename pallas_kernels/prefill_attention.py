@@ -114,7 +114,8 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
     # q_ref             float[block_q, q_per_kv_pad, D]   this tile: positions x the kv head's query heads
     # k_codes_ref       u8[N, H, page_size // 4, D]
     # k_scale_ref, k_min_ref  f16[N, H, bpp, D]
-    # k_sums_ref        u8|u16[N, H, page_size, NP]
+    # k_sums_ref        u8|u16[N, H, page_size, NP]   (k_sums_ref, v_sums_ref: None without code sums; the
+    #                   folded modes never read them)
     # v_codes_ref       u8[N, H, D, page_size // 4]   (token-major)
     # v_scale_ref, v_min_ref  f16[N, H, page_size, NP]
     # v_sums_ref        u8|u16[N, H, bpp, D]
@@ -358,7 +359,7 @@ def _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v
                   config, interpret, prefix):
     batch, q_len, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape
-    page_size, num_channel_groups = k_sums.shape[2], k_sums.shape[3]
+    page_size, num_channel_groups = v_scale.shape[2], v_scale.shape[3]  # [N, H, page_size, NP], as k_sums
     q_per_kv = num_q_heads // num_kv_heads
     pad = q_per_kv_pad(q_per_kv)
     block_q = config.block_q
@@ -367,8 +368,10 @@ def _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v
     if tiles * block_q != q_len or pad != q_per_kv:
         qg = jnp.pad(qg, ((0, 0), (0, tiles * block_q - q_len), (0, 0), (0, pad - q_per_kv), (0, 0)))
 
-    inputs = [kv_lens, q_start, page_indices, qg, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
-              v_min, v_sums, open_k, open_v] + ([sink_k, sink_v] if num_sink_tokens else [])
+    # absent code sums (the folded modes on a cache without them): no operand, the kernel gets None
+    inputs = [x for x in (kv_lens, q_start, page_indices, qg, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
+                          v_min, v_sums, open_k, open_v) if x is not None]
+    inputs += [sink_k, sink_v] if num_sink_tokens else []
     q_tile = pl.BlockSpec((None, block_q, None, pad, head_dim), lambda b, h, i: (b, tiles - 1 - i, h, 0, 0))
     in_specs = [common.full_spec(x) for x in inputs]  # page pools whole: on Triton a base pointer
     in_specs[3] = q_tile
@@ -377,6 +380,8 @@ def _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v
         q_per_kv_pad=pad, block_q=block_q, num_q_tiles=tiles, num_sink_tokens=num_sink_tokens,
         num_pages=num_pages, max_blocks=page_indices.shape[1] * (page_size // partition_size),
         dot_dtype=config.dot_dtype, interpret=interpret, prefix=prefix)
+    kernel = common.without_operand(kernel, 11, v_sums is not None)  # ref positions, the higher first
+    kernel = common.without_operand(kernel, 7, k_sums is not None)
     out_shape, out_specs = jax.ShapeDtypeStruct(qg.shape, jnp.float32), q_tile
     if prefix:  # + the rows' log-sum-exp f32[batch, T_pad, H, pad]
         lse_tile = pl.BlockSpec((None, block_q, None, pad), lambda b, h, i: (b, tiles - 1 - i, h, 0))
@@ -412,12 +417,13 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
     Args:
       q: float[batch, T, num_q_heads, head_dim]; row t is the query at position q_start + t.
       k_codes ... sink_v: the cache arrays of one layer, this prompt written (write_prefill first);
-        sink_k / sink_v may be None when num_sink_tokens == 0.
+        sink_k / sink_v may be None when num_sink_tokens == 0; k_sums / v_sums may be None (a cache
+        without code sums, QuantConfig.code_sums False) with a folded dot_dtype, which never reads them.
       page_indices: i32[batch, pages_per_seq]; kv_lens: i32[batch] tokens held (lists / NumPy arrays
         of ints accepted).
       partition_size: P (the quantization block). num_sink_tokens: ns.
       v_group: channels per V / query channel group (None: P), clamped to head_dim; the kernel reads
-        it from k_sums' shape, this checks the arrays against it.
+        it from v_scale's shape, this checks the arrays against it.
       q_start: i32[batch] position of query row 0; None = 0. Must be None with prefix=True.
       dot_dtype: "bf16" | "int8" (INT8 requantization of Q*sigma and W*tau, the paper's numerics, the
         codes as bf16 or int8 dot operands) | "folded_f16" | "folded_bf16" (Q*sigma and W*tau rounded
@@ -437,7 +443,8 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
     Raises:
       TypeError: a cache argument that is not an array (e.g. a whole cache layer).
       ValueError: shapes/dtypes off the layout, unsupported sizes, a negative q_start (when
-        concrete), a bad dot_dtype, config or block_q.
+        concrete), a bad dot_dtype, config or block_q; dot_dtype "bf16" / "int8" (the INT8 numerics, which
+        read the code sums) without k_sums / v_sums.
     """
     common.require_2bit("hack_prefill_attention", bits)
     page_indices, kv_lens, q_start = common.as_index_arrays(page_indices, kv_lens, q_start)
@@ -463,6 +470,8 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
         raise ValueError(f"q_start must be >= 0, got {np.asarray(q_start).tolist()}")
     config = resolve_config(num_q_heads=num_q_heads, num_kv_heads=k_codes.shape[1], q_len=q_len,
                             dot_dtype=dot_dtype, config=config)
+    if config.dot_dtype not in FOLDED:
+        common.require_code_sums("hack_prefill_attention", config.dot_dtype, k_sums, v_sums)
     if num_sink_tokens == 0:
         sink_k = sink_v = None
     return _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,

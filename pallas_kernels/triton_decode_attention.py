@@ -19,7 +19,7 @@ pallas_kernels.decode_attention.hack_decode_attention, whose call forms this fun
   k_scale, k_min  f16[num_pages, num_kv_heads, bpp, head_dim]
   v_codes    u8[num_pages, num_kv_heads, head_dim, page_size // 4]   (token-major)
   v_scale, v_min  f16[num_pages, num_kv_heads, page_size, NP]
-  k_sums, v_sums  validated, not read
+  k_sums, v_sums  validated, not read (None: a cache without code sums)
   open_k, open_v  bf16[S, num_kv_heads, P, head_dim];  sink_k, sink_v  bf16[S, num_kv_heads, ns, head_dim]
   page_indices i32[S, pages_per_seq];  kv_lens i32[S] (sinks + sealed + open tokens)
 

@@ -252,7 +252,8 @@ class HackBlocks(NamedTuple):
     unpacked (NB = pages_per_seq * page_size // P blocks per sequence, in token order).
 
     Entries beyond a sequence's length are zeroed (codes, metadata and sums), so stale or NaN page
-    contents cannot leak. Metadata as stored (f16), sums as i32; per-layout meaning as in
+    contents cannot leak. Metadata as stored (f16), sums as i32 (a kivi layer without stored sums,
+    QuantConfig.code_sums False: derived from the codes, the same integers); per-layout meaning as in
     KiviPages / SeedPages with the page axes replaced by [S, NB]:
       kivi: k_scale/k_min [S, NB, H, D], k_sums [S, NB, H, P, NP],
             v_scale/v_min [S, NB, H, P, NP], v_sums [S, NB, H, D]

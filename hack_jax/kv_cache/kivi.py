@@ -15,6 +15,10 @@ from hack_jax.kv_cache.common import (STATIC, FormatOps, Pages, geometry, pytree
                                       sums_dtype)
 
 
+# The page arrays the writers scatter into (k_sums / v_sums only where config.code_sums).
+PAGE_FIELDS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums")
+
+
 @pytree_dataclass
 class KiviPages(Pages):
     """P = partition_size, Pc = min(config.channel_group, head_dim) (v_group, default P),
@@ -32,16 +36,18 @@ class KiviPages(Pages):
       open_k, open_v  bf16[S, num_kv_heads, W, head_dim]               open region, per sequence
                (W = config.open_window: P, or the 16-bit recent window)
       sink_k, sink_v  bf16[S, num_kv_heads, ns, head_dim]
+    With config.code_sums False, k_sums and v_sums are None (nothing allocated or written; readers
+    derive the sums from the codes: `read_blocks`).
     """
 
     k_codes: jax.Array
     k_scale: jax.Array
     k_min: jax.Array
-    k_sums: jax.Array
+    k_sums: jax.Array | None
     v_codes: jax.Array
     v_scale: jax.Array
     v_min: jax.Array
-    v_sums: jax.Array
+    v_sums: jax.Array | None
     open_k: jax.Array
     open_v: jax.Array
     sink_k: jax.Array
@@ -53,18 +59,19 @@ def init(config, n, h, d, s):
     p, pc, np_, bpp = geometry(config, d)
     ps, meta, res, ns = config.page_size, config.meta_dtype, config.residual_dtype, config.num_sink_tokens
     z, c = jnp.zeros, config.codes_per_byte
+    sums = z if config.code_sums else (lambda shape, dtype: None)
     return KiviPages(
         k_codes=z((n, h, ps // c, d), jnp.uint8), k_scale=z((n, h, bpp, d), meta),
-        k_min=z((n, h, bpp, d), meta), k_sums=z((n, h, ps, np_), sums_dtype(pc, config.bits)),
+        k_min=z((n, h, bpp, d), meta), k_sums=sums((n, h, ps, np_), sums_dtype(pc, config.bits)),
         v_codes=z((n, h, d, ps // c), jnp.uint8), v_scale=z((n, h, ps, np_), meta),
-        v_min=z((n, h, ps, np_), meta), v_sums=z((n, h, bpp, d), sums_dtype(p, config.bits)),
+        v_min=z((n, h, ps, np_), meta), v_sums=sums((n, h, bpp, d), sums_dtype(p, config.bits)),
         open_k=z((s, h, config.open_window, d), res), open_v=z((s, h, config.open_window, d), res),
         sink_k=z((s, h, ns, d), res), sink_v=z((s, h, ns, d), res), config=config)
 
 
 def write_prefill(layer, k, v, lengths, page_indices, start, key):
     """The blocks before the last (partial) window quantized at once and scattered into their page
-    slots with code sums, the remainder into the open region, sinks in 16 bits."""
+    slots with code sums (config.code_sums), the remainder into the open region, sinks in 16 bits."""
     cfg = layer.config
     st = hack.PrefillStream(layer, k, v, lengths, page_indices, start)
     s, h, nb, nu, p, d = st.s, st.h, st.nb, st.nu, st.p, st.d
@@ -76,16 +83,17 @@ def write_prefill(layer, k, v, lengths, page_indices, start, key):
     kc = kc.reshape(s, h, nu, d)
     vc, vsc, vmn, _ = quant_tokens_over_channels(vu, cfg, st.pc, noise_v)
     sealed, blk, keep = st.tok_sealed, st.blk_sealed, st.keep(st.b0 * p)
+    sums = {} if not cfg.code_sums else dict(
+        k_sums=st.put_tokens(layer.k_sums, hack.channel_sums(kc, st.np_, st.pc), sealed),
+        v_sums=st.put_blocks(layer.v_sums, vc.reshape(s, h, nb, p, d).astype(jnp.int32).sum(3), blk))
     return dataclasses.replace(
-        layer,
+        layer, **sums,
         k_codes=st.put_codes(layer.k_codes, kc, sealed, keep),
         k_scale=st.put_blocks(layer.k_scale, ksc, blk),
         k_min=st.put_blocks(layer.k_min, kmn, blk),
-        k_sums=st.put_tokens(layer.k_sums, hack.channel_sums(kc, st.np_, st.pc), sealed),
         v_codes=st.put_codes(layer.v_codes, vc, sealed, keep, token_major=True),
         v_scale=st.put_tokens(layer.v_scale, vsc, sealed),
         v_min=st.put_tokens(layer.v_min, vmn, sealed),
-        v_sums=st.put_blocks(layer.v_sums, vc.reshape(s, h, nb, p, d).astype(jnp.int32).sum(3), blk),
         open_k=st.open_block(ku, layer.open_k), open_v=st.open_block(vu, layer.open_v),
         sink_k=st.sinks(st.kt, layer.sink_k), sink_v=st.sinks(st.vt, layer.sink_v))
 
@@ -108,9 +116,8 @@ def seal(layer, kv_lens, active, page_indices, key):
 
 def _seal_filled(layer, step, key):
     """layer with the open regions of step's sealing slots quantized into their W // P block slots
-    (with code sums) and zeroed."""
-    out = {name: getattr(layer, name) for name in ("k_codes", "k_scale", "k_min", "k_sums", "v_codes",
-                                                   "v_scale", "v_min", "v_sums")}
+    (with code sums: config.code_sums) and zeroed."""
+    out = {name: getattr(layer, name) for name in PAGE_FIELDS if getattr(layer, name) is not None}
     p = step.p
     for j in range(step.num_blocks):
         rows = slice(j * p, (j + 1) * p)
@@ -128,25 +135,38 @@ def _seal_block(cfg, a, step, open_k, open_v, key, h, d):
                                                None if noise_k is None else noise_k[:, :, None])
     kc = kc[:, :, 0]  # [S, H, P, D]
     vc, vsc, vmn, _ = quant_tokens_over_channels(open_v.astype(jnp.float32), cfg, step.pc, noise_v)
+    sums = {} if not cfg.code_sums else dict(
+        k_sums=step.put_block_tokens(a["k_sums"], hack.channel_sums(kc, step.np_, step.pc)),
+        v_sums=step.put_block(a["v_sums"], vc.astype(jnp.int32).sum(2)))
     return dict(
+        sums,
         k_codes=step.put_block_codes(a["k_codes"], kc),
         k_scale=step.put_block(a["k_scale"], ksc[:, :, 0]),
         k_min=step.put_block(a["k_min"], kmn[:, :, 0]),
-        k_sums=step.put_block_tokens(a["k_sums"], hack.channel_sums(kc, step.np_, step.pc)),
         v_codes=step.put_block_codes(a["v_codes"], vc, token_major=True),
         v_scale=step.put_block_tokens(a["v_scale"], vsc),
-        v_min=step.put_block_tokens(a["v_min"], vmn),
-        v_sums=step.put_block(a["v_sums"], vc.astype(jnp.int32).sum(2)))
+        v_min=step.put_block_tokens(a["v_min"], vmn))
 
 
 def read_blocks(layer, page_indices, kv_lens) -> hack.HackBlocks:
+    """HackBlocks (hack.py); without stored sums (config.code_sums False) they are derived from the
+    codes read: kappa = the channel-group sums of each token's K codes, omega = the sums of each
+    block's V codes over its tokens, the integers the writers would have stored (both zero beyond the
+    sealed blocks, as the masked stored sums)."""
     r = hack.BlockReader(layer, page_indices, kv_lens)
     i32 = lambda x: x.astype(jnp.int32)
+    k_codes = r.blk_mask(r.codes(layer.k_codes))  # [S, NB, H, P, D]
+    v_codes = r.blk_mask(r.codes(layer.v_codes, token_major=True))
+    if layer.k_sums is None:
+        _, pc, np_, _ = geometry(layer.config, layer.head_dim)
+        k_sums = hack.channel_sums(k_codes, np_, pc)  # [S, NB, H, P, NP]
+    else:
+        k_sums = i32(r.blk_mask(r.per_token(layer.k_sums)))
+    v_sums = (v_codes.astype(jnp.int32).sum(3) if layer.v_sums is None  # [S, NB, H, D]
+              else i32(r.blk_mask(r.per_block(layer.v_sums))))
     return r.blocks(
-        (r.blk_mask(r.codes(layer.k_codes)), r.blk_mask(r.per_block(layer.k_scale)),
-         r.blk_mask(r.per_block(layer.k_min)), i32(r.blk_mask(r.per_token(layer.k_sums)))),
-        (r.blk_mask(r.codes(layer.v_codes, token_major=True)), r.blk_mask(r.per_token(layer.v_scale)),
-         r.blk_mask(r.per_token(layer.v_min)), i32(r.blk_mask(r.per_block(layer.v_sums)))))
+        (k_codes, r.blk_mask(r.per_block(layer.k_scale)), r.blk_mask(r.per_block(layer.k_min)), k_sums),
+        (v_codes, r.blk_mask(r.per_token(layer.v_scale)), r.blk_mask(r.per_token(layer.v_min)), v_sums))
 
 
 def dequantize(layer, page_indices, kv_lens):

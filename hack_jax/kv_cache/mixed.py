@@ -128,9 +128,9 @@ def array_bits(cache) -> dict:
     for layer in jax.eval_shape(layer_list, cache.layers):
         layer_paged = 0
         for f in dataclasses.fields(layer):
-            if f.name == "config":
-                continue
             a = getattr(layer, f.name)
+            if f.name == "config" or a is None:  # None: an array the format does not store (code_sums)
+                continue
             total += _nbytes(a)
             if is_paged(f.name):
                 layer_paged += _nbytes(a)

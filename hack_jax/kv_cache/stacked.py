@@ -64,7 +64,9 @@ PER_SEQUENCE_PREFIXES = ("open", "sink")
 
 
 def _fields(layer):
-    return [f.name for f in dataclasses.fields(layer) if f.name != "config"]
+    """The array fields a LayerCache holds (an absent one, None: kivi's k_sums / v_sums without
+    QuantConfig.code_sums, is left out and stays None)."""
+    return [f.name for f in dataclasses.fields(layer) if f.name != "config" and getattr(layer, f.name) is not None]
 
 
 def is_paged(name: str) -> bool:
