@@ -70,8 +70,9 @@ SMOKE = [("tiny", 2, 256), ("tiny", 1, 100)]
 IMPLS = ("hack", "dequant", "bf16", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4", "jax_gqa", "xla", "triton")
 # Not in the default run: hack4 = the HACK kernel on a 4-bit cache (QuantConfig.bits=4), rows hack4_<mode>;
 # hackw = the HACK kernel on the K 32 / V 64 / 16-bit window 128 cache (issue 18's best 2-bit configuration;
-# its V rotation is applied to q and the output outside the kernel, not timed here), rows hackw_<mode>
-EXTRA_IMPLS = ("hack4", "hackw")
+# its V rotation is applied to q and the output outside the kernel, not timed here), rows hackw_<mode>;
+# hackwns = hackw without code sums (QuantConfig.code_sums=False: no sums operands; folded modes only)
+EXTRA_IMPLS = ("hack4", "hackw", "hackwns")
 HACKW_FIELDS = {"partition_size": 32, "v_group": 64, "window": 128}
 PAGE_SIZE = 256  # QuantConfig's default
 UNROLL = 8
@@ -325,8 +326,11 @@ def prep_hack(shape, key, *, interpret, variant_kwargs=None):
     kwargs = dict(variant_kwargs or {})
     P = kwargs.pop("partition_size", 64)
     bits = kwargs.pop("bits", 2)
-    fields = {f: kwargs.pop(f) for f in ("v_group", "window") if f in kwargs}
-    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", partition_size=P, bits=bits, **fields)
+    fields = {f: kwargs.pop(f) for f in ("v_group", "window", "code_sums") if f in kwargs}
+    # the folded modes read no code sums: not counted in the bytes they must read (hackw and hackwns alike)
+    skip = ("k_sums", "v_sums") if kwargs.get("dot_dtype", "int8") != "int8" else ()
+    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", skip_fields=skip, partition_size=P,
+                                                       bits=bits, **fields)
     arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=jnp.full((shape.batch,), shape.kv_len, jnp.int32))
     per_copy = shape.batch * pps
 
@@ -681,8 +685,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} shapes (GPU.md's anchors)")
     ap.add_argument("--smoke", action="store_true", help="CPU check: interpret=True, tiny shapes")
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + EXTRA_IMPLS,
-                    help="hack4 / hackw (not in the default): the HACK kernel on a 4-bit cache / on the K 32, V 64, "
-                         "window 128 cache (EXTRA_IMPLS), each --hack-dots mode")
+                    help="hack4 / hackw / hackwns (not in the default): the HACK kernel on a 4-bit cache / on the K 32, "
+                         "V 64, window 128 cache / that cache without code sums (EXTRA_IMPLS), each --hack-dots "
+                         "mode (hackwns: the folded ones)")
     ap.add_argument("--heads", nargs="+", choices=sorted(HEADS), help="restrict head configs")
     ap.add_argument("--batches", nargs="+", type=int)
     ap.add_argument("--kv-lens", nargs="+", type=int)
@@ -764,6 +769,11 @@ def main(argv=None):
             impls += [("hackw" + v[len("hack"):], lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret,
                                                                                variant_kwargs={**kw, **HACKW_FIELDS}))
                       for v, kw in hack_variants(args.hack_dots)]
+        elif name == "hackwns":
+            impls += [("hackwns" + v[len("hack"):],
+                       lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret,
+                                                     variant_kwargs={**kw, **HACKW_FIELDS, "code_sums": False}))
+                      for v, kw in hack_variants(args.hack_dots) if kw.get("dot_dtype", "int8") != "int8"]
         elif name == "bf16":
             impls.append(("bf16", lambda s, k: prep_bf16(s, k, interpret=interpret)))
             for cname, fields in parse_bf16_configs(args.bf16_configs):

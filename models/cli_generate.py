@@ -124,12 +124,17 @@ def quant_config(args) -> QuantConfig | LayerFormats:
   --window if more); with --layer-formats / --keep-layers, the LayerFormats over it. ValueError
   naming a bad flag."""
   p = args.partition_size
+  no_sums = getattr(args, "no_code_sums", False)
+  if no_sums and (args.kv_format, args.layout) != ("hack", "kivi"):
+    raise ValueError(f"--no-code-sums applies to --kv-format hack --layout kivi only (the other formats store no "
+                     f"code sums; the seed layout keeps its own), got --kv-format {args.kv_format} --layout "
+                     f"{args.layout}")
   quant = QuantConfig(kv_format=args.kv_format, partition_size=p, page_size=max(256, 4 * p, args.window),
                       window=args.window,
                       num_sink_tokens=args.num_sink_tokens, rounding=args.rounding,
                       layout=args.layout, v_rotation=args.v_rotation, v_group=args.v_group,
                       rotation=getattr(args, "rotation", 0), bits=getattr(args, "bits", 2),
-                      clip=getattr(args, "clip", 0), code_sums=not getattr(args, "no_code_sums", False))
+                      clip=getattr(args, "clip", 0), code_sums=not no_sums)
   spec, keep = getattr(args, "layer_formats", None), getattr(args, "keep_layers", None)
   if spec is not None and keep is not None:
     raise ValueError(f"give --layer-formats or --keep-layers, not both: {spec=} {keep=}")

@@ -428,7 +428,7 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
       dot_dtype: "bf16" | "int8" (INT8 requantization of Q*sigma and W*tau, the paper's numerics, the
         codes as bf16 or int8 dot operands) | "folded_f16" | "folded_bf16" (Q*sigma and W*tau rounded
         to f16 / bf16 against the exact codes, as the decode kernel's folded modes); None: "bf16", or
-        PREFIX_DOT_DTYPE with prefix=True (ignored if config is given).
+        PREFIX_DOT_DTYPE with prefix=True or without code sums (ignored if config is given).
       config: KernelConfig; None picks default_config(...).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
       bits: the cache's code width (QuantConfig.bits); only 2 (NotImplementedError otherwise).
@@ -461,7 +461,8 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
     if prefix and q_start is not None:
         raise ValueError("q_start must be None with prefix=True (every row sits after the kv_lens cached tokens)")
     if dot_dtype is None:
-        dot_dtype = PREFIX_DOT_DTYPE if prefix else "bf16"
+        # without code sums the INT8 numerics cannot run: the folded operands are the default there
+        dot_dtype = PREFIX_DOT_DTYPE if prefix or k_sums is None or v_sums is None else "bf16"
     if q_start is None:
         q_start = jnp.zeros_like(kv_lens)
     if q_start.shape != (batch,) or q_start.dtype != jnp.int32:

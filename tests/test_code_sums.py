@@ -99,6 +99,15 @@ def test_config_rejects(kwargs, match):
         QuantConfig(**kwargs)
 
 
+@pytest.mark.parametrize("flags", [["--kv-format", "int8"], ["--layout", "seed"]])
+def test_cli_flag_rejects_other_formats(flags):
+    """--no-code-sums beside a format without (kivi) code sums: the ValueError names the flags."""
+    from models.cli import _parser
+    from models.cli_generate import quant_config
+    with pytest.raises(ValueError, match=f"--no-code-sums applies to .*got .*{flags[1]}"):
+        quant_config(_parser().parse_args(["generate", "--prompt", "hi", "--no-code-sums"] + flags))
+
+
 def test_specs_reach_the_config():
     """The CLI flag, the eval spellings (the FORMATS entry, a spec's FIELD=VALUE) and the per-layer rule over
     the candidate (every layer without sums, layer 18 in 4-bit codes of 64-token blocks)."""
@@ -310,10 +319,10 @@ def test_decode_steps_on_a_stacked_layer(mode):
 def test_int8_modes_refuse_a_cache_without_sums(mode):
     """dot_dtype "int8" (the decode kernels' default) and the prefill kernel's INT8 modes read kappa and
     omega: a ValueError naming dot_dtype, code_sums and the fix, from the kernels' public functions before
-    anything is traced; a decode step's cache (a value) as it was."""
+    anything is traced (so a decode step that donates its cache raises while tracing, before any buffer is
+    given up)."""
     q, k_new, v_new, layer, table = kernel_layers()[1]
     lens, active = jnp.asarray(stacked_cases.PREV), jnp.asarray(stacked_cases.ACTIVE)
-    before = jax.tree.map(np.asarray, layer)
     interpret = mode == "interpret"
     kw = dict(page_indices=table, kv_lens=lens, impl="pallas", interpret=interpret)
     msg = r"dot_dtype='int8' reads the code sums .*code_sums=False.*'folded_f16'.*QuantConfig\(code_sums=True\)"
@@ -330,8 +339,22 @@ def test_int8_modes_refuse_a_cache_without_sums(mode):
     arrays, static = attention.kernel_args(layer)
     for call in (lambda: hack_decode_attention(q, *arrays, table, lens, **static),
                  lambda: hack_fused_decode_attention(q, k_new, v_new, *arrays, table, lens, active, **static),
-                 lambda: hack_prefill_attention(qp, *arrays, table, lens, **static)):
+                 lambda: hack_prefill_attention(qp, *arrays, table, lens, dot_dtype="bf16", **static)):
         with pytest.raises(ValueError, match="code sums"):
             jax.eval_shape(call)
-    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(layer)):
-        _assert_same(x, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefill_kernel_defaults_to_folded_without_sums(mode):
+    """The prefill kernel's default operands (dot_dtype None: "bf16", the INT8 numerics) need the sums; on a cache
+    without them the default is the folded mode (what Backend's homomorphic prefill gets, passing none), bit for
+    bit the folded mode on the cache with sums."""
+    (_, _, _, with_sums, table), (_, _, _, without, _) = kernel_layers()
+    lens = jnp.asarray(stacked_cases.PREV)
+    qp = jax.random.normal(jax.random.PRNGKey(7), (len(lens), 4, NUM_Q_HEADS, HEAD_DIM), jnp.float32)
+    kw = dict(page_indices=table, kv_lens=lens, impl="pallas", interpret=mode == "interpret")
+    got = attention.prefill_attention(qp, without, **kw)
+    want = attention.prefill_attention(qp, with_sums, dot_dtype="folded_f16", **kw)
+    _assert_same(got, want)
+    assert np.abs(np.asarray(got)).max() > 0
+
