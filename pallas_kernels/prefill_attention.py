@@ -24,10 +24,10 @@ num_sink_tokens; DESIGN.md "Paged cache layout"):
   q          float[S, T, num_q_heads, head_dim]          -> out f32[S, T, num_q_heads, head_dim]
   k_codes    u8[num_pages, H, page_size // 4, head_dim]   (planar per packing group of 4 blocks)
   k_scale, k_min  f16[num_pages, H, bpp, head_dim]
-  k_sums     u8|u16[num_pages, H, page_size, NP]
+  k_sums     u8|u16[num_pages, H, page_size, NP]          (None: a cache without code sums, folded modes)
   v_codes    u8[num_pages, H, head_dim, page_size // 4]   (token-major: the same packing, transposed)
   v_scale, v_min  f16[num_pages, H, page_size, NP]
-  v_sums     u8|u16[num_pages, H, bpp, head_dim]
+  v_sums     u8|u16[num_pages, H, bpp, head_dim]          (None as k_sums)
   open_k, open_v  bf16[S, H, P, head_dim];  sink_k, sink_v  bf16[S, H, ns, head_dim] (None if ns = 0)
   page_indices i32[S, pages_per_seq];  kv_lens i32[S] tokens held, this prompt (chunk) included
   q_start    i32[S] position of query row 0 (0: a whole prompt; > 0: a chunk after a cached prefix);
