@@ -53,6 +53,7 @@ import numpy as np
 from hack_jax import kv_cache, paging
 from hack_jax.config import QuantConfig
 from hack_jax.kv_cache import mixed
+from hack_jax.kv_cache.common import array_fields
 from hack_jax.layer_formats import LayerFormats
 
 VERSION = 2
@@ -85,11 +86,6 @@ class Header:
 
 def _config_dict(config: QuantConfig) -> dict:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-
-
-def _array_fields(layer):
-    """The arrays a layer holds (a field it leaves None, kivi's sums with code_sums=False, has no bytes)."""
-    return [f.name for f in dataclasses.fields(layer) if f.name != "config" and getattr(layer, f.name) is not None]
 
 
 def _live_pages(cache, slot, page_indices, kv_len):
@@ -310,7 +306,7 @@ def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices
     offset = header.body_offset
     per_layer = [dict() for _ in range(cache.num_layers)]
     for layer_i, name, dtype, shape, nbytes in header.arrays:
-        if not 0 <= layer_i < cache.num_layers or name not in _array_fields(layers[layer_i]):
+        if not 0 <= layer_i < cache.num_layers or name not in array_fields(layers[layer_i]):
             raise ValueError(f"KV payload array {name!r} of layer {layer_i} does not exist in the receiving cache")
         dst = getattr(layers[layer_i], name)
         expect = dst.shape[1:] if name in SEQUENCE_FIELDS else (ids.size,) + dst.shape[1:]
@@ -321,7 +317,7 @@ def import_sequence(cache: kv_cache.KVCache, payload, *, slot: int, page_indices
         per_layer[layer_i][name] = data[offset:offset + nbytes].view(dst.dtype).reshape(shape)
         offset += nbytes
     for i, fields in enumerate(per_layer):
-        names = _array_fields(layers[i])
+        names = array_fields(layers[i])
         if set(fields) != set(names):
             raise ValueError(f"KV payload lacks arrays of layer {i}: {sorted(set(names) - set(fields))}")
     t = _tick(timings, "check", t)
@@ -375,7 +371,7 @@ def _index(name, ids, slot, axis):  # the sequence's rows: its slot, or its page
 
 @functools.partial(jax.jit, static_argnums=3)
 def _take_sequence(layer, ids, slot, axis):
-    return {name: getattr(layer, name)[_index(name, ids, slot, axis)] for name in _array_fields(layer)}
+    return {name: getattr(layer, name)[_index(name, ids, slot, axis)] for name in array_fields(layer)}
 
 
 def _put_sequence(layer, fields, ids, slot, axis):

@@ -72,7 +72,7 @@ from hack_jax.config import QuantConfig
 from hack_jax.kv_cache import dense, fp8, int4, int8, kivi, kivi2, mixed, seed, turbo
 from hack_jax.layer_formats import LayerFormats
 from hack_jax.rotation import rotate_v
-from hack_jax.kv_cache.common import (STATIC, Format, FormatOps, Seal, check_finite, check_kv,
+from hack_jax.kv_cache.common import (STATIC, Format, FormatOps, Seal, array_fields, check_finite, check_kv,
                                       format_of, is_traced, pytree_dataclass)
 from hack_jax.kv_cache.dense import DensePages
 from hack_jax.kv_cache.hack import HackBlocks
@@ -584,12 +584,6 @@ def _layer_shapes(config, num_kv_heads, head_dim, num_pages, max_seqs):
                                              num_pages=num_pages, max_seqs=max_seqs))
 
 
-def _arrays(layer):
-    """(name, array) of every array a LayerCache holds (not the fields it leaves None: code_sums=False)."""
-    return [(f.name, getattr(layer, f.name)) for f in dataclasses.fields(layer)
-            if f.name != "config" and getattr(layer, f.name) is not None]
-
-
 def _nbytes(x) -> int:
     return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
@@ -613,7 +607,8 @@ def bytes_per_token(config: QuantConfig, num_kv_heads: int, head_dim: int, num_l
     if isinstance(config, LayerFormats):
         return sum(bytes_per_token(c, num_kv_heads, head_dim, 1) for c in config.configs(num_layers))
     shapes = _layer_shapes(config, num_kv_heads, head_dim, 2, 1)
-    page = sum(_nbytes(a) for name, a in _arrays(shapes) if _category(name) not in ("open_blocks", "sinks")) / 2
+    page = sum(_nbytes(getattr(shapes, n)) for n in array_fields(shapes)
+               if _category(n) not in ("open_blocks", "sinks")) / 2
     return num_layers * page / config.page_size
 
 
@@ -644,8 +639,8 @@ def cache_bytes_report(config: QuantConfig, *, num_layers: int, num_kv_heads: in
     report = dict(codes=0, metadata=0, sums=0, open_blocks=0, sinks=0)
     for c in set(configs):
         shapes = _layer_shapes(c, num_kv_heads, head_dim, num_pages, max_seqs)
-        for name, a in _arrays(shapes):
-            report[_category(name)] += configs.count(c) * _nbytes(a)
+        for name in array_fields(shapes):
+            report[_category(name)] += configs.count(c) * _nbytes(getattr(shapes, name))
     report["total"] = sum(report.values())
     report["num_pages"] = num_pages
     report["bf16"] = num_layers * 2 * max_seqs * seq_len * num_kv_heads * head_dim * 2

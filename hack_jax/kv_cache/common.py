@@ -84,6 +84,12 @@ class FormatOps:
     rotation: Callable | None = None
 
 
+def array_fields(layer) -> list[str]:
+    """Names of the arrays a LayerCache holds, in field order: every field but config, less the ones it
+    leaves None (kivi's k_sums / v_sums with QuantConfig.code_sums False: no bytes, no operand)."""
+    return [f.name for f in dataclasses.fields(layer) if f.name != "config" and getattr(layer, f.name) is not None]
+
+
 def geometry(config: QuantConfig, head_dim: int):
     """(P, Pc, NP, bpp): token block, channel group (min(config.channel_group, head_dim)), channel
     groups per head, blocks per page."""

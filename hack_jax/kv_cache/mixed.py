@@ -28,7 +28,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from hack_jax.kv_cache.common import STATIC, pytree_dataclass
+from hack_jax.kv_cache.common import STATIC, array_fields, pytree_dataclass
 from hack_jax.kv_cache.stacked import is_paged
 from hack_jax.layer_formats import LayerFormats
 
@@ -127,12 +127,10 @@ def array_bits(cache) -> dict:
     per_layer = []
     for layer in jax.eval_shape(layer_list, cache.layers):
         layer_paged = 0
-        for f in dataclasses.fields(layer):
-            a = getattr(layer, f.name)
-            if f.name == "config" or a is None:  # None: an array the format does not store (code_sums)
-                continue
+        for name in array_fields(layer):
+            a = getattr(layer, name)
             total += _nbytes(a)
-            if is_paged(f.name):
+            if is_paged(name):
                 layer_paged += _nbytes(a)
         heads, dim = layer.num_kv_heads, layer.head_dim
         ps, num_pages = layer.config.page_size, layer.num_pages

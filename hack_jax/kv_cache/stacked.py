@@ -56,17 +56,11 @@ import jax.numpy as jnp
 
 from hack_jax import paging
 from hack_jax.kv_cache import hack
-from hack_jax.kv_cache.common import ALL, page_ids, put
+from hack_jax.kv_cache.common import ALL, array_fields, page_ids, put
 from hack_jax.kv_cache.dense import DensePages
 from hack_jax.kv_cache.kivi import KiviPages
 
 PER_SEQUENCE_PREFIXES = ("open", "sink")
-
-
-def _fields(layer):
-    """The array fields a LayerCache holds (an absent one, None: kivi's k_sums / v_sums without
-    QuantConfig.code_sums, is left out and stays None)."""
-    return [f.name for f in dataclasses.fields(layer) if f.name != "config" and getattr(layer, f.name) is not None]
 
 
 def is_paged(name: str) -> bool:
@@ -76,12 +70,12 @@ def is_paged(name: str) -> bool:
 
 def _map(layer, paged, per_seq):
     return dataclasses.replace(layer, **{n: (paged if is_paged(n) else per_seq)(getattr(layer, n))
-                                         for n in _fields(layer)})
+                                         for n in array_fields(layer)})
 
 
 def pages_per_layer(stacked) -> int:
     """N of a stacked LayerCache (its paged arrays are [L, N, ...])."""
-    return getattr(stacked, next(n for n in _fields(stacked) if is_paged(n))).shape[1]
+    return getattr(stacked, next(n for n in array_fields(stacked) if is_paged(n))).shape[1]
 
 
 def flatten(stacked):
@@ -104,7 +98,7 @@ def put_layer(flat, layer, i):
     return dataclasses.replace(flat, **{
         n: (getattr(layer, n) if is_paged(n) else
             jax.lax.dynamic_update_index_in_dim(getattr(flat, n), getattr(layer, n), i, 0))
-        for n in _fields(flat)})
+        for n in array_fields(flat)})
 
 
 def layer_page_indices(page_indices, i, num_pages: int):
@@ -117,7 +111,7 @@ def layer_page_indices(page_indices, i, num_pages: int):
 def _addressable(stacked, depth: int = 1) -> bool:
     from pallas_kernels.common import misaddressed  # the kernels' own rule (their stacked_view refuses the rest)
     return not any(is_paged(n) and misaddressed(a.dtype, depth * a.size)
-                   for n, a in ((n, getattr(stacked, n)) for n in _fields(stacked)))
+                   for n, a in ((n, getattr(stacked, n)) for n in array_fields(stacked)))
 
 
 def pallas_addressable(stacked) -> bool:
@@ -158,7 +152,7 @@ class StackedLayer:
 
     @property
     def num_layers(self) -> int:
-        return getattr(self.stacked, _fields(self.stacked)[0]).shape[0]
+        return getattr(self.stacked, array_fields(self.stacked)[0]).shape[0]
 
     def shapes(self):
         """One layer's LayerCache of jax.ShapeDtypeStructs (for checks and geometry)."""
