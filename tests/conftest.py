@@ -1,5 +1,5 @@
-"""Shared pytest setup: the `gpu` marker's auto-skip, float32 JAX, fast deterministic hypothesis, one
-compilation cache per test run on the CPU."""
+"""Shared pytest setup: the `gpu` marker's auto-skip, float32 JAX, fast deterministic hypothesis, and on the
+CPU one compilation cache per test run and cheap XLA compiles outside the `optimized_xla` modules."""
 
 import os
 import shutil
@@ -68,6 +68,33 @@ def _free_compiled_executables():
     segfaulted inside XLA's compile at ~96% (tests/test_window.py, which passes alone)."""
     yield
     jax.clear_caches()
+
+
+_FAST_COMPILE_ENV = "HACK_JAX_TEST_FAST_COMPILE"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cheap_cpu_compiles(request):
+    """On the CPU, each test module compiles with jax_disable_most_optimizations (XLA's backend at LLVM -O0,
+    without its expensive passes) unless it is marked `optimized_xla`. The suite is compile-bound: thousands
+    of small programs, the Pallas kernels' interpret mode above all, whose LLVM optimization costs more than
+    running them unoptimized (the whole suite: 1825 -> 1531 s of test time, 2026-12-05). The modules that
+    run the real 135M model's programs long enough for -O0 code to cost more than it saves (1.5-1.7x
+    slower there), or that assert the bits of XLA's optimized code (its fused multiply-adds), are marked
+    and compile as users' programs do. The flag is part of the persistent cache's key, and
+    _free_compiled_executables drops the in-memory executables between modules. HACK_JAX_TEST_FAST_COMPILE=0
+    compiles every module with the defaults."""
+    cheap = (jax.devices()[0].platform == "cpu" and os.environ.get(_FAST_COMPILE_ENV, "1") != "0"
+             and request.node.get_closest_marker("optimized_xla") is None)
+    if not cheap:
+        yield
+        return
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture

@@ -21,6 +21,9 @@ import twin
 from hack_jax import kv_cache, paging
 from hack_jax.config import QuantConfig
 
+# Its append loops run long enough that XLA's unoptimized code would cost more than its compile saves.
+pytestmark = pytest.mark.optimized_xla
+
 EPS32 = float(np.finfo(np.float32).eps)
 LENGTHS = (1, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000)
 T_LEN = 1024

@@ -29,6 +29,9 @@ from models.gguf_loader import load_checkpoint
 from models.llama import Llama, init_cache
 from model_oracle import oracle_logits
 
+# The real model's steps run long enough that XLA's unoptimized code would cost more than its compile saves.
+pytestmark = pytest.mark.optimized_xla
+
 BF16_TIE = 0.25  # logit units: bf16 vs float32 K/V near-tie allowance (test_cached_decode_...)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea, with a title.", "2+2="]
 

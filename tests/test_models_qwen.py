@@ -20,6 +20,9 @@ from models.gguf_loader import load_checkpoint, split_model_path
 from models.llama import Llama
 from model_oracle import oracle_logits
 
+# The real model's steps run long enough that XLA's unoptimized code would cost more than its compile saves.
+pytestmark = pytest.mark.optimized_xla
+
 
 
 def _path():

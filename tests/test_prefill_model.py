@@ -16,6 +16,9 @@ from models.gguf_loader import load_checkpoint
 from models.llama import Llama
 import sotu_files
 
+# The real model's prefills run long enough that XLA's unoptimized code would cost more than its compile saves.
+pytestmark = pytest.mark.optimized_xla
+
 
 @pytest.fixture(scope="module")
 def ckpt():

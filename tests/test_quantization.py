@@ -13,6 +13,9 @@ from tolerances import quantizer_slack
 
 from hack_jax.quantization import QuantizedTensor, dequantize, quantize
 
+# It asserts the bits of the optimized CPU code: dequantize's multiply-add fused (rounded once).
+pytestmark = pytest.mark.optimized_xla
+
 
 def f64(a):
     return np.asarray(a, np.float64)
