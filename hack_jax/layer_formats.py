@@ -164,7 +164,8 @@ class LayerFormats:
                 else:
                     i = int(sel)
                     if not -num_layers <= i < num_layers:
-                        raise ValueError(f"layer {i} is outside a model of {num_layers} layers")
+                        raise ValueError(f"layer {i} is outside a model of {num_layers} layers (0 to {num_layers - 1}, "
+                                         f"or -{num_layers} to -1 from the end)")
                     layers = (i % num_layers,)
                 for i in layers:
                     if named.setdefault(i, (rule, sel))[0] != rule:

@@ -57,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="hack: leading tokens kept in 16 bits")
   common.add_argument("--v-group", type=int, default=0,
                       help="hack kivi: channels per V quantization group, set apart from the K "
-                      "block --partition-size (e.g. --partition-size 32 --v-group 64); 0 = the "
-                      "partition size (QuantConfig.v_group)")
+                      "block --partition-size (e.g. --partition-size 32 --v-group 64), a power of two; 0 = the "
+                      "partition size; a group wider than head_dim is clamped to it (QuantConfig.v_group)")
   common.add_argument("--window", type=int, default=0,
                       help="hack kivi: the newest tokens kept in 16 bits (KIVI's residual, e.g. 128), "
                       "a multiple of --partition-size; when full, its blocks are sealed together; "
@@ -72,8 +72,8 @@ def _parser() -> argparse.ArgumentParser:
   common.add_argument("--no-code-sums", action="store_true",
                       help="hack kivi: store no code sums (QuantConfig.code_sums=False; 2.75 instead of "
                       "2.94 bits at --partition-size 32 --v-group 64, head_dim 64): the reference and the "
-                      "model's folded --impl pallas decode give the same attention; the INT8 kernel modes "
-                      "refuse the cache")
+                      "model's --impl pallas decode (its folded modes) give the same attention; only the "
+                      "kernels' INT8 modes, which this CLI does not select, need the sums")
   common.add_argument("--v-rotation", type=int, default=0,
                       help="V multiplied by a block-diagonal Hadamard matrix of this block size "
                       "(a power of two dividing head_dim) before it is cached, undone on the "

@@ -908,6 +908,7 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
   for model_name in args.models.split(","):
     scan = {"auto": {}, "on": {"scan_layers": True}, "off": {"scan_layers": False}}[args.scan_layers]
     ckpt = load_checkpoint(_model_path(model_name.strip()), dtype=jnp.float32, **scan)
+    check_formats_fit(fmts, ckpt.config, os.path.basename(ckpt.path))
     model = Llama.from_weights(ckpt.config, ckpt.weights)
     ids = [ckpt.tokenizer.encode(text) for _, text in texts]
     for context in contexts:
@@ -952,6 +953,19 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
       del ref, kept
   eval_report.write_report(out, readme=args.readme)
   return 0
+
+
+def check_formats_fit(fmts: Sequence[EvalFormat], config, model_name: str) -> None:
+  """Every format's cache built for this model's shapes (no arrays: jax.eval_shape), before anything is
+  scored or written: a ValueError naming the format and the model for what only the model decides (a
+  per-layer rule's layer beyond its layers, a head_dim the V rotation or channel group does not divide)."""
+  from models.llama import init_cache
+  for fmt in fmts:
+    try:
+      jax.eval_shape(lambda q=fmt.quant: init_cache(config, q, num_pages=2, max_seqs=1, pages_per_seq=1))
+    except ValueError as e:
+      raise ValueError(f"format {fmt.name!r} does not fit {model_name} ({config.num_layers} layers, "
+                       f"head_dim {config.head_dim}): {e}") from None
 
 
 def _json_safe(d: dict) -> dict:

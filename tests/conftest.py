@@ -71,6 +71,7 @@ def _free_compiled_executables():
 
 
 _FAST_COMPILE_ENV = "HACK_JAX_TEST_FAST_COMPILE"
+_DISABLE_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # jax's own variable for the flag, read by subprocesses
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -78,10 +79,12 @@ def _cheap_cpu_compiles(request):
     """On the CPU, each test module compiles with jax_disable_most_optimizations (XLA's backend at LLVM -O0,
     without its expensive passes) unless it is marked `optimized_xla`. The suite is compile-bound: thousands
     of small programs, the Pallas kernels' interpret mode above all, whose LLVM optimization costs more than
-    running them unoptimized (the whole suite: 1825 -> 1531 s of test time, 2026-12-05). The modules that
+    running them unoptimized (bench/NOTES_reliability.md: about a quarter off the suite's time). The modules that
     run the real 135M model's programs long enough for -O0 code to cost more than it saves (1.5-1.7x
     slower there), or that assert the bits of XLA's optimized code (its fused multiply-adds), are marked
-    and compile as users' programs do. The flag is part of the persistent cache's key, and
+    and compile as users' programs do. The module's subprocesses inherit the setting (jax reads
+    JAX_DISABLE_MOST_OPTIMIZATIONS), so results compared across processes are compiled alike. The flag is part
+    of the persistent cache's key, and
     _free_compiled_executables drops the in-memory executables between modules. HACK_JAX_TEST_FAST_COMPILE=0
     compiles every module with the defaults."""
     cheap = (jax.devices()[0].platform == "cpu" and os.environ.get(_FAST_COMPILE_ENV, "1") != "0"
@@ -89,12 +92,17 @@ def _cheap_cpu_compiles(request):
     if not cheap:
         yield
         return
-    before = jax.config.values["jax_disable_most_optimizations"]
+    before = jax.config.values["jax_disable_most_optimizations"], os.environ.get(_DISABLE_ENV)
     jax.config.update("jax_disable_most_optimizations", True)
+    os.environ[_DISABLE_ENV] = "1"  # the module's subprocesses compile the same way (bit-identity across them)
     try:
         yield
     finally:
-        jax.config.update("jax_disable_most_optimizations", before)
+        jax.config.update("jax_disable_most_optimizations", before[0])
+        if before[1] is None:
+            os.environ.pop(_DISABLE_ENV, None)
+        else:
+            os.environ[_DISABLE_ENV] = before[1]
 
 
 @pytest.fixture

@@ -193,3 +193,26 @@ def test_decode_scoring_matches_generator(tiny):
   p, q = np.exp(store.logp.astype(np.float64)), np.exp(ref.logp.astype(np.float64))
   want = np.sum(p * np.log(p / q), axis=-1)  # KL(p_hack || p_float32): ref=store is the hack run
   assert np.allclose(kl, want, rtol=1e-4, atol=1e-7) and kl.mean() > 1e-6
+
+
+def test_formats_that_do_not_fit_the_model_fail_before_scoring(tmp_path, tiny):
+  """A per-layer rule naming a layer the model lacks, or a V rotation its head_dim does not divide, is a
+  ValueError naming the format and the model before anything is scored or written (it used to surface
+  after the float32 reference had been scored and its row appended to --out)."""
+  import argparse
+  model, _ = tiny
+  cfg = model.config
+  fits = ev.parse_formats("hack-p64,hack:partition_size=32+1:hack:bits=4,partition_size=32")
+  ev.check_formats_fit(fits, cfg, "tiny")
+  with pytest.raises(ValueError, match=r"format 'hack:partition_size=32\+2:hack:bits=4' does not fit tiny "
+                                       r"\(2 layers, head_dim 32\): layer 2 is outside a model of 2 layers"):
+    ev.check_formats_fit(ev.parse_formats("hack:partition_size=32+2:hack:bits=4"), cfg, "tiny")
+  with pytest.raises(ValueError, match="does not fit tiny .*multiple of v_rotation=64"):
+    ev.check_formats_fit(ev.parse_formats("hack:v_rotation=64"), cfg, "tiny")
+  out = tmp_path / "rows.jsonl"  # through run(), on SmolLM2's 30 layers: raised before its first row
+  args = ev.add_arguments(argparse.ArgumentParser()).parse_args(
+      ["--formats", "hack+30:hack:bits=4", "--out", str(out), "--windows", "1", "--tokens", "2"])
+  with pytest.raises(ValueError, match=r"format 'hack\+30:hack:bits=4' does not fit .*30 layers.*layer 30 is "
+                                       r"outside a model of 30 layers \(0 to 29, or -30 to -1"):
+    ev.run(args)
+  assert not out.exists()
