@@ -6,10 +6,12 @@ and the kernel then launches without those two operands (`common.without_operand
 groups of 64, a 16-bit window of 128, 16 sinks, pages of 256) at Llama-3.1-8B heads, 8 x 32K, once with
 the sums operands and once without, for each folded mode (`--bits 4 --partition-size 64`: the
 configuration's 4-bit layer); compiles both with pip triton 3.6 to sm_90 and
-compares the whole kernels' SASS instruction by instruction with the kernel-parameter addresses
-(`c[0x0][0x...]`, which move when two pointer parameters go) masked, and registers / shared memory. (The
-TTIR itself differs in the order of its prologue's per-operand index arithmetic, which the compiler
-folds away: the SASS is the comparison that answers the question.)
+compares the whole kernels' SASS instruction by instruction, exactly, after moving each kernel-parameter address
+(`c[0x0][0x...]`) of the launch with sums to where that parameter lies without them (8 bytes less per dropped
+pointer before it; the dropped ones are the with-sums kernel's unused arguments), so an instruction that read
+another parameter would differ; and registers / shared memory / the main loop's length. (The TTIR itself differs
+in the order of its prologue's per-operand index arithmetic, which the compiler folds away: the SASS is the
+comparison that answers the question.) Compiled by pip triton, not jaxlib's bundled copy, which may differ a little.
 
   PYTHONPATH=.:/tmp/tri python bench/sums_free_offline.py --out DIR   (pip install --target /tmp/tri triton==3.6.0)
 
@@ -51,14 +53,41 @@ def operands(batch, kv_len, code_sums, layout):
     return config, pps, [q, *arrays, S((batch, pps), "int32"), S((batch,), "int32")]
 
 
-def masked_sass(sass: str) -> list[str]:
-    """The kernel's SASS instructions with the kernel-parameter constant-bank addresses masked."""
-    return [re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[param]", t) for _, t in triton_offline.instructions(sass)]
+PARAM_BASE = 0x210  # sm_90: the kernel parameters' first byte in constant bank 0 (all of them 8-byte pointers here)
+
+
+def unused_args(ttir: str) -> list[int]:
+    """Indices of the kernel function's arguments that its body never uses (the sums, in the folded modes)."""
+    lines = ttir.splitlines()
+    head = next(i for i, x in enumerate(lines) if x.lstrip().startswith("tt.func"))
+    names = re.findall(r"(%arg\d+):", lines[head])
+    body = "\n".join(lines[head + 1:])
+    return [i for i, a in enumerate(names) if not re.search(re.escape(a) + r"\b", body)]
+
+
+def mapped_sass(sass: str, dropped: list[int]) -> list[str]:
+    """The kernel's SASS instructions with each kernel-parameter address moved to where it lies once the
+    `dropped` pointer parameters are gone (8 bytes less per dropped parameter before it); an instruction
+    that reads a dropped parameter keeps a marker that matches nothing."""
+    def move(m):
+        off = int(m.group(1), 16)
+        if off < PARAM_BASE:
+            return m.group(0)
+        i = (off - PARAM_BASE) // 8
+        if i in dropped:
+            return "c[0x0][DROPPED]"
+        return f"c[0x0][{hex(off - 8 * sum(d < i for d in dropped))}]"
+    return [re.sub(r"c\[0x0\]\[(0x[0-9a-f]+)\]", move, t) for _, t in triton_offline.instructions(sass)]
 
 
 def signature_args(ttir: str) -> int:
     line = next(x for x in ttir.splitlines() if x.lstrip().startswith("tt.func"))
     return len(re.findall(r"%arg\d+:", line))
+
+
+def pointer_args_only(ttir: str) -> bool:
+    line = next(x for x in ttir.splitlines() if x.lstrip().startswith("tt.func"))
+    return all(t.startswith("!tt.ptr") for t in re.findall(r"%arg\d+: (\S+)", line))
 
 
 def main(argv=None):
@@ -91,18 +120,21 @@ def main(argv=None):
             lo, hi, _ = max(loops, key=lambda x: x[1] - x[0]) if loops else (0, -1, 0)  # the widest loop
             regs, stack = triton_offline.resources(c["res"])
             instr = [t for _, t in triton_offline.instructions(c["sass"])]
-            kernels[sums] = dict(args=signature_args(ttir), instr=instr,
-                                 masked=masked_sass(c["sass"]), regs=regs, stack=stack, shared=c["shared"],
+            kernels[sums] = dict(args=signature_args(ttir), unused=unused_args(ttir), ttir=ttir, sass=c["sass"],
+                                 instr=instr, regs=regs, stack=stack, shared=c["shared"],
                                  loop_instr=sum(triton_offline.op_counts(c["sass"], lo, hi).values()),
                                  config=str(kc))
         w, wo = kernels[True], kernels[False]
-        sass_same = w["masked"] == wo["masked"]
+        dropped = w["unused"]  # the sums: in the launch with them, never read
+        exact = (w["args"] - wo["args"] == len(dropped) == 2 and not wo["unused"] and pointer_args_only(w["ttir"])
+                 and mapped_sass(w["sass"], dropped) == wo["instr"])
         res_same = all(w[k] == wo[k] for k in ("regs", "stack", "shared", "loop_instr"))
-        same &= sass_same and res_same
+        same &= exact and res_same
         both = lambda k: (w[k], wo[k])  # noqa: E731
         moved = sum(x != y for x, y in zip(w["instr"], wo["instr"]))
         print(json.dumps(dict(mode=mode, batch=args.batch, kv_len=args.kv_len, layout=layout, args=both("args"),
-                              sass_same_but_param_addresses=sass_same, instructions_differing_in_param_address=moved,
+                              unused_args_with_sums=dropped,
+                              same_sass_with_params_moved=exact, instructions_differing_in_param_address=moved,
                               kernel_instr=(len(w["instr"]), len(wo["instr"])), loop_instr=both("loop_instr"),
                               regs=both("regs"), shared=both("shared"), resources_same=res_same, config=w["config"])),
               flush=True)

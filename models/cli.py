@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="hack: leading tokens kept in 16 bits")
   common.add_argument("--v-group", type=int, default=0,
                       help="hack kivi: channels per V quantization group, set apart from the K "
-                      "block --partition-size (e.g. --partition-size 32 --v-group 64), a power of two; 0 = the "
+                      "block --partition-size (e.g. --partition-size 32 --v-group 64), a power of two >= 16; 0 = the "
                       "partition size; a group wider than head_dim is clamped to it (QuantConfig.v_group)")
   common.add_argument("--window", type=int, default=0,
                       help="hack kivi: the newest tokens kept in 16 bits (KIVI's residual, e.g. 128), "

@@ -956,16 +956,25 @@ def run(args, argv_for_log: Sequence[str] | None = None) -> int:
 
 
 def check_formats_fit(fmts: Sequence[EvalFormat], config, model_name: str) -> None:
-  """Every format's cache built for this model's shapes (no arrays: jax.eval_shape), before anything is
-  scored or written: a ValueError naming the format and the model for what only the model decides (a
-  per-layer rule's layer beyond its layers, a head_dim the V rotation or channel group does not divide)."""
+  """Every format's cache built for this model's shapes (no arrays: jax.eval_shape), and its
+  evaluation-only rotations and groups against head_dim, before anything is scored or written for the
+  model: a ValueError naming the format and the model for what only the model decides (a per-layer rule's
+  layer beyond its layers, a head_dim that the V rotation, a channel group or a K/q rotation does not
+  divide)."""
   from models.llama import init_cache
+  hd = config.head_dim
   for fmt in fmts:
     try:
       jax.eval_shape(lambda q=fmt.quant: init_cache(config, q, num_pages=2, max_seqs=1, pages_per_seq=1))
+      fakes = [fmt.fake, getattr(fmt.fake, "edge", None)]
+      sizes = [("hadamard", fmt.hadamard)] + [(f"fake {n}", getattr(f, n)) for f in fakes
+                                              if isinstance(f, FakeHack) for n in ("v_group", "v_hadamard")]
+      for name, size in sizes:
+        if size and hd % size:
+          raise ValueError(f"head_dim must be a multiple of its {name}={size}: head_dim={hd}")
     except ValueError as e:
       raise ValueError(f"format {fmt.name!r} does not fit {model_name} ({config.num_layers} layers, "
-                       f"head_dim {config.head_dim}): {e}") from None
+                       f"head_dim {hd}): {e}") from None
 
 
 def _json_safe(d: dict) -> dict:

@@ -77,24 +77,25 @@ _DISABLE_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # jax's own variable for the fl
 @pytest.fixture(autouse=True, scope="module")
 def _cheap_cpu_compiles(request):
     """On the CPU, each test module compiles with jax_disable_most_optimizations (XLA's backend at LLVM -O0,
-    without its expensive passes) unless it is marked `optimized_xla`. The suite is compile-bound: thousands
-    of small programs, the Pallas kernels' interpret mode above all, whose LLVM optimization costs more than
-    running them unoptimized (bench/NOTES_reliability.md: about a quarter off the suite's time). The modules that
-    run the real 135M model's programs long enough for -O0 code to cost more than it saves (1.5-1.7x
-    slower there), or that assert the bits of XLA's optimized code (its fused multiply-adds), are marked
-    and compile as users' programs do. The module's subprocesses inherit the setting (jax reads
-    JAX_DISABLE_MOST_OPTIMIZATIONS), so results compared across processes are compiled alike. The flag is part
-    of the persistent cache's key, and
-    _free_compiled_executables drops the in-memory executables between modules. HACK_JAX_TEST_FAST_COMPILE=0
-    compiles every module with the defaults."""
-    cheap = (jax.devices()[0].platform == "cpu" and os.environ.get(_FAST_COMPILE_ENV, "1") != "0"
-             and request.node.get_closest_marker("optimized_xla") is None)
-    if not cheap:
+    without its expensive passes) unless the module is marked `optimized_xla` (a module-level pytestmark;
+    marks on single tests are not seen here), which compiles with it off, as users' programs do. The suite is
+    compile-bound: thousands of small programs, the Pallas kernels' interpret mode above all, whose LLVM
+    optimization costs more than running them unoptimized (bench/NOTES_reliability.md: about a quarter off the
+    suite's time). Marked: the modules that run the real 135M model's programs long enough for -O0 code to
+    cost more than it saves (1.5-1.7x slower there), and those whose exact checks need the optimized code
+    (its fused multiply-adds: a value rounded once; two programs bit for bit, which -O0's unfused arithmetic
+    makes easier to meet than users' code does). A new exact comparison of two programs belongs in a marked
+    module, or is checked with HACK_JAX_TEST_FAST_COMPILE=0, which leaves every module to the environment's
+    setting. The module's subprocesses inherit the module's setting (jax reads JAX_DISABLE_MOST_OPTIMIZATIONS).
+    The flag is part of the persistent cache's key, and _free_compiled_executables drops the in-memory
+    executables between modules."""
+    if jax.devices()[0].platform != "cpu" or os.environ.get(_FAST_COMPILE_ENV, "1") == "0":
         yield
         return
+    cheap = request.node.get_closest_marker("optimized_xla") is None
     before = jax.config.values["jax_disable_most_optimizations"], os.environ.get(_DISABLE_ENV)
-    jax.config.update("jax_disable_most_optimizations", True)
-    os.environ[_DISABLE_ENV] = "1"  # the module's subprocesses compile the same way (bit-identity across them)
+    jax.config.update("jax_disable_most_optimizations", cheap)
+    os.environ[_DISABLE_ENV] = "1" if cheap else "0"
     try:
         yield
     finally:

@@ -35,7 +35,9 @@ from pallas_kernels.fused_decode_attention import hack_fused_decode_attention
 from pallas_kernels.prefill_attention import hack_prefill_attention
 from test_attention_suite import HEAD_DIM, LENGTHS, NUM_KV_HEADS, NUM_Q_HEADS, check, make_q
 
-pytestmark = pytest.mark.filterwarnings(f"ignore:{common.TRITON_DEPRECATION_MESSAGE}:DeprecationWarning")
+# optimized_xla: its bit-for-bit checks of two programs (with and without sums) hold for users' optimized code.
+pytestmark = [pytest.mark.filterwarnings(f"ignore:{common.TRITON_DEPRECATION_MESSAGE}:DeprecationWarning"),
+              pytest.mark.optimized_xla]
 
 SUMS = QuantConfig(partition_size=32, page_size=128)  # channel group 32: NP = 2 groups at head_dim 64
 NO_SUMS = dataclasses.replace(SUMS, code_sums=False)

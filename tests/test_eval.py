@@ -209,6 +209,14 @@ def test_formats_that_do_not_fit_the_model_fail_before_scoring(tmp_path, tiny):
     ev.check_formats_fit(ev.parse_formats("hack:partition_size=32+2:hack:bits=4"), cfg, "tiny")
   with pytest.raises(ValueError, match="does not fit tiny .*multiple of v_rotation=64"):
     ev.check_formats_fit(ev.parse_formats("hack:v_rotation=64"), cfg, "tiny")
+  f32 = ev.FORMATS["float32"].quant  # evaluation-only rotations and groups: head_dim 32
+  for fmt, what in [(ev.EvalFormat("had64", f32, hadamard=64), "hadamard=64"),
+                    (ev.EvalFormat("fake-v48", f32, fake=ev.FakeHack(v_group=48)), "fake v_group=48"),
+                    (ev.EvalFormat("fake-vh64", f32, fake=ev.FakeHack(v_group=32, v_hadamard=64)),
+                     "fake v_hadamard=64")]:
+    with pytest.raises(ValueError, match=f"'{fmt.name}' does not fit tiny .*multiple of its {what}: head_dim=32"):
+      ev.check_formats_fit([fmt], cfg, "tiny")
+  ev.check_formats_fit([ev.EvalFormat("fake-v32", f32, fake=ev.FakeHack(v_group=32, v_hadamard=16))], cfg, "tiny")
   out = tmp_path / "rows.jsonl"  # through run(), on SmolLM2's 30 layers: raised before its first row
   args = ev.add_arguments(argparse.ArgumentParser()).parse_args(
       ["--formats", "hack+30:hack:bits=4", "--out", str(out), "--windows", "1", "--tokens", "2"])
