@@ -197,8 +197,9 @@ def test_decode_scoring_matches_generator(tiny):
 
 def test_formats_that_do_not_fit_the_model_fail_before_scoring(tmp_path, tiny):
   """A per-layer rule naming a layer the model lacks, or a V rotation its head_dim does not divide, is a
-  ValueError naming the format and the model before anything is scored or written (it used to surface
-  after the float32 reference had been scored and its row appended to --out)."""
+  ValueError naming the format and the model before anything is scored or written: no float32 reference
+  scored first, no row in --out. So is an evaluation-only K/q rotation or fake group that head_dim does not
+  divide."""
   import argparse
   model, _ = tiny
   cfg = model.config

@@ -24,7 +24,6 @@ from model_oracle import oracle_logits
 pytestmark = pytest.mark.optimized_xla
 
 
-
 def _path():
   try:
     return split_model_path("qwen2.5-coder-0.5b")
