@@ -28,6 +28,7 @@ import numpy as np
 
 from hack_jax import kv_cache, paging
 from hack_jax.config import QuantConfig
+from hack_jax.kv_cache.common import array_fields  # the field names only; the values are this module's own
 from oracles import q8_rows
 
 BLOCKED = ("hack",)  # kv_formats with sinks, sealed 2-bit blocks and an open block
@@ -171,8 +172,7 @@ def _plane(codes, rows, j, token_major, bits):
 def poison(cache) -> Cache:
     """The cache with every entry no live token occupies overwritten (module docstring)."""
     layer, cfg = cache.layer, cache.config
-    a = {f.name: np.array(getattr(layer, f.name)) for f in dataclasses.fields(layer)
-         if f.name != "config" and getattr(layer, f.name) is not None}  # None: no code sums stored
+    a = {name: np.array(getattr(layer, name)) for name in array_fields(layer)}  # (absent code sums left out)
     live = {int(x) for s, row in enumerate(cache.table) for x in row[:_pages_of(cache, s)]}
     dead = [x for x in range(layer.num_pages) if x not in live]  # includes the null page
     junk = lambda x: np.nan if jnp.issubdtype(x.dtype, jnp.floating) else np.iinfo(x.dtype).max
@@ -258,8 +258,7 @@ class Segments:
 def read(cache) -> list:
     """Segments of every sequence of a 2-bit cache (module docstring)."""
     layer, cfg = cache.layer, cache.config
-    f = {x.name: np.asarray(getattr(layer, x.name)) for x in dataclasses.fields(layer)
-         if x.name != "config" and getattr(layer, x.name) is not None}
+    f = {name: np.asarray(getattr(layer, name)) for name in array_fields(layer)}
     f64 = lambda x: np.asarray(x, np.float64)
     p, _, _, bpp = _geometry(cfg, layer.head_dim)
     ns, seed = cfg.num_sink_tokens, cfg.layout == "seed"
