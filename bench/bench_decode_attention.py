@@ -72,7 +72,7 @@ IMPLS = ("hack", "dequant", "bf16", "fp8", "int8", "kivi2", "int4", "turbo3", "t
 # hackw = the HACK kernel on the K 32 / V 64 / 16-bit window 128 cache (issue 18's best 2-bit configuration;
 # its V rotation is applied to q and the output outside the kernel, not timed here), rows hackw_<mode>;
 # hackwns = hackw without code sums (QuantConfig.code_sums=False: no sums operands; folded modes only)
-EXTRA_IMPLS = ("hack4", "hackw", "hackwns")
+EXTRA_IMPLS = ("hack4", "hackw", "hackwns", "gluon", "gluon168")
 HACKW_FIELDS = {"partition_size": 32, "v_group": 64, "window": 128}
 PAGE_SIZE = 256  # QuantConfig's default
 UNROLL = 8
@@ -318,6 +318,25 @@ def prep_triton(shape, key, *, interpret):
         return mod.hack_triton_decode_attention(q, *arrays, table, a["lens"], **static, config=kc)
 
     return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={config.page_size} ns=4 {kc}", n,
+                    append=("open_k", "open_v"))
+
+
+def prep_gluon(shape, key, *, interpret, maxnreg=None):
+    """The Gluon prototype (pallas_kernels.gluon_decode_attention) on the kivi cache; no code sums read. GPU only."""
+    from pallas_kernels import gluon_decode_attention as mod
+    if interpret:
+        raise RuntimeError("the gluon kernel has no interpret mode")
+    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", skip_fields=("k_sums", "v_sums"))
+    lens = jnp.full((shape.batch,), shape.kv_len, jnp.int32)
+    arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=lens)
+    per_copy = shape.batch * pps
+
+    def call(q, i, a):
+        table = a["table"] + (i % n) * per_copy
+        arrays, static = kivi_call_args(_slots(a["layer"], shape, i, n))
+        return mod.hack_gluon_decode_attention(q, *arrays, table, a["lens"], **static, maxnreg=maxnreg)
+
+    return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={config.page_size} ns=4 gluon maxnreg={maxnreg}", n,
                     append=("open_k", "open_v"))
 
 
@@ -794,6 +813,9 @@ def main(argv=None):
             impls.append(("hack_triton", lambda s, k: prep_triton(s, k, interpret=interpret)))
         elif name == "xla":
             impls.append(("xla", lambda s, k: prep_xla(s, k, interpret=interpret)))
+        elif name in ("gluon", "gluon168"):  # rows named hack_gluon*: the hack cache's memory and touch rules
+            impls.append(("hack_" + name, lambda s, k, r=(168 if name == "gluon168" else None):
+                          prep_gluon(s, k, interpret=interpret, maxnreg=r)))
 
     path = os.path.join(args.out, "decode_attention.jsonl")
     rows = []

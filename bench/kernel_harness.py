@@ -86,7 +86,7 @@ def prepare(out_dir, shapes, bits_list, xla_passes=False):
                                                      bits=bits), maxnreg=None)
             ttir = triton_offline.lower_ttir(
                 lambda *xs: hack_decode_attention(*xs, partition_size=P, num_sink_tokens=NS, config=cfg, bits=bits),
-                *layer)
+                *layer, kernel="hack_decode_attention")
             if xla_passes:
                 ttir = make_ttir(ttir)
             name = f"{shape}_hack{bits}"

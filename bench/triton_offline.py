@@ -39,14 +39,17 @@ def capture_ttir():
         tl.lower_jaxpr_to_triton_module = orig
 
 
-def lower_ttir(fn, *args) -> str:
+def lower_ttir(fn, *args, kernel: str | None = None) -> str:
     """TTIR of the (last) Pallas-Triton kernel in jax.jit(fn) lowered for CUDA at `args` (arrays or
-    ShapeDtypeStructs)."""
+    ShapeDtypeStructs); `kernel`: the last one whose function is named so (a decode call with many splits
+    lowers its split merge, `combine_splits`, after the attention kernel)."""
     import jax
     with capture_ttir() as captured:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    if kernel is not None:
+        captured = [t for t in captured if f"tt.func public @{kernel}" in t]
     if not captured:
-        raise RuntimeError("no Pallas-Triton kernel was lowered")
+        raise RuntimeError(f"no Pallas-Triton kernel {kernel or ''} was lowered")
     return captured[-1]
 
 

@@ -1,0 +1,147 @@
+"""The Gluon decode kernel (pallas_kernels/gluon_decode_kernel.py) against the Pallas HACK kernel on the same torch
+tensors, one process, no XLA: kernel time only (triton.testing.do_bench, CUDA events), and its error.
+
+  python bench/kernel_harness.py prepare DIR --shapes b8_32k b1_128k b1_32k      (CPU or GPU: the Pallas TTIR)
+  python bench/gluon_harness.py DIR OUT.jsonl --shapes b8_32k --variants s16=16:0:0 s16a=16:0:1 ...
+
+Per shape: the Pallas kernel's TTIR compiled by pip Triton with the register cap 168 (as XLA builds it; the row
+`pallas_r168`), then each Gluon variant NAME=SPLITS:MAXNREG:ASYNC (MAXNREG 0: none; ASYNC 1: cp.async double
+buffering) on the harness's operands: time, registers, and the error of its sealed-block attention (splits merged)
+against a float64 torch reference of the dequantized cache for sequence 0 (all kv heads); the shapes' caches are
+block-exact (no open tokens; the NS sinks are not part of either side's sealed blocks). GPU, torch + triton only.
+"""
+import json
+import math
+import os
+import sys
+
+import torch
+import triton
+import triton.testing
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels import gluon_decode_kernel as gl_kernel  # noqa: E402
+import kernel_harness as kh  # noqa: E402
+
+SIG = [("kv_lens_ptr", "*i32"), ("page_indices_ptr", "*i32"), ("q_ptr", "*fp32"), ("k_codes_ptr", "*u8"),
+       ("k_scale_ptr", "*fp16"), ("k_min_ptr", "*fp16"), ("v_codes_ptr", "*u8"), ("v_scale_ptr", "*fp16"),
+       ("v_min_ptr", "*fp16"), ("acc_ptr", "*fp32"), ("m_ptr", "*fp32"), ("l_ptr", "*fp32")]
+H, QPK, D, P, PAGE, NS = 8, 4, 128, 64, 256, 4
+
+
+def compile_gluon(consts, maxnreg):
+    sig = dict(SIG)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(SIG))}
+    src = GluonASTSource(gl_kernel.hack_gluon_decode_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    opts = {"num_warps": 1}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    k._init_handles()
+    return k
+
+
+def reference_seq(args, b):
+    """float64 softmax(q K^T / sqrt(D)) V over sequence b's sealed blocks (all of its pages here)."""
+    kv_lens, pages, q, kc, ks, km, _, vc, vs, vm = args[:10]
+    n_tok = int(kv_lens[b]) - NS
+    n_pages = n_tok // PAGE
+    pid = pages[b, :n_pages].long()
+    # K: [pages, H, PAGE // 4, D] u8, group gi rows gi P + r, plane j = block slot gi 4 + j
+    k8 = kc[pid].long()  # [np, H, 64, D]
+    kcode = torch.stack([(k8 >> (2 * j)) & 3 for j in range(4)], 2)  # [np, H, 4 planes, 64 rows, D]
+    kcode = kcode.reshape(n_pages, H, 4, P, D)  # groups per page 1 (PAGE = 4 P): slot = j
+    sig = ks[pid].double().reshape(n_pages, H, 4, 1, D)
+    mu = km[pid].double().reshape(n_pages, H, 4, 1, D)
+    K = (kcode.double() * sig + mu).permute(1, 0, 2, 3, 4).reshape(H, n_pages * PAGE, D)
+    v8 = vc[pid].long()  # [np, H, D, 64] token-major
+    vcode = torch.stack([(v8 >> (2 * j)) & 3 for j in range(4)], 2)  # [np, H, 4, D, 64]
+    vcode = vcode.permute(0, 1, 2, 4, 3)  # [np, H, 4 slots, 64 tokens, D]
+    tau = vs.reshape(vs.shape[0], H, PAGE, 2)[pid].double().reshape(n_pages, H, 4, P, 2)
+    nu = vm.reshape(vm.shape[0], H, PAGE, 2)[pid].double().reshape(n_pages, H, 4, P, 2)
+    tau = torch.repeat_interleave(tau, 64, dim=-1)  # [.., P, D] channel c -> group c // 64
+    nu = torch.repeat_interleave(nu, 64, dim=-1)
+    V = (vcode.double() * tau + nu).permute(1, 0, 2, 3, 4).reshape(H, n_pages * PAGE, D)
+    qq = q[b].double().reshape(H, QPK, D)
+    s = torch.einsum("hgd,htd->hgt", qq, K) / math.sqrt(D)
+    return torch.einsum("hgt,htd->hgd", torch.softmax(s, -1), V)  # [H, QPK, D]
+
+
+def merge(acc, m, l, b):
+    # acc [S, H, SPLITS, 8, D], m / l [S, H, SPLITS, 8] (m base 2) -> [H, QPK, D]
+    a, mm, ll = acc[b].double(), m[b].double(), l[b].double()
+    mx = mm.max(1, keepdim=True).values
+    w = torch.exp2(mm - mx)
+    out = (a * w[..., None]).sum(1) / (ll * w).sum(1)[..., None]
+    return out[:, :QPK]
+
+
+def main():
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dir", help="a `bench/kernel_harness.py prepare` directory")
+    ap.add_argument("out", help="append the rows (JSON lines) here")
+    ap.add_argument("--shapes", nargs="+", default=None)
+    ap.add_argument("--variants", nargs="+", default=["s16=16:0:0", "s16a=16:0:1"], help="NAME=SPLITS:MAXNREG:ASYNC")
+    a = ap.parse_args()
+    hdir, out_path, shapes, variants = a.dir, a.out, a.shapes, a.variants
+    entries = json.load(open(os.path.join(hdir, "manifest.json")))
+    rows = []
+    for e in entries:
+        if shapes and e["shape"] not in shapes:
+            continue
+        args = kh._tensors(e)
+        names = [a[0] for a in e["args"]]
+        t = dict(zip(names, args))
+        batch, kv = e["batch"], e["kv_len"]
+        # Pallas kernel (pip Triton, cap 168), the harness's launch
+        pk = kh._compile(os.path.join(hdir, e["ttir"]), 4, 2, 168)
+        grid = tuple(e["grid"])
+        us_p = triton.testing.do_bench(lambda: pk[grid](*args), warmup=25, rep=200, return_mode="median") * 1e3
+        row = dict(shape=e["shape"], kernel="pallas_r168", us=round(us_p, 2), regs=pk.n_regs, bytes=e["bytes"],
+                   gbps=round(e["bytes"] / us_p / 1e3, 1), gpu=torch.cuda.get_device_name())
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        gargs = [t["kv_lens"], t["page_indices"], t["q"], t["k_codes"], t["k_scale"], t["k_min"], t["v_codes"],
+                 t["v_scale"], t["v_min"]]
+        ref = reference_seq(gargs[:6] + [None] + gargs[6:], 0)
+        for v in variants:
+            name, spec = v.split("=")
+            splits, maxnreg, pf = (list(map(int, spec.split(":"))) + [0])[:3]
+            consts = dict(H=H, QPK=QPK, D=D, P=P, PAGE=PAGE, PPS=kv // PAGE, NUM_PAGES=t["k_codes"].shape[0], NS=NS,
+                          W=P, SPLITS=splits, QK_SCALE=1 / math.sqrt(D) * 1.4426950408889634, ASYNC=pf)
+            row = dict(shape=e["shape"], kernel="gluon_" + name, splits=splits, maxnreg=maxnreg, prefetch=pf,
+                       bytes=e["bytes"])
+            try:
+                k = compile_gluon(consts, maxnreg)
+                acc = torch.full((batch, H, splits, 8, D), float("nan"), device="cuda")
+                m = torch.full((batch, H, splits, 8), float("nan"), device="cuda")
+                l_ = torch.full((batch, H, splits, 8), float("nan"), device="cuda")
+                ggrid = (batch, H, splits)
+                launch = lambda: k[ggrid](*gargs, acc, m, l_)  # noqa: E731
+                launch()
+                torch.cuda.synchronize()
+                got = merge(acc, m, l_, 0)
+                err = float((got - ref).abs().max())
+                scale = float(ref.abs().max())
+                us = triton.testing.do_bench(launch, warmup=25, rep=200, return_mode="median") * 1e3
+                row.update(us=round(us, 2), regs=k.n_regs, spills=k.n_spills, shared=k.metadata.shared,
+                           max_abs_err=err, ref_max=scale, gbps=round(e["bytes"] / us / 1e3, 1),
+                           vs_pallas=round(us_p / us, 3))
+            except Exception as exc:  # noqa: BLE001
+                import traceback
+                row.update(error=f"{type(exc).__name__}: {str(exc)[:600]}", tb=traceback.format_exc()[-1500:])
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del args
+        torch.cuda.empty_cache()
+    with open(out_path, "a") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

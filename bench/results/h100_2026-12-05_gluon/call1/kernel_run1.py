@@ -1,0 +1,347 @@
+"""Prototype: HACK decode (2-bit, kivi layout, folded f16 subnormal planes) as a Gluon kernel, one warp
+per program, explicit mma_v2 layouts. Sealed blocks only; outputs per-split (acc, m, l) partials."""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+# plane j of 4 packed bytes ($2) as f16 subnormals code * 4**j * 2**-24: bytes 0,1 -> $0, 2,3 -> $1
+SPLIT_PRMT = 0
+
+
+def _plane_asm(j):
+    # distinct (equivalent) zero-byte selectors per plane, so that ptxas does not share one plane's PRMTs
+    # with another's (sharing keeps 2 registers per code word live across the 4 planes: spills)
+    z = 4 + j * SPLIT_PRMT
+    sel_lo, sel_hi = (z << 12) | (1 << 8) | (z << 4), (z << 12) | (3 << 8) | (z << 4) | 2
+    m = (3 << (2 * j)) * 0x00010001
+    return ("{ .reg .b32 z, lo, hi; mov.b32 z, 0; "
+            f"prmt.b32 lo, $2, z, 0x{sel_lo:04X}; prmt.b32 hi, $2, z, 0x{sel_hi:04X}; "
+            f"and.b32 $0, lo, 0x{m:08X}; and.b32 $1, hi, 0x{m:08X}; }}")
+
+
+PLANE0 = gl.constexpr(_plane_asm(0))
+PLANE1 = gl.constexpr(_plane_asm(1))
+PLANE2 = gl.constexpr(_plane_asm(2))
+PLANE3 = gl.constexpr(_plane_asm(3))
+# movmatrix: each 8x8 16-bit tile of a C-layout tensor (lane (g, t) holding row g, columns 2t, 2t+1) transposed
+# across the warp, one instruction per 32-bit register
+MOVM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+PREFETCH = gl.constexpr("prefetch.global.L2 [$1]; mov.b32 $0, 0;")
+PREFETCH_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+
+
+@gluon.jit
+def _plane(x, J: gl.constexpr):
+    if J == 0:
+        asm: gl.constexpr = PLANE0
+    elif J == 1:
+        asm: gl.constexpr = PLANE1
+    elif J == 2:
+        asm: gl.constexpr = PLANE2
+    else:
+        asm: gl.constexpr = PLANE3
+    return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
+
+
+# Physical-order layouts (one warp). The codes and the K-side B operand are loaded in memory order with wide
+# loads, then relabelled (reshape / permute: no data movement) into the mma_v2 operand layouts (k_width 2), whose
+# k index is then a permutation of the memory order; the dots are invariant under it when both operands share
+# it. The layouts are chosen so that a 32-bit word of 4 code bytes is one inline-asm call whose two f16x2
+# results are the pairs (k, k + 1) and (k + 8, k + 9) of the m16n8k16 fragment.
+# K chunk [64 tokens, 32 channels] u8: lane t holds physical channels 8t..8t+7 (LDG.64): p = x0 + 2 x1 + 4 x2 +
+# 8 t0 + 16 t1 is logical k = x0 + 2 t0 + 4 t1 + 8 x1 + 16 x2.
+LK = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0], [16, 0], [32, 0]],
+                                             lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                             warp_bases=[], block_bases=[], shape=[64, 32]))
+LMU = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+                                              lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                              warp_bases=[], block_bases=[], shape=[16, 32]))
+# K-side B [32 channels, 8 heads] f32 (q, q sigma): lane t holds physical channels 8t..8t+7 of head lane // 4
+LQ = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [4, 0]],
+                                             lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]],
+                                             warp_bases=[], block_bases=[], shape=[32, 8]))
+# V chunk [32 channels, 64 tokens] u8: lane t holds physical tokens 16t..16t+15 (LDG.128): p = x0 + 2 x1 + 4 x2 +
+# 8 x3 + 16 t0 + 32 t1 is logical token k = x0 + 2 t0 + 4 t1 + 8 x1 + 16 x2 + 32 x3 (`_tok`), which the K side's
+# rows and the per-token metadata follow
+LV = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0], [16, 0]],
+                                             lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+                                             warp_bases=[], block_bases=[], shape=[32, 64]))
+
+
+@gluon.jit
+def _tok(k):
+    # physical token of logical token k (the PV dot's k order)
+    return (k & 1) + ((k >> 3) & 1) * 2 + ((k >> 4) & 1) * 4 + ((k >> 5) & 1) * 8 + ((k >> 1) & 1) * 16 + (
+        (k >> 2) & 1) * 32
+
+
+@gluon.jit
+def _k_logical(x, A: gl.constexpr):
+    # [R, 32] in physical channel order (LK / LMU) -> the A operand layout, logical k (no data movement)
+    R: gl.constexpr = x.shape[0]
+    y = x.reshape([R, 2, 2, 2, 2, 2]).permute(0, 3, 4, 1, 2, 5).reshape([R, 32])
+    return gl.convert_layout(y, A, assert_trivial=True)
+
+
+@gluon.jit
+def _q_logical(x, B: gl.constexpr):
+    # [32, 8] in physical channel order (LQ) -> the B operand layout
+    y = x.reshape([2, 2, 2, 2, 2, 8]).permute(2, 3, 0, 1, 4, 5).reshape([32, 8])
+    return gl.convert_layout(y, B, assert_trivial=True)
+
+
+@gluon.jit
+def _v_logical(x, A: gl.constexpr):
+    # [32, 64] in physical token order (LV) -> the A operand layout, logical token k
+    y = x.reshape([32, 2, 2, 2, 2, 2, 2]).permute(0, 3, 4, 5, 1, 2, 6).reshape([32, 64])
+    return gl.convert_layout(y, A, assert_trivial=True)
+
+
+@gluon.jit
+def _to_b(x, B: gl.constexpr):
+    # f16 [P, 8] in the C layout (rows: tokens) -> the same values in the PV dot's B layout: movmatrix leaves
+    # Z[8 i + a, g] in the register that held x[8 i + g, a]; relabelled (reshape / permute) it is B (k_width 2)
+    y = gl.inline_asm_elementwise(MOVM, "=r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
+    R: gl.constexpr = x.shape[0]
+    z = y.reshape([R // 8, 8, 8]).permute(0, 2, 1).reshape([R, 8])
+    return gl.convert_layout(z, B, assert_trivial=True)
+
+
+@gluon.jit
+def _ld(ptr, valid, MASKED: gl.constexpr):
+    # a metadata load; MASKED (the last, partial group): invalid blocks read 0 (their slots may hold NaN)
+    if MASKED:
+        return gl.load(ptr, mask=valid, other=0.0)
+    else:
+        return gl.load(ptr)
+
+
+@gluon.jit
+def _qk_chunk(s0, s1, s2, s3, bacc, kc, qp, k_scale_ptr, k_min_ptr, meta, kq, v0, v1, v2, v3, mu_off, mu_mask,
+              A: gl.constexpr, B: gl.constexpr, BD: gl.constexpr, MASKED: gl.constexpr):
+    # one 32-channel chunk of the 4 blocks' logits: s_j += plane_j(kc) @ f16(q sigma_j) (kc already in A;
+    # qp [32, 8] f32 in LQ); meta: block 0's metadata offset of the chunk's first channel, BD: one block's
+    # metadata stride. bacc [16, 8] += mu_j . q for the 4 blocks (rows 0..3; q as two f16 parts: exact products)
+    sg = _ld(k_scale_ptr + meta + kq, v0, MASKED).to(gl.float32)
+    s0 = mma_v2(_k_logical(_plane(kc, 0), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), s0)
+    sg = _ld(k_scale_ptr + meta + BD + kq, v1, MASKED).to(gl.float32)
+    s1 = mma_v2(_k_logical(_plane(kc, 1), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), s1)
+    sg = _ld(k_scale_ptr + meta + 2 * BD + kq, v2, MASKED).to(gl.float32)
+    s2 = mma_v2(_k_logical(_plane(kc, 2), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), s2)
+    sg = _ld(k_scale_ptr + meta + 3 * BD + kq, v3, MASKED).to(gl.float32)
+    s3 = mma_v2(_k_logical(_plane(kc, 3), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), s3)
+    mu = _k_logical(gl.load(k_min_ptr + meta + mu_off, mask=mu_mask, other=0.0), A)  # f16 [16, 32] (rows >= 4: 0)
+    qhi = qp.to(gl.float16)
+    qlo = (qp - qhi.to(gl.float32)).to(gl.float16)
+    bacc = mma_v2(mu, _q_logical(qhi, B), bacc)
+    bacc = mma_v2(mu, _q_logical(qlo, B), bacc)
+    return s0, s1, s2, s3, bacc
+
+
+@gluon.jit
+def _row(x, rows, J: gl.constexpr):
+    # row J of x [16, 8] (C layout) as [8] (COL_C)
+    return gl.sum(gl.where((rows == J)[:, None], x, 0.0), axis=0)
+
+
+@gluon.jit
+def _block_weights(s, bias, m_new, valid, v_scale_ptr, v_min_ptr, tmeta2, J: gl.constexpr, B: gl.constexpr,
+                   ROW_C: gl.constexpr, QK_SCALE: gl.constexpr, MASKED: gl.constexpr):
+    # block J's softmax weights against the group max m_new: (l, nu0, nu1 partial sums [8], B operands
+    # f16(p tau_g 4**-J) [P, 8] for channel groups 0 and 1); tmeta2 [P, 2] offsets of (tau, nu) pairs (T2)
+    # p 4**-J: the V plane's weight 4**J 2**-24 folded into the exponent (the sums below scale back)
+    p = gl.exp2(s * (2.0 ** (24 - 2 * J) * QK_SCALE) + (bias - m_new - 2.0 * J)[None, :])
+    if MASKED:
+        p = gl.where(valid, p, 0.0)
+    tau0, tau1 = gl.split(_ld(v_scale_ptr + tmeta2, valid, MASKED).to(gl.float32))
+    nuv0, nuv1 = gl.split(_ld(v_min_ptr + tmeta2, valid, MASKED).to(gl.float32))
+    tau0 = gl.convert_layout(tau0, ROW_C, assert_trivial=True)
+    tau1 = gl.convert_layout(tau1, ROW_C, assert_trivial=True)
+    nuv0 = gl.convert_layout(nuv0, ROW_C, assert_trivial=True)
+    nuv1 = gl.convert_layout(nuv1, ROW_C, assert_trivial=True)
+    b0 = _to_b((p * tau0[:, None]).to(gl.float16), B)
+    b1 = _to_b((p * tau1[:, None]).to(gl.float16), B)
+    f = 4.0 ** J
+    return (gl.sum(p, axis=0) * f, gl.sum(p * nuv0[:, None], axis=0) * f, gl.sum(p * nuv1[:, None], axis=0) * f,
+            b0, b1)
+
+
+@gluon.jit
+def _pv_chunk(acc, vc, b0, b1, b2, b3, A: gl.constexpr):
+    # vc: a V chunk's codes in physical order (LV)
+    acc = mma_v2(_v_logical(_plane(vc, 0), A), b0, acc)
+    acc = mma_v2(_v_logical(_plane(vc, 1), A), b1, acc)
+    acc = mma_v2(_v_logical(_plane(vc, 2), A), b2, acc)
+    return mma_v2(_v_logical(_plane(vc, 3), A), b3, acc)
+
+
+@gluon.jit
+def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, g_hi, num_blocks, b, h, page_indices_ptr, q_rows,
+           qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu,
+           mu_off, v_off, t_off, rowsC, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
+           PPS: gl.constexpr, NUM_PAGES: gl.constexpr, QK_SCALE: gl.constexpr, PREFETCH_NEXT: gl.constexpr,
+           MASKED: gl.constexpr):
+    # one packing group (4 blocks) into the running state
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    ROW_C: gl.constexpr = gl.SliceLayout(1, mma)
+    GPP: gl.constexpr = PAGE // (4 * P)
+    BPP: gl.constexpr = PAGE // P
+    VCH: gl.constexpr = 32 * (PAGE // 4)
+    page = grp // GPP
+    gi = grp % GPP
+    pid = gl.load(page_indices_ptr + b * PPS + page)
+    pid = gl.where((pid >= 0) & (pid < NUM_PAGES), pid, 0)
+    ph = pid.to(gl.int64) * H + h
+    kbase = k_codes_ptr + ph * (PAGE // 4 * D) + gi * (P * D)
+    vbase = v_codes_ptr + ph * (D * PAGE // 4) + gi * P
+    if PREFETCH_NEXT:
+        # the next group's K and V tiles (8 KiB each, contiguous when GPP == 1) into L2, 128-byte lines
+        nxt = gl.minimum(grp + 1, g_hi - 1)
+        npid = gl.load(page_indices_ptr + b * PPS + nxt // GPP)
+        npid = gl.where((npid >= 0) & (npid < NUM_PAGES), npid, 0)
+        nph = npid.to(gl.int64) * H + h
+        line = gl.arange(0, 64, layout=PREFETCH_LAYOUT) * 128
+        gl.inline_asm_elementwise(PREFETCH, "=r,l", [k_codes_ptr + nph * (PAGE // 4 * D) + (nxt % GPP) * (P * D)
+                                                     + line], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(PREFETCH, "=r,l", [v_codes_ptr + nph * (D * PAGE // 4) + (nxt % GPP) * P
+                                                     + line], dtype=gl.int32, is_pure=False, pack=1)
+    v0 = grp * 4 < num_blocks
+    v1 = grp * 4 + 1 < num_blocks
+    v2 = grp * 4 + 2 < num_blocks
+    v3 = grp * 4 + 3 < num_blocks
+    meta = (ph * BPP + gi * 4) * D  # block 0 of the group
+    mu_mask = ((rmu < 4) & (grp * 4 + rmu < num_blocks))[:, None] & (cmu < 32)[None, :]
+    # QK^T: chunk-outer (32 channels of K codes live at a time), block-inner
+    s0 = gl.zeros([P, 8], gl.float32, layout=mma)
+    s1 = gl.zeros([P, 8], gl.float32, layout=mma)
+    s2 = gl.zeros([P, 8], gl.float32, layout=mma)
+    s3 = gl.zeros([P, 8], gl.float32, layout=mma)
+    bacc = gl.zeros([16, 8], gl.float32, layout=mma)
+    for c in gl.static_range(4):
+        kc = gl.load(kbase + c * 32 + k_off)  # physical order (LK)
+        qp = gl.load(q_rows + c * 32, mask=qmask, other=0.0)
+        s0, s1, s2, s3, bacc = _qk_chunk(s0, s1, s2, s3, bacc, kc, qp, k_scale_ptr, k_min_ptr, meta + c * 32,
+                                         kq, v0, v1, v2, v3, mu_off, mu_mask, A, B, D, MASKED)
+    bias0 = _row(bacc, rowsC, 0) * QK_SCALE
+    bias1 = _row(bacc, rowsC, 1) * QK_SCALE
+    bias2 = _row(bacc, rowsC, 2) * QK_SCALE
+    bias3 = _row(bacc, rowsC, 3) * QK_SCALE
+    # one max over the group's 4 blocks (logits = QK_SCALE (s_j 2**(24 - 2 j) + q . mu_j), base 2)
+    m0 = gl.where(v0, gl.max(s0, axis=0) * (2.0 ** 24 * QK_SCALE) + bias0, float("-inf"))
+    m1 = gl.where(v1, gl.max(s1, axis=0) * (2.0 ** 22 * QK_SCALE) + bias1, float("-inf"))
+    m2 = gl.where(v2, gl.max(s2, axis=0) * (2.0 ** 20 * QK_SCALE) + bias2, float("-inf"))
+    m3 = gl.where(v3, gl.max(s3, axis=0) * (2.0 ** 18 * QK_SCALE) + bias3, float("-inf"))
+    m_new = gl.maximum(gl.maximum(m_i, gl.maximum(m0, m1)), gl.maximum(m2, m3))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    m_i = m_new
+    tmeta = (ph * PAGE + gi * 4 * P) * 2 + t_off  # block 0's per-token metadata
+    la, n0a, n1a, b00, b01 = _block_weights(s0, bias0, m_safe, v0, v_scale_ptr, v_min_ptr, tmeta, 0, B, ROW_C,
+                                            QK_SCALE, MASKED)
+    lb, n0b, n1b, b10, b11 = _block_weights(s1, bias1, m_safe, v1, v_scale_ptr, v_min_ptr, tmeta + 2 * P, 1, B,
+                                            ROW_C, QK_SCALE, MASKED)
+    lc, n0c, n1c, b20, b21 = _block_weights(s2, bias2, m_safe, v2, v_scale_ptr, v_min_ptr, tmeta + 4 * P, 2, B,
+                                            ROW_C, QK_SCALE, MASKED)
+    ld, n0d, n1d, b30, b31 = _block_weights(s3, bias3, m_safe, v3, v_scale_ptr, v_min_ptr, tmeta + 6 * P, 3, B,
+                                            ROW_C, QK_SCALE, MASKED)
+    l_i = l_i * alpha + (la + lb + lc + ld)
+    nu0_i = nu0_i * alpha + (n0a + n0b + n0c + n0d)
+    nu1_i = nu1_i * alpha + (n1a + n1b + n1c + n1d)
+    # PV: chunk-outer (32 channels of V codes live at a time), block-inner, one rescale per group
+    fa = alpha[None, :]
+    acc0 = _pv_chunk(acc0 * fa, gl.load(vbase + v_off), b00, b10, b20, b30, A)
+    acc1 = _pv_chunk(acc1 * fa, gl.load(vbase + VCH + v_off), b00, b10, b20, b30, A)
+    acc2 = _pv_chunk(acc2 * fa, gl.load(vbase + 2 * VCH + v_off), b01, b11, b21, b31, A)
+    acc3 = _pv_chunk(acc3 * fa, gl.load(vbase + 3 * VCH + v_off), b01, b11, b21, b31, A)
+
+    return m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def hack_gluon_decode_kernel(
+        kv_lens_ptr, page_indices_ptr, q_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
+        v_min_ptr, acc_ptr, m_ptr, l_ptr,
+        H: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
+        PPS: gl.constexpr, NUM_PAGES: gl.constexpr, NS: gl.constexpr, W: gl.constexpr, SPLITS: gl.constexpr,
+        QK_SCALE: gl.constexpr, PREFETCH_NEXT: gl.constexpr):
+    # kv_lens i32[S]; page_indices i32[S, PPS]; q f32[S, H * QPK, D]
+    # k_codes u8[N, H, PAGE // 4, D]; k_scale, k_min f16[N, H, PAGE // P, D]
+    # v_codes u8[N, H, D, PAGE // 4]; v_scale, v_min f16[N, H, PAGE, 2] (token t, channel group g at 2 t + g)
+    # out: acc f32[S, H, SPLITS, 8, D]; m (base 2), l f32[S, H, SPLITS, 8]
+    gl.static_assert(D == 128)
+    gl.static_assert(P == 64)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    ROW_C: gl.constexpr = gl.SliceLayout(1, mma)
+    COL_C: gl.constexpr = gl.SliceLayout(0, mma)
+    # [P, 2] per-token (group 0, group 1) metadata pairs: rows as ROW_C (lane // 4 + 8 i), the pair in-thread
+    T2: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
+                                        order=[1, 0])
+    GPP: gl.constexpr = PAGE // (4 * P)  # packing groups per page
+    BPP: gl.constexpr = PAGE // P
+
+    b = gl.program_id(0)
+    h = gl.program_id(1)
+    split = gl.program_id(2)
+    kv_len = gl.load(kv_lens_ptr + b)
+    after_sinks = gl.minimum(gl.maximum(kv_len - NS, 0), PPS * PAGE)
+    num_blocks = (after_sinks // W) * (W // P)
+    num_groups = (num_blocks + 3) // 4
+    g_lo = split * num_groups // SPLITS
+    g_hi = (split + 1) * num_groups // SPLITS
+
+    kq = gl.arange(0, 32, layout=gl.SliceLayout(1, LQ))  # physical channel of a chunk
+    nq = gl.arange(0, 8, layout=gl.SliceLayout(0, LQ))
+    q_rows = q_ptr + ((b * H + h) * QPK + nq)[None, :] * D + kq[:, None]
+    qmask = (nq < QPK)[None, :] & (kq < 32)[:, None]
+    rk = gl.arange(0, P, layout=gl.SliceLayout(1, LK))  # logical token (row) of a K chunk
+    ck = gl.arange(0, 32, layout=gl.SliceLayout(0, LK))  # physical channel
+    k_off = _tok(rk)[:, None] * D + ck[None, :]
+    rmu = gl.arange(0, 16, layout=gl.SliceLayout(1, LMU))  # bias MMA rows: the group's 4 blocks (>= 4: zero)
+    cmu = gl.arange(0, 32, layout=gl.SliceLayout(0, LMU))
+    mu_off = rmu[:, None] * D + cmu[None, :]
+    rv = gl.arange(0, 32, layout=gl.SliceLayout(1, LV))  # channel of a V chunk
+    cv = gl.arange(0, P, layout=gl.SliceLayout(0, LV))  # physical token
+    v_off = rv[:, None] * (PAGE // 4) + cv[None, :]
+    VCH: gl.constexpr = 32 * (PAGE // 4)
+    tok2 = gl.arange(0, P, layout=gl.SliceLayout(1, T2))
+    pair2 = gl.arange(0, 2, layout=gl.SliceLayout(0, T2))
+    t_off = _tok(tok2)[:, None] * 2 + pair2[None, :]
+    rowsC = gl.arange(0, 16, layout=ROW_C)
+    chC = gl.arange(0, 32, layout=ROW_C)
+    nC = gl.arange(0, 8, layout=COL_C)
+
+    m_i = gl.full([8], float("-inf"), gl.float32, layout=COL_C)
+    l_i = gl.zeros([8], gl.float32, layout=COL_C)
+    nu0_i = gl.zeros([8], gl.float32, layout=COL_C)
+    nu1_i = gl.zeros([8], gl.float32, layout=COL_C)
+    # O^T in 4 chunks of 32 channels, in units of 2**-24
+    acc0 = gl.zeros([32, 8], gl.float32, layout=mma)
+    acc1 = gl.zeros([32, 8], gl.float32, layout=mma)
+    acc2 = gl.zeros([32, 8], gl.float32, layout=mma)
+    acc3 = gl.zeros([32, 8], gl.float32, layout=mma)
+    g_full = gl.minimum(g_hi, num_blocks // 4)  # groups of 4 sealed blocks
+    for grp in range(g_lo, g_full):
+        m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
+            m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, g_hi, num_blocks, b, h, page_indices_ptr, q_rows,
+            qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu,
+            mu_off, v_off, t_off, rowsC, H, D, P, PAGE, PPS, NUM_PAGES, QK_SCALE, PREFETCH_NEXT, False)
+    if g_hi > g_lo:  # the last group again if it is partial: masked
+        if g_hi * 4 > num_blocks:
+            m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, g_hi - 1, g_hi, num_blocks, b, h, page_indices_ptr,
+                q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off,
+                rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, PPS, NUM_PAGES, QK_SCALE, 0, True)
+
+    w = 2.0 ** 24
+    out_row = ((b * H + h) * SPLITS + split) * 8 + nC  # [8]
+    gl.store(m_ptr + out_row, m_i)
+    gl.store(l_ptr + out_row, l_i)
+    optr = acc_ptr + out_row[None, :] * D + chC[:, None]
+    gl.store(optr, acc0 * w + nu0_i[None, :])
+    gl.store(optr + 32, acc1 * w + nu0_i[None, :])
+    gl.store(optr + 64, acc2 * w + nu1_i[None, :])
+    gl.store(optr + 96, acc3 * w + nu1_i[None, :])

@@ -1,0 +1,126 @@
+"""HACK decode attention (2-bit kivi cache, scale-folded f16 operands) as a Gluon kernel: one warp per program,
+explicit mma_v2 layouts (pallas_kernels/gluon_decode_kernel.py), launched by pallas_kernels/gluon_launch.py.
+
+What it computes: the folded_f16 mode of pallas_kernels.decode_attention (its docstring), over the sealed
+blocks in the kernel; the sinks and the 16-bit open region as float32 attention in jnp here, merged by
+log-sum-exp with the kernel's per-split partials. An experiment (bench/NOTES_gluon.md): shapes are
+restricted to what the prototype kernel covers.
+
+Shapes (the arrays of pallas_kernels.decode_attention.hack_decode_attention, whose call form this copies):
+  q f32|bf16|f16[S, Hq, 128]; k_codes u8[N, H, page_size // 4, 128]; k_scale, k_min f16[N, H, bpp, 128];
+  v_codes u8[N, H, 128, page_size // 4]; v_scale, v_min f16[N, H, page_size, 2]; open_k, open_v bf16[S, H, W,
+  128]; sink_k, sink_v bf16[S, H, ns, 128] (or None with ns = 0); page_indices i32[S, pps]; kv_lens i32[S].
+  k_sums / v_sums: not read (None allowed). Restrictions: bits 2, partition_size 64, head_dim 128, page_size a
+  multiple of 256, Hq / H <= 8, window a multiple of 64 (None: 64).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+
+H200_NUM_SMS = 132
+PROGRAMS_PER_SM = 8  # one warp each at 255 registers
+
+
+def default_num_splits(batch: int, num_kv_heads: int, num_groups: int) -> int:
+    """Splits per (sequence, kv head): one wave of PROGRAMS_PER_SM one-warp programs per SM, at least one
+    packing group each."""
+    slots = H200_NUM_SMS * PROGRAMS_PER_SM
+    return max(1, min(num_groups, slots // max(1, batch * num_kv_heads)))
+
+
+def _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, *, num_sink_tokens, window, partition_size,
+                pages_per_seq, page_size):
+    """float32 attention of q over the sinks and the open region: (acc [S, H, 8, D], m base 2, l [S, H, 8])."""
+    S, Hq, D = q.shape
+    H = open_k.shape[1]
+    G = Hq // H
+    ns, W, P = num_sink_tokens, window, partition_size
+    after = jnp.clip(kv_lens - ns, 0, pages_per_seq * page_size)
+    num_open = after - (after // W) * W  # tokens in the open region
+    qg = q.astype(jnp.float32).reshape(S, H, G, D) * (math.log2(math.e) / math.sqrt(D))
+    ks, vs, valid = [open_k.astype(jnp.float32)], [open_v.astype(jnp.float32)], [
+        jnp.arange(W)[None, :] < num_open[:, None]]
+    if ns:
+        ks.append(sink_k.astype(jnp.float32))
+        vs.append(sink_v.astype(jnp.float32))
+        valid.append(jnp.arange(ns)[None, :] < jnp.minimum(kv_lens, ns)[:, None])
+    ok = jnp.concatenate(valid, 1)[:, None, None, :]  # [S, 1, 1, T]
+    # rows past a sequence's sinks / open tokens may hold anything (NaN): zeroed, not only masked
+    k, v = (jnp.where(ok[:, :, 0, :, None], jnp.concatenate(x, 2), 0.0) for x in (ks, vs))  # [S, H, T, D]
+    s = jnp.where(ok, jnp.einsum("shgd,shtd->shgt", qg, k, precision="highest"), -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp2(s - jnp.where(m > -jnp.inf, m, 0.0)[..., None])
+    acc = jnp.einsum("shgt,shtd->shgd", p, v, precision="highest")
+    pad = 8 - G
+    return (jnp.pad(acc, ((0, 0), (0, 0), (0, pad), (0, 0))),
+            jnp.pad(m, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf),
+            jnp.pad(jnp.sum(p, axis=-1), ((0, 0), (0, 0), (0, pad))))
+
+
+@functools.partial(jax.jit, static_argnames=("num_sink_tokens", "window", "num_splits", "maxnreg", "async_copy"))
+def _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v, sink_k, sink_v,
+                  page_indices, kv_lens, *, num_sink_tokens, window, num_splits, maxnreg, async_copy):
+    from pallas_kernels.gluon_decode_kernel import hack_gluon_decode_kernel
+    from pallas_kernels.gluon_launch import gluon_call
+    S, Hq, D = q.shape
+    N, H, quarter, _ = k_codes.shape
+    page_size, pps = 4 * quarter, page_indices.shape[1]
+    consts = dict(H=H, QPK=Hq // H, D=D, P=64, PAGE=page_size, PPS=pps, NUM_PAGES=N, NS=num_sink_tokens,
+                  W=window, SPLITS=num_splits, QK_SCALE=math.log2(math.e) / math.sqrt(D), ASYNC=int(async_copy))
+    rows = (S, H, num_splits, 8)
+    acc, m2, l = gluon_call(
+        hack_gluon_decode_kernel, kv_lens, page_indices, q.astype(jnp.float32), k_codes, k_scale, k_min, v_codes,
+        v_scale.reshape(N, H, page_size, 2), v_min.reshape(N, H, page_size, 2),
+        out_shapes=[jax.ShapeDtypeStruct(rows + (D,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.float32),
+                    jax.ShapeDtypeStruct(rows, jnp.float32)],
+        grid=(S, H, num_splits), constexprs=consts, num_warps=1, maxnreg=maxnreg, name="hack_gluon_decode")
+    acc_o, m_o, l_o = _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, num_sink_tokens=num_sink_tokens,
+                                  window=window, partition_size=64, pages_per_seq=pps, page_size=page_size)
+    acc = jnp.concatenate([acc, acc_o[:, :, None]], 2)
+    m2 = jnp.concatenate([m2, m_o[:, :, None]], 2)
+    l = jnp.concatenate([l, l_o[:, :, None]], 2)
+    out = common.lse_combine(m2 * math.log(2.0), l, acc, axes=2)  # [S, H, 8, D]
+    return out[:, :, :Hq // H].reshape(S, Hq, D)
+
+
+def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=None, v_codes=None, v_scale=None,
+                                v_min=None, v_sums=None, open_k=None, open_v=None, sink_k=None, sink_v=None,
+                                page_indices=None, kv_lens=None, *, partition_size: int | None = None,
+                                num_sink_tokens: int | None = None, window: int | None = None,
+                                num_splits: int | None = None, maxnreg: int | None = None, async_copy: bool = False,
+                                bits: int = 2):
+    """Scale-folded HACK decode attention by the Gluon kernel (module docstring); f32[S, Hq, D].
+
+    Arrays and static ints as pallas_kernels.decode_attention.hack_decode_attention. num_splits: programs per
+    (sequence, kv head) (None: `default_num_splits`); maxnreg: a register cap for the kernel (None: none);
+    async_copy: stage each packing group's code tiles in shared memory by cp.async, two groups ahead (else direct
+    loads into registers). Measured on an H100 at parity with the Pallas kernel, not faster (bench/NOTES_gluon.md).
+
+    Raises:
+      ValueError: shapes off the kivi layout, or outside the prototype's coverage (module docstring).
+    """
+    common.require_2bit("hack_gluon_decode_attention", bits)
+    if partition_size != 64:
+        raise ValueError(f"the gluon kernel needs partition_size=64, got {partition_size=}")
+    page_indices, kv_lens = common.as_index_arrays(page_indices, kv_lens)
+    common.check_kivi_inputs(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
+                             sink_k, sink_v, page_indices, kv_lens, partition_size=partition_size,
+                             num_sink_tokens=num_sink_tokens, window=window)
+    S, Hq, D = q.shape
+    H, page_size = k_codes.shape[1], 4 * k_codes.shape[2]
+    if D != 128 or page_size % 256 or Hq // H > 8:
+        raise ValueError(f"the gluon kernel covers head_dim 128, page_size a multiple of 256 and at most 8 query "
+                         f"heads per kv head, got head_dim={D}, page_size={page_size}, {Hq // H} per kv head")
+    window = window or partition_size
+    groups = page_indices.shape[1] * page_size // 256
+    splits = num_splits or default_num_splits(S, H, groups)
+    return _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v,
+                         sink_k if num_sink_tokens else None, sink_v if num_sink_tokens else None, page_indices,
+                         kv_lens, num_sink_tokens=num_sink_tokens, window=window, num_splits=splits, maxnreg=maxnreg,
+                         async_copy=async_copy)

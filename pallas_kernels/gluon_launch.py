@@ -1,0 +1,78 @@
+"""Launch a Gluon (or any Triton-compiled) kernel inside `jax.jit`: compile it with the installed Triton, hand
+the PTX to jaxlib's Triton kernel call (the custom call jax-triton also lowers to).
+
+jax-triton 0.3.1 compiles only `@triton.jit` functions (its pipeline runs Triton's TTIR passes, which a Gluon
+module must skip) and passes no register cap; this module compiles with `triton.compile` (a
+`GluonASTSource`, options `num_warps` / `maxnreg`) and builds the call itself, the way jax-triton's lowering
+does: one `TritonKernel` (name, warps, shared memory, PTX), one `TritonKernelCall` (grid, one parameter per
+operand and output), serialized into the `triton_kernel_call` custom call. Arrays only (no scalar operands:
+pass them as constexprs), all assumed 16-byte aligned (XLA's buffers are).
+
+GPU only (CUDA, Triton >= 3.6 with `triton.experimental.gluon`); on other platforms the lowering raises.
+"""
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import mlir
+
+_TRITON_TYPE = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16", np.dtype(jnp.bfloat16): "bf16",
+                np.dtype(np.int32): "i32", np.dtype(np.uint8): "u8", np.dtype(np.int8): "i8",
+                np.dtype(np.uint16): "u16", np.dtype(np.int64): "i64"}
+
+gluon_call_p = jex.core.Primitive("hack_gluon_call")
+gluon_call_p.multiple_results = True
+
+
+@gluon_call_p.def_abstract_eval
+def _abstract_eval(*_, out_shapes, **__):
+    return [jax.core.ShapedArray(s.shape, s.dtype) for s in out_shapes]
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(kernel, signature, constexprs, num_warps, maxnreg, cc):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig = dict(signature)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
+    src = GluonASTSource(kernel, signature=sig, constexprs=dict(constexprs), attrs=attrs)
+    opts = {"num_warps": num_warps}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=opts)
+
+
+def _lowering(ctx, *args, kernel, out_shapes, grid, constexprs, num_warps, maxnreg, name):
+    from jax._src.lib import gpu_triton as lib
+    cc = lib.get_compute_capability(0)
+    avals = list(ctx.avals_in) + list(ctx.avals_out)
+    names = kernel.arg_names
+    signature = tuple((names[i], "*" + _TRITON_TYPE[np.dtype(a.dtype)]) for i, a in enumerate(avals))
+    compiled = _compile(kernel, signature, constexprs, num_warps, maxnreg, cc)
+    tk = lib.TritonKernel(compiled.metadata.name, num_warps, 1, compiled.metadata.shared, compiled.asm["ptx"],
+                          "", cc)
+    params = [lib.create_array_parameter(0, 16) for _ in avals]
+    call = lib.TritonKernelCall(tk, grid[0], grid[1], grid[2], params)
+    rule = jax.ffi.ffi_lowering("triton_kernel_call", api_version=2,
+                                backend_config=zlib.compress(call.to_proto(name, b"")))
+    return rule(ctx, *args)
+
+
+mlir.register_lowering(gluon_call_p, _lowering, platform="cuda")
+
+
+def gluon_call(kernel, *arrays, out_shapes, grid, constexprs: dict, num_warps: int = 1, maxnreg: int | None = None,
+               name: str = "hack_gluon"):
+    """Outputs of `kernel(*arrays, *outputs, **constexprs)` launched on `grid` (3 ints): `out_shapes` a list of
+    jax.ShapeDtypeStruct, written by the kernel (not zeroed first). The kernel's pointer parameters are the
+    arrays then the outputs, in order; `constexprs` its constexpr parameters (hashable values)."""
+    grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    return gluon_call_p.bind(*arrays, kernel=kernel, out_shapes=tuple(out_shapes), grid=grid,
+                             constexprs=tuple(sorted(constexprs.items())), num_warps=num_warps, maxnreg=maxnreg,
+                             name=name)

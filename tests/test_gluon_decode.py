@@ -1,0 +1,59 @@
+"""pallas_kernels.gluon_decode_attention: the Gluon decode kernel (one warp per program, explicit mma_v2 layouts).
+
+Tier (a), gpu marker (Gluon compiles and runs only on a CUDA GPU): random paged kivi caches of tests/
+test_decode_kernels.py (NaN metadata in unsealed slots, garbage page ids past a sequence's pages, lengths off
+block and packing-group boundaries, 0, beyond the capacity), against float64 attention over the dequantized
+cache with the folded path's rule (error <= 2x the same math done naively in f16, test_decode_kernels'
+`within_2x_naive`). On the CPU: the wrapper's refusals of what the prototype does not cover.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import gluon_decode_attention as gd
+from test_decode_kernels import (CASE, FIELDS, ODD_CASE, TIGHT, Case, build, v_scale_of, within_2x_naive)
+
+G7_CASE = Case("d128_P64_g7_s3", 128, 64, 256, 2, 7, 3, (700, 129, 4 + 256, 0), num_splits=3)
+
+
+def run(case, q, c, **kw):
+    args = [jnp.asarray(c[f]) for f in FIELDS]
+    return np.asarray(gd.hack_gluon_decode_attention(jnp.asarray(q), *args, partition_size=case.P,
+                                                     num_sink_tokens=case.ns, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,splits,maxnreg", [
+    (ODD_CASE, 1, None), (ODD_CASE, 5, 168), (CASE["d128_P64_g4_s3"], 3, None), (G7_CASE, 2, 200),
+    (dataclasses.replace(CASE["d128_P64_g4_s2"], num_splits=40), 40, None)],
+    ids=["odd_s1", "odd_s5_r168", "g4_s3", "g7_s2_r200", "more_splits_than_groups"])
+def test_gluon_kernel_within_2x_naive(case, splits, maxnreg):
+    q, c = build(case, seed=3)
+    out = run(case, q, c, num_splits=splits, maxnreg=maxnreg)
+    assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
+    err, naive = within_2x_naive(out, q, c, case, "folded_f16")
+    assert naive > 0
+    assert err <= 2 * naive + TIGHT * v_scale_of(c), (err, naive)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,splits", [(CASE["d128_P64_g4_s3"], 2), (ODD_CASE, 3)], ids=["g4_s2", "odd_s3"])
+def test_gluon_kernel_async_copy_same_output(case, splits):
+    """The cp.async double-buffered tiles (async_copy=True) give the values of the direct loads, bit for bit."""
+    q, c = build(case, seed=4)
+    a = run(case, q, c, num_splits=splits)
+    b = run(case, q, c, num_splits=splits, async_copy=True)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("case,match", [(CASE["d64_P32_g4_s1"], "partition_size=64"),
+                                        (CASE["d64_P64_g3_page8P_s4"], "head_dim 128"),
+                                        (CASE["d128_P128_g8_s2"], "partition_size=64")])
+def test_gluon_wrapper_refuses_uncovered_shapes(case, match):
+    q, c = build(case, seed=0)
+    with pytest.raises(ValueError, match=match):
+        run(case, q, c)
