@@ -349,38 +349,44 @@ def hack_gluon_decode_kernel(
     acc3 = gl.zeros([32, 8], gl.float32, layout=mma)
     g_full = gl.minimum(g_hi, num_blocks // 4)  # groups of 4 sealed blocks
     last = gl.maximum(g_hi - 1, 0)
-    if ASYNC:  # two stages: group g + 2 is copied while group g + 1 waits and group g is computed
+    # page ids: one group ahead (bit 1 of ASYNC), so that no group's first loads wait on its page id's load
+    pid_cur = _pid(page_indices_ptr, b, gl.minimum(g_lo, last), PPS, GPP, NUM_PAGES)
+    pid_nxt = _pid(page_indices_ptr, b, gl.minimum(g_lo + 1, last), PPS, GPP, NUM_PAGES)
+    if ASYNC % 2 == 1:  # two stages: group g + 2 is copied while group g + 1 waits and group g is computed
         ksm = gl.allocate_shared_memory(gl.uint8, [2, P, D], SMEM_K)
         vsm = gl.allocate_shared_memory(gl.uint8, [2, D, P], SMEM_V)
-        for i in gl.static_range(2):
-            g = g_lo + i
-            gc = gl.minimum(g, last)
-            _copy_group(ksm.index(i), vsm.index(i), k_codes_ptr, v_codes_ptr,
-                        _pid(page_indices_ptr, b, gc, PPS, GPP, NUM_PAGES), gc % GPP, h, g < g_full, H, D, P, PAGE)
+        _copy_group(ksm.index(0), vsm.index(0), k_codes_ptr, v_codes_ptr, pid_cur, g_lo % GPP, h, g_lo < g_full, H,
+                    D, P, PAGE)
+        _copy_group(ksm.index(1), vsm.index(1), k_codes_ptr, v_codes_ptr, pid_nxt, (g_lo + 1) % GPP, h,
+                    g_lo + 1 < g_full, H, D, P, PAGE)
         for grp in range(g_lo, g_full):
             st = (grp - g_lo) % 2
+            g2 = gl.minimum(grp + 2, last)
+            pid2 = _pid(page_indices_ptr, b, g2, PPS, GPP, NUM_PAGES)
             async_copy.wait_group(1)  # this group's copies done (the next group's may be in flight)
             gl.thread_barrier()  # all lanes' copies visible
+            pid = pid_cur if ASYNC >= 2 else _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES)
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, _pid(page_indices_ptr, b, grp, PPS, GPP,
-                                                                          NUM_PAGES),
-                ksm.index(st), vsm.index(st), num_blocks, b, h, q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr,
-                v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE,
-                PPS, NUM_PAGES, QK_SCALE, False, True)
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm.index(st), vsm.index(st), num_blocks,
+                b, h, q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq,
+                k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, PPS, NUM_PAGES, QK_SCALE, False, True)
             gl.thread_barrier()  # the stage read by every lane before it is refilled
-            g2 = gl.minimum(grp + 2, last)
-            _copy_group(ksm.index(st), vsm.index(st), k_codes_ptr, v_codes_ptr,
-                        _pid(page_indices_ptr, b, g2, PPS, GPP, NUM_PAGES), g2 % GPP, h, grp + 2 < g_full, H, D, P,
-                        PAGE)
+            _copy_group(ksm.index(st), vsm.index(st), k_codes_ptr, v_codes_ptr, pid2, g2 % GPP, h,
+                        grp + 2 < g_full, H, D, P, PAGE)
+            pid_cur = pid_nxt
+            pid_nxt = pid2
         async_copy.wait_group(0)
     else:
         for grp in range(g_lo, g_full):
+            if ASYNC >= 2:
+                pid = pid_cur
+                pid_cur = _pid(page_indices_ptr, b, gl.minimum(grp + 1, last), PPS, GPP, NUM_PAGES)
+            else:
+                pid = _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES)
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, _pid(page_indices_ptr, b, grp, PPS, GPP,
-                                                                          NUM_PAGES),
-                0, 0, num_blocks, b, h, q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
-                v_min_ptr, kq, k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, PPS, NUM_PAGES, QK_SCALE,
-                False, False)
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, 0, 0, num_blocks, b, h, q_rows, qmask,
+                k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu, mu_off,
+                v_off, t_off, rowsC, H, D, P, PAGE, PPS, NUM_PAGES, QK_SCALE, False, False)
     if g_hi > g_lo:  # the last group again if it is partial: masked
         if g_hi * 4 > num_blocks:
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
