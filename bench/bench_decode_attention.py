@@ -71,7 +71,8 @@ IMPLS = ("hack", "dequant", "bf16", "fp8", "int8", "kivi2", "int4", "turbo3", "t
 # Not in the default run: hack4 = the HACK kernel on a 4-bit cache (QuantConfig.bits=4), rows hack4_<mode>;
 # hackw = the HACK kernel on the K 32 / V 64 / 16-bit window 128 cache (issue 18's best 2-bit configuration;
 # its V rotation is applied to q and the output outside the kernel, not timed here), rows hackw_<mode>;
-# hackwns = hackw without code sums (QuantConfig.code_sums=False: no sums operands; folded modes only)
+# hackwns = hackw without code sums (QuantConfig.code_sums=False: no sums operands; folded modes only);
+# gluon / gluon168 = the Gluon kernel (pallas_kernels.gluon_decode_attention), uncapped / capped at 168 registers
 EXTRA_IMPLS = ("hack4", "hackw", "hackwns", "gluon", "gluon168")
 HACKW_FIELDS = {"partition_size": 32, "v_group": 64, "window": 128}
 PAGE_SIZE = 256  # QuantConfig's default
@@ -336,7 +337,8 @@ def prep_gluon(shape, key, *, interpret, maxnreg=None):
         arrays, static = kivi_call_args(_slots(a["layer"], shape, i, n))
         return mod.hack_gluon_decode_attention(q, *arrays, table, a["lens"], **static, maxnreg=maxnreg)
 
-    return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={config.page_size} ns=4 gluon maxnreg={maxnreg}", n,
+    return Prepared(call, arrays, nbytes, f"kivi P={config.partition_size} page_size={config.page_size} "
+                    f"ns={config.num_sink_tokens} gluon maxnreg={maxnreg}", n,
                     append=("open_k", "open_v"))
 
 
@@ -706,7 +708,8 @@ def main(argv=None):
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + EXTRA_IMPLS,
                     help="hack4 / hackw / hackwns (not in the default): the HACK kernel on a 4-bit cache / on the K 32, "
                          "V 64, window 128 cache / that cache without code sums (EXTRA_IMPLS), each --hack-dots "
-                         "mode (hackwns: the folded ones)")
+                         "mode (hackwns: the folded ones); gluon / gluon168: the Gluon kernel, uncapped / capped at "
+                         "168 registers (GPU only)")
     ap.add_argument("--heads", nargs="+", choices=sorted(HEADS), help="restrict head configs")
     ap.add_argument("--batches", nargs="+", type=int)
     ap.add_argument("--kv-lens", nargs="+", type=int)

@@ -5,10 +5,11 @@ tensors, one process, no XLA: kernel time only (triton.testing.do_bench, CUDA ev
   python bench/gluon_harness.py DIR OUT.jsonl --shapes b8_32k --variants s16=16:0:0 s16a=16:0:1 ...
 
 Per shape: the Pallas kernel's TTIR compiled by pip Triton with the register cap 168 (as XLA builds it; the row
-`pallas_r168`), then each Gluon variant NAME=SPLITS:MAXNREG:ASYNC (MAXNREG 0: none; ASYNC 1: cp.async double
-buffering) on the harness's operands: time, registers, and the error of its sealed-block attention (splits merged)
-against a float64 torch reference of the dequantized cache for sequence 0 (all kv heads); the shapes' caches are
-block-exact (no open tokens; the NS sinks are not part of either side's sealed blocks). GPU, torch + triton only.
+`pallas_r168`), then each Gluon variant NAME=SPLITS:MAXNREG:ASYNC (MAXNREG 0: none; ASYNC the kernel's
+constexpr: bit 0 cp.async double buffering, bit 1 page ids one group ahead) on the harness's operands: time,
+registers, and the error of its sealed-block attention (splits merged) against a float64 torch reference of the
+dequantized cache for sequence 0 (all kv heads); the shapes' caches are block-exact (no open tokens; the NS sinks
+are not part of either side's sealed blocks). GPU, torch + triton only.
 """
 import json
 import math
@@ -113,7 +114,7 @@ def main():
             splits, maxnreg, pf = (list(map(int, spec.split(":"))) + [0])[:3]
             consts = dict(H=H, QPK=QPK, D=D, P=P, PAGE=PAGE, PPS=kv // PAGE, NUM_PAGES=t["k_codes"].shape[0], NS=NS,
                           W=P, SPLITS=splits, QK_SCALE=1 / math.sqrt(D) * 1.4426950408889634, ASYNC=pf)
-            row = dict(shape=e["shape"], kernel="gluon_" + name, splits=splits, maxnreg=maxnreg, prefetch=pf,
+            row = dict(shape=e["shape"], kernel="gluon_" + name, splits=splits, maxnreg=maxnreg, async_mode=pf,
                        bytes=e["bytes"])
             try:
                 k = compile_gluon(consts, maxnreg)

@@ -3,15 +3,17 @@ explicit mma_v2 layouts (pallas_kernels/gluon_decode_kernel.py), launched by pal
 
 What it computes: the folded_f16 mode of pallas_kernels.decode_attention (its docstring), over the sealed
 blocks in the kernel; the sinks and the 16-bit open region as float32 attention in jnp here, merged by
-log-sum-exp with the kernel's per-split partials. An experiment (bench/NOTES_gluon.md): shapes are
-restricted to what the prototype kernel covers.
+log-sum-exp with the kernel's per-split partials. A full open region is read as sealed (the Pallas kernel's
+open_full=False). An experiment outside the impl dispatch (bench/NOTES_gluon.md): shapes are restricted to what
+the kernel covers, and it needs a CUDA GPU with Triton >= 3.6 (`triton.experimental.gluon`).
 
 Shapes (the arrays of pallas_kernels.decode_attention.hack_decode_attention, whose call form this copies):
   q f32|bf16|f16[S, Hq, 128]; k_codes u8[N, H, page_size // 4, 128]; k_scale, k_min f16[N, H, bpp, 128];
   v_codes u8[N, H, 128, page_size // 4]; v_scale, v_min f16[N, H, page_size, 2]; open_k, open_v bf16[S, H, W,
   128]; sink_k, sink_v bf16[S, H, ns, 128] (or None with ns = 0); page_indices i32[S, pps]; kv_lens i32[S].
-  k_sums / v_sums: not read (None allowed). Restrictions: bits 2, partition_size 64, head_dim 128, page_size a
-  multiple of 256, Hq / H <= 8, window a multiple of 64 (None: 64).
+  k_sums / v_sums: not read (None allowed). Restrictions: bits 2, partition_size 64, head_dim 128, float16
+  metadata, Hq / H <= 8 (and the layout's own: page_size a multiple of 4 * 64, W a power-of-two multiple of 64
+  dividing page_size; None: 64).
 """
 from __future__ import annotations
 
@@ -23,24 +25,23 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 
-H200_NUM_SMS = 132
-PROGRAMS_PER_SM = 8  # one warp each at 255 registers
+NUM_SMS = 132  # H100 and H200
+PROGRAMS_PER_SM = 8  # one warp each at 255 registers (the cp.async staging's 32 KiB of shared memory allow 6)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, num_groups: int) -> int:
     """Splits per (sequence, kv head): one wave of PROGRAMS_PER_SM one-warp programs per SM, at least one
     packing group each."""
-    slots = H200_NUM_SMS * PROGRAMS_PER_SM
+    slots = NUM_SMS * PROGRAMS_PER_SM
     return max(1, min(num_groups, slots // max(1, batch * num_kv_heads)))
 
 
-def _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, *, num_sink_tokens, window, partition_size,
-                pages_per_seq, page_size):
+def _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, *, num_sink_tokens, window, pages_per_seq, page_size):
     """float32 attention of q over the sinks and the open region: (acc [S, H, 8, D], m base 2, l [S, H, 8])."""
     S, Hq, D = q.shape
     H = open_k.shape[1]
     G = Hq // H
-    ns, W, P = num_sink_tokens, window, partition_size
+    ns, W = num_sink_tokens, window
     after = jnp.clip(kv_lens - ns, 0, pages_per_seq * page_size)
     num_open = after - (after // W) * W  # tokens in the open region
     qg = q.astype(jnp.float32).reshape(S, H, G, D) * (math.log2(math.e) / math.sqrt(D))
@@ -72,16 +73,17 @@ def _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, o
     N, H, quarter, _ = k_codes.shape
     page_size, pps = 4 * quarter, page_indices.shape[1]
     consts = dict(H=H, QPK=Hq // H, D=D, P=64, PAGE=page_size, PPS=pps, NUM_PAGES=N, NS=num_sink_tokens,
-                  W=window, SPLITS=num_splits, QK_SCALE=math.log2(math.e) / math.sqrt(D), ASYNC=int(async_copy))
+                  W=window, SPLITS=num_splits, QK_SCALE=math.log2(math.e) / math.sqrt(D),
+                  ASYNC=2 + int(async_copy))  # page ids one group ahead; + cp.async staging
     rows = (S, H, num_splits, 8)
     acc, m2, l = gluon_call(
         hack_gluon_decode_kernel, kv_lens, page_indices, q.astype(jnp.float32), k_codes, k_scale, k_min, v_codes,
-        v_scale.reshape(N, H, page_size, 2), v_min.reshape(N, H, page_size, 2),
+        v_scale, v_min,
         out_shapes=[jax.ShapeDtypeStruct(rows + (D,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.float32),
                     jax.ShapeDtypeStruct(rows, jnp.float32)],
         grid=(S, H, num_splits), constexprs=consts, num_warps=1, maxnreg=maxnreg, name="hack_gluon_decode")
     acc_o, m_o, l_o = _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, num_sink_tokens=num_sink_tokens,
-                                  window=window, partition_size=64, pages_per_seq=pps, page_size=page_size)
+                                  window=window, pages_per_seq=pps, page_size=page_size)
     acc = jnp.concatenate([acc, acc_o[:, :, None]], 2)
     m2 = jnp.concatenate([m2, m_o[:, :, None]], 2)
     l = jnp.concatenate([l, l_o[:, :, None]], 2)
@@ -100,10 +102,13 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
     Arrays and static ints as pallas_kernels.decode_attention.hack_decode_attention. num_splits: programs per
     (sequence, kv head) (None: `default_num_splits`); maxnreg: a register cap for the kernel (None: none);
     async_copy: stage each packing group's code tiles in shared memory by cp.async, two groups ahead (else direct
-    loads into registers). Measured on an H100 at parity with the Pallas kernel, not faster (bench/NOTES_gluon.md).
+    loads into registers).
 
     Raises:
-      ValueError: shapes off the kivi layout, or outside the prototype's coverage (module docstring).
+      ValueError: shapes or dtypes off the kivi layout, outside the kernel's coverage (module docstring), or bad
+        num_splits / maxnreg / async_copy.
+      NotImplementedError: bits other than 2.
+      RuntimeError: no CUDA GPU (the kernel has no interpret mode).
     """
     common.require_2bit("hack_gluon_decode_attention", bits)
     if partition_size != 64:
@@ -114,9 +119,20 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
                              num_sink_tokens=num_sink_tokens, window=window)
     S, Hq, D = q.shape
     H, page_size = k_codes.shape[1], 4 * k_codes.shape[2]
-    if D != 128 or page_size % 256 or Hq // H > 8:
-        raise ValueError(f"the gluon kernel covers head_dim 128, page_size a multiple of 256 and at most 8 query "
-                         f"heads per kv head, got head_dim={D}, page_size={page_size}, {Hq // H} per kv head")
+    if D != 128 or Hq // H > 8:
+        raise ValueError(f"the gluon kernel covers head_dim 128 and at most 8 query heads per kv head, got "
+                         f"head_dim={D}, {Hq // H} query heads per kv head")
+    bad = [f"{n}={a.dtype}" for n, a in (("k_scale", k_scale), ("k_min", k_min), ("v_scale", v_scale),
+                                         ("v_min", v_min)) if a.dtype != jnp.float16]
+    if bad:
+        raise ValueError(f"the gluon kernel needs float16 block metadata, got {', '.join(bad)}")
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or a positive int, got num_splits={num_splits!r}")
+    common.check_maxnreg(maxnreg)
+    if not isinstance(async_copy, bool):
+        raise ValueError(f"async_copy must be a bool, got async_copy={async_copy!r}")
+    if jax.default_backend() != "gpu":
+        raise RuntimeError(f"the gluon kernel runs only on a CUDA GPU (backend: {jax.default_backend()!r})")
     window = window or partition_size
     groups = page_indices.shape[1] * page_size // 256
     splits = num_splits or default_num_splits(S, H, groups)

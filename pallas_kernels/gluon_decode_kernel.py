@@ -201,11 +201,10 @@ def _pv_chunk(acc, vc, b0, b1, b2, b3, A: gl.constexpr):
 
 
 @gluon.jit
-def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, num_blocks, b, h, q_rows,
+def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, num_blocks, h, q_rows,
            qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu,
            mu_off, v_off, t_off, rowsC, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
-           PPS: gl.constexpr, NUM_PAGES: gl.constexpr, QK_SCALE: gl.constexpr, MASKED: gl.constexpr,
-           SMEM: gl.constexpr):
+           QK_SCALE: gl.constexpr, MASKED: gl.constexpr, SMEM: gl.constexpr):
     # one packing group (4 blocks) into the running state
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -297,15 +296,12 @@ def hack_gluon_decode_kernel(
     gl.static_assert(D == 128)
     gl.static_assert(P == 64)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     ROW_C: gl.constexpr = gl.SliceLayout(1, mma)
     COL_C: gl.constexpr = gl.SliceLayout(0, mma)
     # [P, 2] per-token (group 0, group 1) metadata pairs: rows as ROW_C (lane // 4 + 8 i), the pair in-thread
     T2: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
                                         order=[1, 0])
     GPP: gl.constexpr = PAGE // (4 * P)  # packing groups per page
-    BPP: gl.constexpr = PAGE // P
 
     b = gl.program_id(0)
     h = gl.program_id(1)
@@ -330,7 +326,6 @@ def hack_gluon_decode_kernel(
     rv = gl.arange(0, 32, layout=gl.SliceLayout(1, LV))  # channel of a V chunk
     cv = gl.arange(0, P, layout=gl.SliceLayout(0, LV))  # physical token
     v_off = rv[:, None] * (PAGE // 4) + cv[None, :]
-    VCH: gl.constexpr = 32 * (PAGE // 4)
     tok2 = gl.arange(0, P, layout=gl.SliceLayout(1, T2))
     pair2 = gl.arange(0, 2, layout=gl.SliceLayout(0, T2))
     t_off = _tok(tok2)[:, None] * 2 + pair2[None, :]
@@ -351,8 +346,8 @@ def hack_gluon_decode_kernel(
     last = gl.maximum(g_hi - 1, 0)
     # page ids: one group ahead (bit 1 of ASYNC), so that no group's first loads wait on its page id's load
     pid_cur = _pid(page_indices_ptr, b, gl.minimum(g_lo, last), PPS, GPP, NUM_PAGES)
-    pid_nxt = _pid(page_indices_ptr, b, gl.minimum(g_lo + 1, last), PPS, GPP, NUM_PAGES)
     if ASYNC % 2 == 1:  # two stages: group g + 2 is copied while group g + 1 waits and group g is computed
+        pid_nxt = _pid(page_indices_ptr, b, gl.minimum(g_lo + 1, last), PPS, GPP, NUM_PAGES)
         ksm = gl.allocate_shared_memory(gl.uint8, [2, P, D], SMEM_K)
         vsm = gl.allocate_shared_memory(gl.uint8, [2, D, P], SMEM_V)
         _copy_group(ksm.index(0), vsm.index(0), k_codes_ptr, v_codes_ptr, pid_cur, g_lo % GPP, h, g_lo < g_full, H,
@@ -368,8 +363,8 @@ def hack_gluon_decode_kernel(
             pid = pid_cur if ASYNC >= 2 else _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES)
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
                 m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm.index(st), vsm.index(st), num_blocks,
-                b, h, q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq,
-                k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, PPS, NUM_PAGES, QK_SCALE, False, True)
+                h, q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq,
+                k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, QK_SCALE, False, True)
             gl.thread_barrier()  # the stage read by every lane before it is refilled
             _copy_group(ksm.index(st), vsm.index(st), k_codes_ptr, v_codes_ptr, pid2, g2 % GPP, h,
                         grp + 2 < g_full, H, D, P, PAGE)
@@ -384,16 +379,15 @@ def hack_gluon_decode_kernel(
             else:
                 pid = _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES)
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, 0, 0, num_blocks, b, h, q_rows, qmask,
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, 0, 0, num_blocks, h, q_rows, qmask,
                 k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu, mu_off,
-                v_off, t_off, rowsC, H, D, P, PAGE, PPS, NUM_PAGES, QK_SCALE, False, False)
+                v_off, t_off, rowsC, H, D, P, PAGE, QK_SCALE, False, False)
     if g_hi > g_lo:  # the last group again if it is partial: masked
         if g_hi * 4 > num_blocks:
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
                 m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, g_hi - 1, _pid(page_indices_ptr, b, last, PPS, GPP,
-                                                                                NUM_PAGES), 0, 0, num_blocks, b, h,
-                q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off,
-                rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, PPS, NUM_PAGES, QK_SCALE, True, False)
+                                                                                NUM_PAGES), 0, 0, num_blocks, h, q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off,
+                rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, QK_SCALE, True, False)
 
     w = 2.0 ** 24
     out_row = ((b * H + h) * SPLITS + split) * 8 + nC  # [8]

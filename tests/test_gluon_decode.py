@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,11 @@ from pallas_kernels import gluon_decode_attention as gd
 from test_decode_kernels import (CASE, FIELDS, ODD_CASE, TIGHT, Case, build, v_scale_of, within_2x_naive)
 
 G7_CASE = Case("d128_P64_g7_s3", 128, 64, 256, 2, 7, 3, (700, 129, 4 + 256, 0), num_splits=3)
+# page 8P (2 packing groups per page), 8 query heads per kv head, one length beyond the capacity (4 + 2 * 512)
+G8_PAGE8P_CASE = Case("d128_P64_g8_page8P_s3", 128, 64, 512, 2, 8, 2, (4 + 1024 + 100, 700, 4 + 256 + 64 * 3),
+                      num_splits=3)
+G1_CASE = Case("d128_P64_g1_s2", 128, 64, 256, 2, 1, 3, (500, 4 + 64 * 8, 1), num_splits=2)
+G2_CASE = Case("d128_P64_g2_s2", 128, 64, 256, 4, 2, 2, (300, 520, 0, 5), num_splits=2)
 
 
 def run(case, q, c, **kw):
@@ -27,13 +33,16 @@ def run(case, q, c, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case,splits,maxnreg", [
-    (ODD_CASE, 1, None), (ODD_CASE, 5, 168), (CASE["d128_P64_g4_s3"], 3, None), (G7_CASE, 2, 200),
-    (dataclasses.replace(CASE["d128_P64_g4_s2"], num_splits=40), 40, None)],
-    ids=["odd_s1", "odd_s5_r168", "g4_s3", "g7_s2_r200", "more_splits_than_groups"])
-def test_gluon_kernel_within_2x_naive(case, splits, maxnreg):
+@pytest.mark.parametrize("case,splits,maxnreg,async_copy", [
+    (ODD_CASE, 1, None, False), (ODD_CASE, 5, 168, False), (CASE["d128_P64_g4_s3"], 3, None, False),
+    (G7_CASE, 2, 200, False), (dataclasses.replace(CASE["d128_P64_g4_s2"], num_splits=40), 40, None, False),
+    (G8_PAGE8P_CASE, 3, None, False), (G1_CASE, 2, None, False), (G2_CASE, 2, None, False),
+    (ODD_CASE, 3, None, True), (G8_PAGE8P_CASE, 2, None, True)],
+    ids=["odd_s1", "odd_s5_r168", "g4_s3", "g7_s2_r200", "more_splits_than_groups", "g8_page8P_over_capacity",
+         "g1", "g2", "odd_s3_async", "g8_page8P_async"])
+def test_gluon_kernel_within_2x_naive(case, splits, maxnreg, async_copy):
     q, c = build(case, seed=3)
-    out = run(case, q, c, num_splits=splits, maxnreg=maxnreg)
+    out = run(case, q, c, num_splits=splits, maxnreg=maxnreg, async_copy=async_copy)
     assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
     err, naive = within_2x_naive(out, q, c, case, "folded_f16")
     assert naive > 0
@@ -52,8 +61,35 @@ def test_gluon_kernel_async_copy_same_output(case, splits):
 
 @pytest.mark.parametrize("case,match", [(CASE["d64_P32_g4_s1"], "partition_size=64"),
                                         (CASE["d64_P64_g3_page8P_s4"], "head_dim 128"),
-                                        (CASE["d128_P128_g8_s2"], "partition_size=64")])
+                                        (CASE["d128_P128_g8_s2"], "partition_size=64"),
+                                        (Case("g16", 128, 64, 256, 1, 16, 2, (300,)), "16 query heads per kv")])
 def test_gluon_wrapper_refuses_uncovered_shapes(case, match):
     q, c = build(case, seed=0)
     with pytest.raises(ValueError, match=match):
+        run(case, q, c)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(num_splits=0), "num_splits"), (dict(num_splits=2.0), "num_splits"),
+                                      (dict(maxnreg=300), "maxnreg"), (dict(maxnreg=True), "maxnreg"),
+                                      (dict(async_copy="yes"), "async_copy")])
+def test_gluon_wrapper_refuses_bad_launch_options(kw, match):
+    case = CASE["d128_P64_g4_s3"]
+    q, c = build(case, seed=0)
+    with pytest.raises(ValueError, match=match):
+        run(case, q, c, **kw)
+
+
+def test_gluon_wrapper_refuses_non_float16_metadata():
+    case = CASE["d128_P64_g4_s3"]
+    q, c = build(case, seed=0)
+    c["k_min"] = c["k_min"].astype(np.float32)
+    with pytest.raises(ValueError, match="k_min=float32"):
+        run(case, q, c)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the refusal off a GPU")
+def test_gluon_wrapper_needs_a_gpu():
+    case = CASE["d128_P64_g4_s3"]
+    q, c = build(case, seed=0)
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
         run(case, q, c)
