@@ -300,46 +300,46 @@ def kivi_call_args(layer):
     return [getattr(layer, f) for f in KIVI_FIELDS], static
 
 
+def _prep_sums_free(shape, key, make):
+    """A hack kivi cache whose code sums the kernel does not read (not counted in the bytes), called through
+    `make(config, pages_per_seq) -> (fn(q, arrays, table, lens, static), note)`."""
+    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", skip_fields=("k_sums", "v_sums"))
+    lens = jnp.full((shape.batch,), shape.kv_len, jnp.int32)
+    per_copy = shape.batch * pps
+    fn, note = make(config, pps)
+
+    def call(q, i, a):
+        arrays, static = kivi_call_args(_slots(a["layer"], shape, i, n))
+        return fn(q, arrays, a["table"] + (i % n) * per_copy, a["lens"], static)
+
+    return Prepared(call, dict(layer=_one_copy_slots(layer, shape), table=table, lens=lens), nbytes,
+                    f"kivi P={config.partition_size} page_size={config.page_size} ns={config.num_sink_tokens} {note}",
+                    n, append=("open_k", "open_v"))
+
+
 def prep_triton(shape, key, *, interpret):
     """The scale-folded jax-triton kernel (pallas_kernels.triton_decode_attention) on the kivi cache; it
     reads no code sums (not counted in the bytes). GPU only: interpret mode raises (an error row)."""
     from pallas_kernels import triton_decode_attention as mod
     if interpret:
         raise RuntimeError("the jax-triton kernel has no interpret mode (CPU: tests/triton_interpret.py)")
-    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", skip_fields=("k_sums", "v_sums"))
-    lens = jnp.full((shape.batch,), shape.kv_len, jnp.int32)
-    arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=lens)
-    per_copy = shape.batch * pps
-    kc = mod.default_config(batch=shape.batch, num_kv_heads=shape.num_kv_heads, pages_per_seq=pps,
-                            page_size=config.page_size, partition_size=config.partition_size)
 
-    def call(q, i, a):
-        table = a["table"] + (i % n) * per_copy
-        arrays, static = kivi_call_args(_slots(a["layer"], shape, i, n))
-        return mod.hack_triton_decode_attention(q, *arrays, table, a["lens"], **static, config=kc)
-
-    return Prepared(call, arrays, nbytes, f"kivi P=64 page_size={config.page_size} ns=4 {kc}", n,
-                    append=("open_k", "open_v"))
+    def make(config, pps):
+        kc = mod.default_config(batch=shape.batch, num_kv_heads=shape.num_kv_heads, pages_per_seq=pps,
+                                page_size=config.page_size, partition_size=config.partition_size)
+        return (lambda q, arrays, table, lens, static:
+                mod.hack_triton_decode_attention(q, *arrays, table, lens, **static, config=kc)), str(kc)
+    return _prep_sums_free(shape, key, make)
 
 
 def prep_gluon(shape, key, *, interpret, maxnreg=None):
-    """The Gluon prototype (pallas_kernels.gluon_decode_attention) on the kivi cache; no code sums read. GPU only."""
+    """The Gluon kernel (pallas_kernels.gluon_decode_attention) on the kivi cache; no code sums read. GPU only."""
     from pallas_kernels import gluon_decode_attention as mod
     if interpret:
         raise RuntimeError("the gluon kernel has no interpret mode")
-    layer, table, pps, nbytes, n, config = _layer_prep(shape, key, "hack", skip_fields=("k_sums", "v_sums"))
-    lens = jnp.full((shape.batch,), shape.kv_len, jnp.int32)
-    arrays = dict(layer=_one_copy_slots(layer, shape), table=table, lens=lens)
-    per_copy = shape.batch * pps
-
-    def call(q, i, a):
-        table = a["table"] + (i % n) * per_copy
-        arrays, static = kivi_call_args(_slots(a["layer"], shape, i, n))
-        return mod.hack_gluon_decode_attention(q, *arrays, table, a["lens"], **static, maxnreg=maxnreg)
-
-    return Prepared(call, arrays, nbytes, f"kivi P={config.partition_size} page_size={config.page_size} "
-                    f"ns={config.num_sink_tokens} gluon maxnreg={maxnreg}", n,
-                    append=("open_k", "open_v"))
+    return _prep_sums_free(shape, key, lambda config, pps: (
+        lambda q, arrays, table, lens, static:
+        mod.hack_gluon_decode_attention(q, *arrays, table, lens, **static, maxnreg=maxnreg)), f"gluon {maxnreg=}")
 
 
 def prep_hack(shape, key, *, interpret, variant_kwargs=None):
