@@ -39,6 +39,9 @@
 #   HACK4=1 HACK4_ARGS="..."                       4-bit HACK cache (QuantConfig.bits=4): tests/test_bits.py's gpu
 #                                                  tests, then bench_decode_attention.py --impls bf16 hack hack4
 #                                                  -> OUT_DIR/hack4/ (HACK4_TIMEOUT=300)
+#   GLUON=1 GLUON_VARIANTS="s16=16:0:2 ..."         the Gluon decode kernel: tests/test_gluon_decode.py's gpu tests, then
+#                                                  bench/gluon_harness.py (vs the Pallas kernel, same tensors) at b8_32k
+#                                                  and b1_128k -> OUT_DIR/gluon/ (GLUON_TIMEOUT=240)
 #   INTERLEAVED=1 INTERLEAVED_ARGS="--shapes ..."   KernelConfig.interleaved (2-bit folded f16 without byte permutes):
 #                                                  its gpu tests, then bench_hack_decode.py folded_f16 vs folded_f16i
 #                                                  -> OUT_DIR/interleaved/ (INTERLEAVED_TIMEOUT=240)
@@ -244,6 +247,19 @@ if [[ -n "${HACK4:-}" ]]; then
     --impls bf16 hack hack4 --hack-dots folded_f16 int8 \
     ${HACK4_ARGS:---heads llama3.1-8b --batches 1 8 --kv-lens 1024 32768 131072 --reps 3} 2>&1 | tee "$OUT/hack4/bench.log"
   echo "hack4 bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/hack4/bench.log"
+fi
+
+if [[ -n "${GLUON:-}" ]]; then
+  mkdir -p "$OUT/gluon"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${TEST_TIMEOUT:-180}" python3 -m pytest -q -m gpu \
+    tests/test_gluon_decode.py 2>&1 | tee "$OUT/gluon/tests.log"
+  echo "gluon tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gluon/tests.log"
+  python3 bench/kernel_harness.py prepare "$OUT/gluon/harness" --shapes b8_32k b1_128k --make-ttir \
+    > "$OUT/gluon/prepare.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout -k 5 "${GLUON_TIMEOUT:-240}" python3 bench/gluon_harness.py "$OUT/gluon/harness" "$OUT/gluon/gluon.jsonl" \
+    --variants ${GLUON_VARIANTS:-s16=16:0:2 s16a=16:0:3 s128=128:0:2 s128a=128:0:3} 2>&1 | tee "$OUT/gluon/bench.log"
+  echo "gluon harness exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gluon/bench.log"
 fi
 
 if [[ -n "${INTERLEAVED:-}" ]]; then
