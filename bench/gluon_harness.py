@@ -19,30 +19,15 @@ import sys
 import torch
 import triton
 import triton.testing
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels import gluon_decode_kernel as gl_kernel  # noqa: E402
 import kernel_harness as kh  # noqa: E402
+from pallas_kernels.gluon_decode_attention import SIGNATURE, kernel_constexprs  # noqa: E402
+from pallas_kernels.gluon_decode_kernel import hack_gluon_decode_kernel  # noqa: E402
+from pallas_kernels.gluon_launch import compile_kernel  # noqa: E402
 
-SIG = [("kv_lens_ptr", "*i32"), ("page_indices_ptr", "*i32"), ("q_ptr", "*fp32"), ("k_codes_ptr", "*u8"),
-       ("k_scale_ptr", "*fp16"), ("k_min_ptr", "*fp16"), ("v_codes_ptr", "*u8"), ("v_scale_ptr", "*fp16"),
-       ("v_min_ptr", "*fp16"), ("acc_ptr", "*fp32"), ("m_ptr", "*fp32"), ("l_ptr", "*fp32")]
-H, QPK, D, P, PAGE, NS = 8, 4, 128, 64, 256, 4
-
-
-def compile_gluon(consts, maxnreg):
-    sig = dict(SIG)
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(SIG))}
-    src = GluonASTSource(gl_kernel.hack_gluon_decode_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": 1}
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    k._init_handles()
-    return k
+H, QPK, D, P, PAGE, NS = 8, 4, 128, 64, 256, 4  # kernel_harness.py's shapes (bench_hack_decode: Llama heads)
 
 
 def reference_seq(args, b):
@@ -112,12 +97,15 @@ def main():
         for v in variants:
             name, spec = v.split("=")
             splits, maxnreg, pf = (list(map(int, spec.split(":"))) + [0])[:3]
-            consts = dict(H=H, QPK=QPK, D=D, P=P, PAGE=PAGE, PPS=kv // PAGE, NUM_PAGES=t["k_codes"].shape[0], NS=NS,
-                          W=P, SPLITS=splits, QK_SCALE=1 / math.sqrt(D) * 1.4426950408889634, ASYNC=pf)
+            consts = kernel_constexprs(num_q_heads=H * QPK, num_kv_heads=H, head_dim=D, page_size=PAGE,
+                                       pages_per_seq=kv // PAGE, num_pages=t["k_codes"].shape[0], num_sink_tokens=NS,
+                                       window=P, num_splits=splits, async_mode=pf)
             row = dict(shape=e["shape"], kernel="gluon_" + name, splits=splits, maxnreg=maxnreg, async_mode=pf,
                        bytes=e["bytes"])
             try:
-                k = compile_gluon(consts, maxnreg)
+                k = compile_kernel(hack_gluon_decode_kernel, SIGNATURE, tuple(sorted(consts.items())), 1,
+                                   maxnreg or None, 90)
+                k._init_handles()
                 acc = torch.full((batch, H, splits, 8, D), float("nan"), device="cuda")
                 m = torch.full((batch, H, splits, 8), float("nan"), device="cuda")
                 l_ = torch.full((batch, H, splits, 8), float("nan"), device="cuda")

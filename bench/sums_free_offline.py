@@ -110,10 +110,8 @@ def main(argv=None):
                                     dot_dtype=mode, bits=config.bits)
             static = dict(partition_size=config.partition_size, num_sink_tokens=config.num_sink_tokens,
                           v_group=config.v_group, window=config.window, bits=config.bits, config=kc)
-            with triton_offline.capture_ttir() as lowered:  # the attention kernel (+ a split merge: fewer args)
-                jax.jit(lambda *a: dec.hack_decode_attention(*a, **static)).trace(*xs).lower(
-                    lowering_platforms=("cuda",))
-            ttir = max(lowered, key=signature_args)
+            ttir = triton_offline.lower_ttir(lambda *a: dec.hack_decode_attention(*a, **static), *xs,
+                                             kernel="hack_decode_attention")  # not the split merge's kernel
             name = f"{mode}_{'sums' if sums else 'nosums'}"
             c = triton_offline.compile_sm90(ttir, args.out, name, num_warps=kc.num_warps, num_stages=kc.num_stages)
             loops = triton_offline.loops(c["sass"], innermost=False)

@@ -26,6 +26,10 @@ import jax.numpy as jnp
 from pallas_kernels import common
 
 NUM_SMS = 132  # H100 and H200
+# the kernel's pointer parameters (gluon_decode_kernel.hack_gluon_decode_kernel), in order
+SIGNATURE = (("kv_lens_ptr", "*i32"), ("page_indices_ptr", "*i32"), ("q_ptr", "*fp32"), ("k_codes_ptr", "*u8"),
+             ("k_scale_ptr", "*fp16"), ("k_min_ptr", "*fp16"), ("v_codes_ptr", "*u8"), ("v_scale_ptr", "*fp16"),
+             ("v_min_ptr", "*fp16"), ("acc_ptr", "*fp32"), ("m_ptr", "*fp32"), ("l_ptr", "*fp32"))
 PROGRAMS_PER_SM = 8  # one warp each at 255 registers (the cp.async staging's 32 KiB of shared memory allow 6)
 
 
@@ -34,6 +38,15 @@ def default_num_splits(batch: int, num_kv_heads: int, num_groups: int) -> int:
     packing group each."""
     slots = NUM_SMS * PROGRAMS_PER_SM
     return max(1, min(num_groups, slots // max(1, batch * num_kv_heads)))
+
+
+def kernel_constexprs(*, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, pages_per_seq: int,
+                      num_pages: int, num_sink_tokens: int, window: int, num_splits: int, async_mode: int) -> dict:
+    """The kernel's constexpr parameters (also used by bench/gluon_offline.py and bench/gluon_harness.py);
+    async_mode: its ASYNC (bit 0: cp.async staging, bit 1: page ids one group ahead)."""
+    return dict(H=num_kv_heads, QPK=num_q_heads // num_kv_heads, D=head_dim, P=64, PAGE=page_size, PPS=pages_per_seq,
+                NUM_PAGES=num_pages, NS=num_sink_tokens, W=window, SPLITS=num_splits,
+                QK_SCALE=math.log2(math.e) / math.sqrt(head_dim), ASYNC=async_mode)
 
 
 def _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, *, num_sink_tokens, window, pages_per_seq, page_size):
@@ -72,9 +85,9 @@ def _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, o
     S, Hq, D = q.shape
     N, H, quarter, _ = k_codes.shape
     page_size, pps = 4 * quarter, page_indices.shape[1]
-    consts = dict(H=H, QPK=Hq // H, D=D, P=64, PAGE=page_size, PPS=pps, NUM_PAGES=N, NS=num_sink_tokens,
-                  W=window, SPLITS=num_splits, QK_SCALE=math.log2(math.e) / math.sqrt(D),
-                  ASYNC=2 + int(async_copy))  # page ids one group ahead; + cp.async staging
+    consts = kernel_constexprs(num_q_heads=Hq, num_kv_heads=H, head_dim=D, page_size=page_size, pages_per_seq=pps,
+                               num_pages=N, num_sink_tokens=num_sink_tokens, window=window, num_splits=num_splits,
+                               async_mode=2 + int(async_copy))  # page ids one group ahead; + cp.async staging
     rows = (S, H, num_splits, 8)
     acc, m2, l = gluon_call(
         hack_gluon_decode_kernel, kv_lens, page_indices, q.astype(jnp.float32), k_codes, k_scale, k_min, v_codes,

@@ -35,7 +35,10 @@ def _abstract_eval(*_, out_shapes, **__):
 
 
 @functools.lru_cache(maxsize=64)
-def _compile(kernel, signature, constexprs, num_warps, maxnreg, cc):
+def compile_kernel(kernel, signature: tuple, constexprs: tuple, num_warps: int, maxnreg: int | None, cc: int):
+    """triton.compile of a @gluon.jit `kernel` (cached): `signature` ((name, "*fp16"), ...) its pointer
+    parameters, all 16-byte aligned; `constexprs` ((name, value), ...); `cc` the compute capability (90: sm_90).
+    Also what the offline and torch harnesses in bench/ compile with."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -54,7 +57,7 @@ def _lowering(ctx, *args, kernel, out_shapes, grid, constexprs, num_warps, maxnr
     avals = list(ctx.avals_in) + list(ctx.avals_out)
     names = kernel.arg_names
     signature = tuple((names[i], "*" + _TRITON_TYPE[np.dtype(a.dtype)]) for i, a in enumerate(avals))
-    compiled = _compile(kernel, signature, constexprs, num_warps, maxnreg, cc)
+    compiled = compile_kernel(kernel, signature, constexprs, num_warps, maxnreg, cc)
     tk = lib.TritonKernel(compiled.metadata.name, num_warps, 1, compiled.metadata.shared, compiled.asm["ptx"],
                           "", cc)
     params = [lib.create_array_parameter(0, 16) for _ in avals]
