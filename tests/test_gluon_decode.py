@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import gluon_decode_attention as gd
-from test_decode_kernels import (CASE, FIELDS, ODD_CASE, TIGHT, Case, build, v_scale_of, within_2x_naive)
+from test_decode_kernels import (CASE, FIELDS, ODD_CASE, TIGHT, Case, _f64, _residual_tokens, build, v_scale_of,
+                                 within_2x_naive)
 
 G7_CASE = Case("d128_P64_g7_s3", 128, 64, 256, 2, 7, 3, (700, 129, 4 + 256, 0), num_splits=3)
 # page 8P (2 packing groups per page), 8 query heads per kv head, one length beyond the capacity (4 + 2 * 512)
@@ -93,3 +94,29 @@ def test_gluon_wrapper_needs_a_gpu():
     q, c = build(case, seed=0)
     with pytest.raises(RuntimeError, match="CUDA GPU"):
         run(case, q, c)
+
+
+@pytest.mark.parametrize("case", [CASE["d128_P64_g4_s3"], ODD_CASE, G8_PAGE8P_CASE], ids=["g4", "odd", "g8_page8P"])
+def test_gluon_open_region_state_vs_numpy(case):
+    """The wrapper's jnp attention over the sinks and the open region (merged with the kernel's partials) against
+    float64 NumPy over test_decode_kernels' residual tokens: NaN rows past a sequence's tokens are never read,
+    and sequences with none give l = 0."""
+    q, c = build(case, seed=5)
+    S, Hq, D = q.shape
+    H = case.num_kv_heads
+    G = Hq // H
+    acc, m, l = map(np.asarray, gd._open_state(
+        jnp.asarray(q), *(jnp.asarray(c[f]) for f in ("open_k", "open_v", "sink_k", "sink_v", "kv_lens")),
+        num_sink_tokens=case.ns, window=case.P, pages_per_seq=case.pages_per_seq, page_size=case.page_size))
+    assert np.isfinite(acc).all()
+    for b in range(S):
+        for h in range(H):
+            kr, vr = _residual_tokens(c, b, h, case.P, case.ns)
+            if not len(kr):
+                assert (l[b, h, :G] == 0).all()
+                continue
+            lg = _f64(q[b, h * G:(h + 1) * G]) @ kr.T / np.sqrt(D)
+            w = np.exp(lg - lg.max(1, keepdims=True))
+            want = (w @ vr) / w.sum(1, keepdims=True)
+            np.testing.assert_allclose(acc[b, h, :G] / l[b, h, :G, None], want, rtol=0, atol=1e-5 * np.abs(vr).max())
+            np.testing.assert_allclose(m[b, h, :G], np.log2(np.e) * lg.max(1), rtol=1e-5, atol=1e-5)
