@@ -6,7 +6,9 @@ tensors, one process, no XLA: kernel time only (triton.testing.do_bench, CUDA ev
 
 Per shape: the Pallas kernel's TTIR compiled by pip Triton with the register cap 168 (as XLA builds it; the row
 `pallas_r168`), then each Gluon variant NAME=SPLITS:MAXNREG:ASYNC (MAXNREG 0: none; ASYNC the kernel's
-constexpr: bit 0 cp.async double buffering, bit 1 page ids one group ahead) on the harness's operands: time,
+constexpr: bit 0 cp.async double buffering of the code tiles, bit 1 page ids one group ahead; with bit 0, (ASYNC // 4)
+% 4 = 1 stages k_scale / v_scale / v_min too, 2 also k_min; ASYNC >= 16: single buffers instead, each group's V tile
+copied during its QK^T and the next group's K tile during its PV) on the harness's operands: time,
 registers, and the error of its sealed-block attention (splits merged) against a float64 torch reference of the
 dequantized cache for sequence 0 (all kv heads); the shapes' caches are block-exact (no open tokens; the NS sinks
 are not part of either side's sealed blocks). GPU, torch + triton only.

@@ -43,7 +43,8 @@ def default_num_splits(batch: int, num_kv_heads: int, num_groups: int) -> int:
 def kernel_constexprs(*, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, pages_per_seq: int,
                       num_pages: int, num_sink_tokens: int, window: int, num_splits: int, async_mode: int) -> dict:
     """The kernel's constexpr parameters (also used by bench/gluon_offline.py and bench/gluon_harness.py);
-    async_mode: its ASYNC (bit 0: cp.async staging, bit 1: page ids one group ahead)."""
+    async_mode: its ASYNC (bit 0: cp.async staging, bit 1: page ids one group ahead; the metadata-staging and
+    single-buffer modes above 3, bench/gluon_harness.py's docstring, are reached only from the bench tools)."""
     return dict(H=num_kv_heads, QPK=num_q_heads // num_kv_heads, D=head_dim, P=64, PAGE=page_size, PPS=pages_per_seq,
                 NUM_PAGES=num_pages, NS=num_sink_tokens, W=window, SPLITS=num_splits,
                 QK_SCALE=math.log2(math.e) / math.sqrt(head_dim), ASYNC=async_mode)

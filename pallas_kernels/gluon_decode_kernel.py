@@ -29,22 +29,64 @@ SMEM_K = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, 
 SMEM_V = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=2, max_phase=4, order=[1, 0]))
 COPY_K = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0]))  # [64, 128]: 16 bytes a lane
 COPY_V = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))  # [128, 64]
+# metadata staging (ASYNC bit 2: k_scale, v_scale, v_min; bit 3: k_min too): a group's [4, 128] f16 K rows (16
+# bytes a lane) and [256, 2] f16 per-token pairs (4 bytes a lane, rows in logical token order), unswizzled
+SMEM_M = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+COPY_KS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # [4, 128]
+COPY_VM = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0]))  # [256, 2]
+# [P, 2] per-token (group 0, group 1) metadata pairs: rows as the mma C layout's (lane // 4 + 8 i), the pair
+# in-thread
+P_BLK = gl.constexpr(64)  # the partition size the kernel covers (static_assert in the kernel)
+T2 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
+                                   order=[1, 0]))
 
 
 @gluon.jit
-def _copy_group(ksm, vsm, k_codes_ptr, v_codes_ptr, pid, gi, h, ok, H: gl.constexpr, D: gl.constexpr,
-                P: gl.constexpr, PAGE: gl.constexpr):
-    # cp.async of one packing group's K and V tiles into a stage (nothing copied where not ok); K rows in
-    # logical token order (row r <- physical token _tok(r)), V in memory order; one commit group
+def _copy_k(ksm, ksc, kmn, k_codes_ptr, k_scale_ptr, k_min_ptr, pid, gi, h, ok, H: gl.constexpr, D: gl.constexpr,
+            P: gl.constexpr, PAGE: gl.constexpr, META: gl.constexpr):
+    # cp.async of one packing group's K tile (rows in logical token order: row r <- physical token _tok(r)) and,
+    # META >= 1, its 4 blocks' K scale rows (META >= 2: and K minimum rows); nothing copied where not ok
     ph = pid.to(gl.int64) * H + h
     rk = gl.arange(0, P, layout=gl.SliceLayout(1, COPY_K))
     ck = gl.arange(0, D, layout=gl.SliceLayout(0, COPY_K))
     ksrc = k_codes_ptr + ph * (PAGE // 4 * D) + gi * (P * D) + _tok(rk)[:, None] * D + ck[None, :]
     async_copy.async_copy_global_to_shared(ksm, ksrc, mask=ok & (ck < D)[None, :])
+    if META >= 1:
+        BPP: gl.constexpr = PAGE // P
+        rs = gl.arange(0, 4, layout=gl.SliceLayout(1, COPY_KS))
+        cs = gl.arange(0, D, layout=gl.SliceLayout(0, COPY_KS))
+        soff = (ph * BPP + gi * 4) * D + rs[:, None] * D + cs[None, :]
+        async_copy.async_copy_global_to_shared(ksc, k_scale_ptr + soff, mask=ok & (cs < D)[None, :])
+        if META >= 2:  # rows 0..3 of the [16, D] stage (rows 4..15 only feed mma rows that are never read)
+            async_copy.async_copy_global_to_shared(kmn.slice(0, 4, dim=0), k_min_ptr + soff,
+                                                   mask=ok & (cs < D)[None, :])
+
+
+@gluon.jit
+def _copy_v(vsm, vsc, vmn, v_codes_ptr, v_scale_ptr, v_min_ptr, pid, gi, h, ok, H: gl.constexpr, D: gl.constexpr,
+            P: gl.constexpr, PAGE: gl.constexpr, META: gl.constexpr):
+    # cp.async of one packing group's V tile (memory order) and, META >= 1, its 256 tokens' (tau, nu) pairs
+    # (rows in logical token order)
+    ph = pid.to(gl.int64) * H + h
     rv = gl.arange(0, D, layout=gl.SliceLayout(1, COPY_V))
     cv = gl.arange(0, P, layout=gl.SliceLayout(0, COPY_V))
     vsrc = v_codes_ptr + ph * (D * PAGE // 4) + gi * P + rv[:, None] * (PAGE // 4) + cv[None, :]
     async_copy.async_copy_global_to_shared(vsm, vsrc, mask=ok & (cv < P)[None, :])
+    if META >= 1:
+        rt = gl.arange(0, 4 * P, layout=gl.SliceLayout(1, COPY_VM))
+        ct = gl.arange(0, 2, layout=gl.SliceLayout(0, COPY_VM))
+        toff = (ph * PAGE + gi * 4 * P) * 2 + ((rt // P) * P + _tok(rt % P))[:, None] * 2 + ct[None, :]
+        async_copy.async_copy_global_to_shared(vsc, v_scale_ptr + toff, mask=ok & (ct < 2)[None, :])
+        async_copy.async_copy_global_to_shared(vmn, v_min_ptr + toff, mask=ok & (ct < 2)[None, :])
+
+
+@gluon.jit
+def _copy_group(ksm, vsm, ksc, kmn, vsc, vmn, k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr,
+                v_min_ptr, pid, gi, h, ok, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
+                META: gl.constexpr):
+    # one packing group's K and V tiles (and metadata, META) into a stage; one commit group
+    _copy_k(ksm, ksc, kmn, k_codes_ptr, k_scale_ptr, k_min_ptr, pid, gi, h, ok, H, D, P, PAGE, META)
+    _copy_v(vsm, vsc, vmn, v_codes_ptr, v_scale_ptr, v_min_ptr, pid, gi, h, ok, H, D, P, PAGE, META)
     async_copy.commit_group()
 
 
@@ -85,6 +127,10 @@ LMU = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4],
 LQ = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [4, 0]],
                                              lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]],
                                              warp_bases=[], block_bases=[], shape=[32, 8]))
+# a [1, 32] row of K scales from a stage, lanes / registers as LQ's channels (reshaped: SliceLayout(1, LQ))
+LS1 = gl.constexpr(gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4]],
+                                              lane_bases=[[0, 8], [0, 16], [0, 0], [0, 0], [0, 0]],
+                                              warp_bases=[], block_bases=[], shape=[1, 32]))
 # V chunk [32 channels, 64 tokens] u8: lane t holds physical tokens 16t..16t+15 (LDG.128): p = x0 + 2 x1 + 4 x2 +
 # 8 x3 + 16 t0 + 32 t1 is logical token k = x0 + 2 t0 + 4 t1 + 8 x1 + 16 x2 + 32 x3 (`_tok`), which the K side's
 # rows and the per-token metadata follow
@@ -142,20 +188,34 @@ def _ld(ptr, valid, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _qk_chunk(s0, s1, s2, s3, bacc, kc, qp, k_scale_ptr, k_min_ptr, meta, kq, v0, v1, v2, v3, mu_off, mu_mask,
-              A: gl.constexpr, B: gl.constexpr, BD: gl.constexpr, MASKED: gl.constexpr):
+def _sg(ptr, valid, ksc, J: gl.constexpr, C: gl.constexpr, MASKED: gl.constexpr, META: gl.constexpr):
+    # block J's K scales of chunk C (f32 [32], physical channel order) from the stage or from memory
+    if META >= 1:
+        x = ksc.slice(J, 1, dim=0).slice(C * 32, 32, dim=1).load(LS1)  # [1, 32]
+        return gl.convert_layout(x.reshape([32]), gl.SliceLayout(1, LQ), assert_trivial=True).to(gl.float32)
+    else:
+        return _ld(ptr, valid, MASKED).to(gl.float32)
+
+
+@gluon.jit
+def _qk_chunk(s0, s1, s2, s3, bacc, kc, qp, k_scale_ptr, k_min_ptr, meta, kq, v0, v1, v2, v3, mu_off, mu_mask, ksc,
+              kmn, A: gl.constexpr, B: gl.constexpr, BD: gl.constexpr, MASKED: gl.constexpr, C: gl.constexpr,
+              META: gl.constexpr):
     # one 32-channel chunk of the 4 blocks' logits: s_j += plane_j(kc) @ f16(q sigma_j) (kc already in A;
     # qp [32, 8] f32 in LQ); meta: block 0's metadata offset of the chunk's first channel, BD: one block's
     # metadata stride. bacc [16, 8] += mu_j . q for the 4 blocks (rows 0..3; q as two f16 parts: exact products)
-    sg = _ld(k_scale_ptr + meta + kq, v0, MASKED).to(gl.float32)
+    sg = _sg(k_scale_ptr + meta + kq, v0, ksc, 0, C, MASKED, META)
     s0 = mma_v2(_k_logical(_plane(kc, 0), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), s0)
-    sg = _ld(k_scale_ptr + meta + BD + kq, v1, MASKED).to(gl.float32)
+    sg = _sg(k_scale_ptr + meta + BD + kq, v1, ksc, 1, C, MASKED, META)
     s1 = mma_v2(_k_logical(_plane(kc, 1), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), s1)
-    sg = _ld(k_scale_ptr + meta + 2 * BD + kq, v2, MASKED).to(gl.float32)
+    sg = _sg(k_scale_ptr + meta + 2 * BD + kq, v2, ksc, 2, C, MASKED, META)
     s2 = mma_v2(_k_logical(_plane(kc, 2), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), s2)
-    sg = _ld(k_scale_ptr + meta + 3 * BD + kq, v3, MASKED).to(gl.float32)
+    sg = _sg(k_scale_ptr + meta + 3 * BD + kq, v3, ksc, 3, C, MASKED, META)
     s3 = mma_v2(_k_logical(_plane(kc, 3), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), s3)
-    mu = _k_logical(gl.load(k_min_ptr + meta + mu_off, mask=mu_mask, other=0.0), A)  # f16 [16, 32] (rows >= 4: 0)
+    if META >= 2:  # f16 [16, 32] (rows >= 4: whatever the stage holds there; only rows 0..3 are read)
+        mu = _k_logical(kmn.slice(C * 32, 32, dim=1).load(LMU), A)
+    else:  # f16 [16, 32] (rows >= 4: 0)
+        mu = _k_logical(gl.load(k_min_ptr + meta + mu_off, mask=mu_mask, other=0.0), A)
     qhi = qp.to(gl.float16)
     qlo = (qp - qhi.to(gl.float32)).to(gl.float16)
     bacc = mma_v2(mu, _q_logical(qhi, B), bacc)
@@ -170,16 +230,21 @@ def _row(x, rows, J: gl.constexpr):
 
 
 @gluon.jit
-def _block_weights(s, bias, m_new, valid, v_scale_ptr, v_min_ptr, tmeta2, J: gl.constexpr, B: gl.constexpr,
-                   ROW_C: gl.constexpr, QK_SCALE: gl.constexpr, MASKED: gl.constexpr):
+def _block_weights(s, bias, m_new, valid, v_scale_ptr, v_min_ptr, tmeta2, vsc, vmn, J: gl.constexpr,
+                   B: gl.constexpr, ROW_C: gl.constexpr, QK_SCALE: gl.constexpr, MASKED: gl.constexpr,
+                   META: gl.constexpr):
     # block J's softmax weights against the group max m_new: (l, nu0, nu1 partial sums [8], B operands
     # f16(p tau_g 4**-J) [P, 8] for channel groups 0 and 1); tmeta2 [P, 2] offsets of (tau, nu) pairs (T2)
     # p 4**-J: the V plane's weight 4**J 2**-24 folded into the exponent (the sums below scale back)
     p = gl.exp2(s * (2.0 ** (24 - 2 * J) * QK_SCALE) + (bias - m_new - 2.0 * J)[None, :])
     if MASKED:
         p = gl.where(valid, p, 0.0)
-    tau0, tau1 = gl.split(_ld(v_scale_ptr + tmeta2, valid, MASKED).to(gl.float32))
-    nuv0, nuv1 = gl.split(_ld(v_min_ptr + tmeta2, valid, MASKED).to(gl.float32))
+    if META >= 1:  # the stage's rows J P.. (logical token order)
+        tau0, tau1 = gl.split(vsc.slice(J * P_BLK, P_BLK, dim=0).load(T2).to(gl.float32))
+        nuv0, nuv1 = gl.split(vmn.slice(J * P_BLK, P_BLK, dim=0).load(T2).to(gl.float32))
+    else:
+        tau0, tau1 = gl.split(_ld(v_scale_ptr + tmeta2, valid, MASKED).to(gl.float32))
+        nuv0, nuv1 = gl.split(_ld(v_min_ptr + tmeta2, valid, MASKED).to(gl.float32))
     tau0 = gl.convert_layout(tau0, ROW_C, assert_trivial=True)
     tau1 = gl.convert_layout(tau1, ROW_C, assert_trivial=True)
     nuv0 = gl.convert_layout(nuv0, ROW_C, assert_trivial=True)
@@ -201,11 +266,15 @@ def _pv_chunk(acc, vc, b0, b1, b2, b3, A: gl.constexpr):
 
 
 @gluon.jit
-def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, num_blocks, h, q_rows,
-           qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu,
-           mu_off, v_off, t_off, rowsC, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
-           QK_SCALE: gl.constexpr, MASKED: gl.constexpr, SMEM: gl.constexpr):
-    # one packing group (4 blocks) into the running state
+def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, ksc, kmn, vsc, vmn, num_blocks, h,
+           q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu,
+           cmu, mu_off, v_off, t_off, rowsC, pid_n, ok_n, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
+           PAGE: gl.constexpr, QK_SCALE: gl.constexpr, MASKED: gl.constexpr, SMEM: gl.constexpr, META: gl.constexpr,
+           SPLIT: gl.constexpr):
+    # one packing group (4 blocks) into the running state; SMEM: its codes from the stage (ksm, vsm), META (with
+    # SMEM): its metadata too (1: ksc, vsc, vmn; 2: and kmn), else from memory. SPLIT (with SMEM): single
+    # buffers, this group's K tile already copied (or in flight): its V tile is copied during QK^T, the next
+    # group's (pid_n, ok_n) K tile during PV
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -229,6 +298,11 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, n
     s2 = gl.zeros([P, 8], gl.float32, layout=mma)
     s3 = gl.zeros([P, 8], gl.float32, layout=mma)
     bacc = gl.zeros([16, 8], gl.float32, layout=mma)
+    if SPLIT:
+        _copy_v(vsm, vsc, vmn, v_codes_ptr, v_scale_ptr, v_min_ptr, pid, gi, h, True, H, D, P, PAGE, META)
+        async_copy.commit_group()
+        async_copy.wait_group(1)  # this group's K tile (the V copy may be in flight)
+        gl.thread_barrier()
     for c in gl.static_range(4):
         if SMEM:  # this group's stage (rows already in logical token order)
             kc = ksm.slice(c * 32, 32, dim=1).load(LK)
@@ -236,7 +310,7 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, n
             kc = gl.load(kbase + c * 32 + k_off)  # physical order (LK)
         qp = gl.load(q_rows + c * 32, mask=qmask, other=0.0)
         s0, s1, s2, s3, bacc = _qk_chunk(s0, s1, s2, s3, bacc, kc, qp, k_scale_ptr, k_min_ptr, meta + c * 32,
-                                         kq, v0, v1, v2, v3, mu_off, mu_mask, A, B, D, MASKED)
+                                         kq, v0, v1, v2, v3, mu_off, mu_mask, ksc, kmn, A, B, D, MASKED, c, META)
     bias0 = _row(bacc, rowsC, 0) * QK_SCALE
     bias1 = _row(bacc, rowsC, 1) * QK_SCALE
     bias2 = _row(bacc, rowsC, 2) * QK_SCALE
@@ -246,19 +320,26 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, n
     m1 = gl.where(v1, gl.max(s1, axis=0) * (2.0 ** 22 * QK_SCALE) + bias1, float("-inf"))
     m2 = gl.where(v2, gl.max(s2, axis=0) * (2.0 ** 20 * QK_SCALE) + bias2, float("-inf"))
     m3 = gl.where(v3, gl.max(s3, axis=0) * (2.0 ** 18 * QK_SCALE) + bias3, float("-inf"))
+    if SPLIT:  # the K buffer read by every lane: refill it with the next group's
+        gl.thread_barrier()
+        _copy_k(ksm, ksc, kmn, k_codes_ptr, k_scale_ptr, k_min_ptr, pid_n, (grp + 1) % GPP, h, ok_n, H, D, P, PAGE,
+                META)
+        async_copy.commit_group()
+        async_copy.wait_group(1)  # this group's V tile
+        gl.thread_barrier()
     m_new = gl.maximum(gl.maximum(m_i, gl.maximum(m0, m1)), gl.maximum(m2, m3))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     m_i = m_new
     tmeta = (ph * PAGE + gi * 4 * P) * 2 + t_off  # block 0's per-token metadata
-    la, n0a, n1a, b00, b01 = _block_weights(s0, bias0, m_safe, v0, v_scale_ptr, v_min_ptr, tmeta, 0, B, ROW_C,
-                                            QK_SCALE, MASKED)
-    lb, n0b, n1b, b10, b11 = _block_weights(s1, bias1, m_safe, v1, v_scale_ptr, v_min_ptr, tmeta + 2 * P, 1, B,
-                                            ROW_C, QK_SCALE, MASKED)
-    lc, n0c, n1c, b20, b21 = _block_weights(s2, bias2, m_safe, v2, v_scale_ptr, v_min_ptr, tmeta + 4 * P, 2, B,
-                                            ROW_C, QK_SCALE, MASKED)
-    ld, n0d, n1d, b30, b31 = _block_weights(s3, bias3, m_safe, v3, v_scale_ptr, v_min_ptr, tmeta + 6 * P, 3, B,
-                                            ROW_C, QK_SCALE, MASKED)
+    la, n0a, n1a, b00, b01 = _block_weights(s0, bias0, m_safe, v0, v_scale_ptr, v_min_ptr, tmeta, vsc, vmn, 0, B,
+                                            ROW_C, QK_SCALE, MASKED, META)
+    lb, n0b, n1b, b10, b11 = _block_weights(s1, bias1, m_safe, v1, v_scale_ptr, v_min_ptr, tmeta + 2 * P, vsc,
+                                            vmn, 1, B, ROW_C, QK_SCALE, MASKED, META)
+    lc, n0c, n1c, b20, b21 = _block_weights(s2, bias2, m_safe, v2, v_scale_ptr, v_min_ptr, tmeta + 4 * P, vsc,
+                                            vmn, 2, B, ROW_C, QK_SCALE, MASKED, META)
+    ld, n0d, n1d, b30, b31 = _block_weights(s3, bias3, m_safe, v3, v_scale_ptr, v_min_ptr, tmeta + 6 * P, vsc,
+                                            vmn, 3, B, ROW_C, QK_SCALE, MASKED, META)
     l_i = l_i * alpha + (la + lb + lc + ld)
     nu0_i = nu0_i * alpha + (n0a + n0b + n0c + n0d)
     nu1_i = nu1_i * alpha + (n1a + n1b + n1c + n1d)
@@ -278,6 +359,8 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, n
     acc1 = _pv_chunk(acc1 * fa, vq1, b00, b10, b20, b30, A)
     acc2 = _pv_chunk(acc2 * fa, vq2, b01, b11, b21, b31, A)
     acc3 = _pv_chunk(acc3 * fa, vq3, b01, b11, b21, b31, A)
+    if SPLIT:  # the V buffer read by every lane before the next group's copy
+        gl.thread_barrier()
 
     return m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3
 
@@ -293,14 +376,14 @@ def hack_gluon_decode_kernel(
     # k_codes u8[N, H, PAGE // 4, D]; k_scale, k_min f16[N, H, PAGE // P, D]
     # v_codes u8[N, H, D, PAGE // 4]; v_scale, v_min f16[N, H, PAGE, 2] (token t, channel group g at 2 t + g)
     # out: acc f32[S, H, SPLITS, 8, D]; m (base 2), l f32[S, H, SPLITS, 8]
+    # ASYNC: bit 1 page ids one group ahead; bit 0 two cp.async stages of the code tiles, with (ASYNC // 4) % 4
+    # = 1 / 2 the metadata staged too (k_scale, v_scale, v_min / and k_min); >= 16 single buffers (V during QK^T,
+    # the next K during PV) with that metadata choice
     gl.static_assert(D == 128)
     gl.static_assert(P == 64)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     ROW_C: gl.constexpr = gl.SliceLayout(1, mma)
     COL_C: gl.constexpr = gl.SliceLayout(0, mma)
-    # [P, 2] per-token (group 0, group 1) metadata pairs: rows as ROW_C (lane // 4 + 8 i), the pair in-thread
-    T2: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
-                                        order=[1, 0])
     GPP: gl.constexpr = PAGE // (4 * P)  # packing groups per page
 
     b = gl.program_id(0)
@@ -346,48 +429,96 @@ def hack_gluon_decode_kernel(
     last = gl.maximum(g_hi - 1, 0)
     # page ids: one group ahead (bit 1 of ASYNC), so that no group's first loads wait on its page id's load
     pid_cur = _pid(page_indices_ptr, b, gl.minimum(g_lo, last), PPS, GPP, NUM_PAGES)
-    if ASYNC % 2 == 1:  # two stages: group g + 2 is copied while group g + 1 waits and group g is computed
+    if ASYNC >= 16:  # single buffers, each group's V copied during its QK^T, the next group's K during its PV
+        META: gl.constexpr = (ASYNC // 4) % 4
+        ksm = gl.allocate_shared_memory(gl.uint8, [1, P, D], SMEM_K)
+        vsm = gl.allocate_shared_memory(gl.uint8, [1, D, P], SMEM_V)
+        if META >= 1:
+            ksc = gl.allocate_shared_memory(gl.float16, [1, 4, D], SMEM_M)
+            vsc = gl.allocate_shared_memory(gl.float16, [1, 4 * P, 2], SMEM_M)
+            vmn = gl.allocate_shared_memory(gl.float16, [1, 4 * P, 2], SMEM_M)
+            if META >= 2:
+                kmn = gl.allocate_shared_memory(gl.float16, [1, 16, D], SMEM_M)
+            else:
+                kmn = ksc
+        else:
+            ksc = ksm
+            kmn = ksm
+            vsc = ksm
+            vmn = ksm
+        _copy_k(ksm.index(0), ksc.index(0), kmn.index(0), k_codes_ptr, k_scale_ptr, k_min_ptr, pid_cur, g_lo % GPP, h,
+                g_lo < g_full, H, D, P, PAGE, META)
+        async_copy.commit_group()
+        for grp in range(g_lo, g_full):
+            pid = pid_cur
+            pid_cur = _pid(page_indices_ptr, b, gl.minimum(grp + 1, last), PPS, GPP, NUM_PAGES)
+            m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm.index(0), vsm.index(0),
+                ksc.index(0), kmn.index(0), vsc.index(0), vmn.index(0), num_blocks, h, q_rows, qmask,
+                k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu,
+                mu_off, v_off, t_off, rowsC, pid_cur, grp + 1 < g_full, H, D, P, PAGE, QK_SCALE, False, True, META,
+                True)
+        async_copy.wait_group(0)
+    elif ASYNC % 2 == 1:  # two stages: group g + 2 is copied while group g + 1 waits and group g is computed
+        META: gl.constexpr = ASYNC // 4  # metadata staged too: 1 k_scale, v_scale, v_min; 2 and k_min
         pid_nxt = _pid(page_indices_ptr, b, gl.minimum(g_lo + 1, last), PPS, GPP, NUM_PAGES)
         ksm = gl.allocate_shared_memory(gl.uint8, [2, P, D], SMEM_K)
         vsm = gl.allocate_shared_memory(gl.uint8, [2, D, P], SMEM_V)
-        _copy_group(ksm.index(0), vsm.index(0), k_codes_ptr, v_codes_ptr, pid_cur, g_lo % GPP, h, g_lo < g_full, H,
-                    D, P, PAGE)
-        _copy_group(ksm.index(1), vsm.index(1), k_codes_ptr, v_codes_ptr, pid_nxt, (g_lo + 1) % GPP, h,
-                    g_lo + 1 < g_full, H, D, P, PAGE)
+        if META >= 1:
+            ksc = gl.allocate_shared_memory(gl.float16, [2, 4, D], SMEM_M)
+            vsc = gl.allocate_shared_memory(gl.float16, [2, 4 * P, 2], SMEM_M)
+            vmn = gl.allocate_shared_memory(gl.float16, [2, 4 * P, 2], SMEM_M)
+            if META >= 2:
+                kmn = gl.allocate_shared_memory(gl.float16, [2, 16, D], SMEM_M)
+            else:
+                kmn = ksc
+        else:
+            ksc = ksm
+            kmn = ksm
+            vsc = ksm
+            vmn = ksm
+        for s0 in gl.static_range(2):
+            pid0 = pid_cur if s0 == 0 else pid_nxt
+            _copy_group(ksm.index(s0), vsm.index(s0), ksc.index(s0), kmn.index(s0), vsc.index(s0), vmn.index(s0),
+                        k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr, pid0,
+                        (g_lo + s0) % GPP, h, g_lo + s0 < g_full, H, D, P, PAGE, META)
         for grp in range(g_lo, g_full):
             st = (grp - g_lo) % 2
             g2 = gl.minimum(grp + 2, last)
             pid2 = _pid(page_indices_ptr, b, g2, PPS, GPP, NUM_PAGES)
             async_copy.wait_group(1)  # this group's copies done (the next group's may be in flight)
             gl.thread_barrier()  # all lanes' copies visible
-            pid = pid_cur if ASYNC >= 2 else _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES)
+            pid = pid_cur if (ASYNC // 2) % 2 == 1 else _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES)
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm.index(st), vsm.index(st), num_blocks,
-                h, q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq,
-                k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, QK_SCALE, False, True)
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm.index(st), vsm.index(st),
+                ksc.index(st), kmn.index(st), vsc.index(st), vmn.index(st), num_blocks, h, q_rows, qmask,
+                k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu,
+                mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, False, True, META, False)
             gl.thread_barrier()  # the stage read by every lane before it is refilled
-            _copy_group(ksm.index(st), vsm.index(st), k_codes_ptr, v_codes_ptr, pid2, g2 % GPP, h,
-                        grp + 2 < g_full, H, D, P, PAGE)
+            _copy_group(ksm.index(st), vsm.index(st), ksc.index(st), kmn.index(st), vsc.index(st), vmn.index(st),
+                        k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr, pid2, g2 % GPP, h,
+                        grp + 2 < g_full, H, D, P, PAGE, META)
             pid_cur = pid_nxt
             pid_nxt = pid2
         async_copy.wait_group(0)
     else:
         for grp in range(g_lo, g_full):
-            if ASYNC >= 2:
+            if (ASYNC // 2) % 2 == 1:
                 pid = pid_cur
                 pid_cur = _pid(page_indices_ptr, b, gl.minimum(grp + 1, last), PPS, GPP, NUM_PAGES)
             else:
                 pid = _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES)
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, 0, 0, num_blocks, h, q_rows, qmask,
-                k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu, mu_off,
-                v_off, t_off, rowsC, H, D, P, PAGE, QK_SCALE, False, False)
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, 0, 0, 0, 0, 0, 0, num_blocks, h, q_rows,
+                qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu,
+                cmu, mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, False, False, 0, False)
     if g_hi > g_lo:  # the last group again if it is partial: masked
         if g_hi * 4 > num_blocks:
+            pid = _pid(page_indices_ptr, b, last, PPS, GPP, NUM_PAGES)
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, g_hi - 1, _pid(page_indices_ptr, b, last, PPS, GPP,
-                                                                                NUM_PAGES), 0, 0, num_blocks, h, q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off,
-                rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, QK_SCALE, True, False)
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, g_hi - 1, pid, 0, 0, 0, 0, 0, 0, num_blocks, h,
+                q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off,
+                rmu, cmu, mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, True, False, 0, False)
 
     w = 2.0 ** 24
     out_row = ((b * H + h) * SPLITS + split) * 8 + nC  # [8]
