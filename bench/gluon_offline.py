@@ -1,6 +1,6 @@
 """Offline (CPU-only) compile of the Gluon decode kernel to sm_90 SASS and its loop's instruction counts.
 
-  PYTHONPATH=.:/tmp/tri python bench/gluon_offline.py [--maxnreg N] [--async-mode 0..11] [--out DIR]
+  PYTHONPATH=.:/tmp/tri python bench/gluon_offline.py [--maxnreg N] [--async-mode 0..31] [--out DIR]
 
 pip Triton 3.6 (`pip install --target /tmp/tri triton==3.6.0`) compiles `pallas_kernels/gluon_decode_kernel.py`
 for Llama-3.1-8B heads at 8 x 32K (32 q / 8 kv heads, d 128, P 64, page 256, 16 splits), then `cuobjdump` gives the
@@ -46,7 +46,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--async-mode", type=int, default=0, choices=range(32),
-                    help="the kernel's ASYNC: bit 0 cp.async staging, bit 1 page ids one group ahead, // 4: metadata staged")
+                    help="the kernel's ASYNC (its header comment: bit 0 cp.async stages, bit 1 page ids ahead, (// 4) %% 4 metadata staged, >= 16 single buffers)")
     ap.add_argument("--out", default="/tmp/gluon_offline")
     a = ap.parse_args(argv)
     res, sass = compile_sass(async_mode=a.async_mode, maxnreg=a.maxnreg, out_dir=a.out)

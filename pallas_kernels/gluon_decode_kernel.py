@@ -23,14 +23,16 @@ PLANE3 = gl.constexpr(_plane_asm(3))
 # movmatrix: each 8x8 16-bit tile of a C-layout tensor (lane (g, t) holding row g, columns 2t, 2t+1) transposed
 # across the warp, one instruction per 32-bit register
 MOVM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
-# cp.async staging (ASYNC): [2 stages, 64 tokens, 128 channels] K and [2, 128 channels, 64 tokens] V u8 tiles,
+# cp.async staging (ASYNC): [stages (2, or 1 in the single-buffer modes), 64 tokens, 128 channels] K and
+# [stages, 128 channels, 64 tokens] V u8 tiles,
 # 16-byte chunks XOR-swizzled by row so that the LK / LV reads are free of bank conflicts; copied 16 bytes a lane
 SMEM_K = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0]))
 SMEM_V = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=2, max_phase=4, order=[1, 0]))
 COPY_K = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0]))  # [64, 128]: 16 bytes a lane
 COPY_V = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))  # [128, 64]
-# metadata staging (ASYNC bit 2: k_scale, v_scale, v_min; bit 3: k_min too): a group's [4, 128] f16 K rows (16
-# bytes a lane) and [256, 2] f16 per-token pairs (4 bytes a lane, rows in logical token order), unswizzled
+# metadata staging (META = (ASYNC // 4) % 4: 1 k_scale, v_scale, v_min; 2 (or 3) k_min too): a group's [4, 128]
+# f16 K rows (16 bytes a lane) and [256, 2] f16 per-token pairs (4 bytes a lane, rows in logical token order),
+# unswizzled (the k_min stage is [16, 128] for the bias MMA's A operand; rows 4..15 never written nor used)
 SMEM_M = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
 COPY_KS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # [4, 128]
 COPY_VM = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0]))  # [256, 2]
@@ -45,7 +47,8 @@ T2 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 
 def _copy_k(ksm, ksc, kmn, k_codes_ptr, k_scale_ptr, k_min_ptr, pid, gi, h, ok, H: gl.constexpr, D: gl.constexpr,
             P: gl.constexpr, PAGE: gl.constexpr, META: gl.constexpr):
     # cp.async of one packing group's K tile (rows in logical token order: row r <- physical token _tok(r)) and,
-    # META >= 1, its 4 blocks' K scale rows (META >= 2: and K minimum rows); nothing copied where not ok
+    # META >= 1, its 4 blocks' K scale rows (META >= 2: and K minimum rows); where not ok, zeros are written
+    # (callers copy into a buffer only after its last read)
     ph = pid.to(gl.int64) * H + h
     rk = gl.arange(0, P, layout=gl.SliceLayout(1, COPY_K))
     ck = gl.arange(0, D, layout=gl.SliceLayout(0, COPY_K))
@@ -376,9 +379,10 @@ def hack_gluon_decode_kernel(
     # k_codes u8[N, H, PAGE // 4, D]; k_scale, k_min f16[N, H, PAGE // P, D]
     # v_codes u8[N, H, D, PAGE // 4]; v_scale, v_min f16[N, H, PAGE, 2] (token t, channel group g at 2 t + g)
     # out: acc f32[S, H, SPLITS, 8, D]; m (base 2), l f32[S, H, SPLITS, 8]
-    # ASYNC: bit 1 page ids one group ahead; bit 0 two cp.async stages of the code tiles, with (ASYNC // 4) % 4
-    # = 1 / 2 the metadata staged too (k_scale, v_scale, v_min / and k_min); >= 16 single buffers (V during QK^T,
-    # the next K during PV) with that metadata choice
+    # ASYNC: bit 1 page ids one group ahead; bit 0 two cp.async stages of the code tiles, with META = (ASYNC // 4)
+    # % 4 = 1 / 2 the metadata staged too (k_scale, v_scale, v_min / and k_min; without bit 0 META is ignored:
+    # direct loads); >= 16 single buffers (V during QK^T, the next K during PV) with that META, page ids always
+    # one group ahead (bits 0 and 1 ignored)
     gl.static_assert(D == 128)
     gl.static_assert(P == 64)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])

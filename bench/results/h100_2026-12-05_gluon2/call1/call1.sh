@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 25 call 1 (H200): Gluon cp.async / page-ahead variants vs Pallas (harness), Nsight Compute stall reasons
+# Session 25 call 1 (planned for an H200; ran on an H100): Gluon cp.async / page-ahead variants vs Pallas (harness), Nsight Compute stall reasons
 # of both kernels at 8 x 32K, the Gluon gpu tests.
 set -u
 O=/tmp/s1; mkdir -p $O
