@@ -8,7 +8,8 @@ Per shape: the Pallas kernel's TTIR compiled by pip Triton with the register cap
 `pallas_r168`), then each Gluon variant NAME=SPLITS:MAXNREG:ASYNC (MAXNREG 0: none; ASYNC the kernel's
 constexpr: bit 0 cp.async double buffering of the code tiles, bit 1 page ids one group ahead; with bit 0, (ASYNC // 4)
 % 4 = 1 stages k_scale / v_scale / v_min too, 2 also k_min; ASYNC >= 16: single buffers instead, each group's V tile
-copied during its QK^T and the next group's K tile during its PV) on the harness's operands: time,
+copied during its QK^T and the next group's K tile during its PV; PAIRS, default 1, the kernel's: 2 runs two programs per
+split, each over two of every group's four blocks) on the harness's operands: time,
 registers, and the error of its sealed-block attention (splits merged) against a float64 torch reference of the
 dequantized cache for sequence 0 (all kv heads); the shapes' caches are block-exact (no open tokens; the NS sinks
 are not part of either side's sealed blocks). GPU, torch + triton only.
@@ -73,7 +74,8 @@ def main():
     ap.add_argument("dir", help="a `bench/kernel_harness.py prepare` directory")
     ap.add_argument("out", help="append the rows (JSON lines) here")
     ap.add_argument("--shapes", nargs="+", default=None)
-    ap.add_argument("--variants", nargs="+", default=["s16=16:0:0", "s16a=16:0:1"], help="NAME=SPLITS:MAXNREG:ASYNC")
+    ap.add_argument("--variants", nargs="+", default=["s16=16:0:0", "s16a=16:0:1"],
+                    help="NAME=SPLITS:MAXNREG:ASYNC[:PAIRS]")
     a = ap.parse_args()
     hdir, out_path, shapes, variants = a.dir, a.out, a.shapes, a.variants
     entries = json.load(open(os.path.join(hdir, "manifest.json")))
@@ -98,20 +100,21 @@ def main():
         ref = reference_seq(gargs[:6] + [None] + gargs[6:], 0)
         for v in variants:
             name, spec = v.split("=")
-            splits, maxnreg, pf = (list(map(int, spec.split(":"))) + [0])[:3]
+            splits, maxnreg, pf, pairs = (list(map(int, spec.split(":"))) + [0, 1])[:4]
             consts = kernel_constexprs(num_q_heads=H * QPK, num_kv_heads=H, head_dim=D, page_size=PAGE,
                                        pages_per_seq=kv // PAGE, num_pages=t["k_codes"].shape[0], num_sink_tokens=NS,
-                                       window=P, num_splits=splits, async_mode=pf)
+                                       window=P, num_splits=splits, async_mode=pf, plane_pairs=pairs)
             row = dict(shape=e["shape"], kernel="gluon_" + name, splits=splits, maxnreg=maxnreg, async_mode=pf,
-                       bytes=e["bytes"])
+                       plane_pairs=pairs, bytes=e["bytes"])
             try:
                 k = compile_kernel(hack_gluon_decode_kernel, SIGNATURE, tuple(sorted(consts.items())), 1,
                                    maxnreg or None, 90)
                 k._init_handles()
-                acc = torch.full((batch, H, splits, 8, D), float("nan"), device="cuda")
-                m = torch.full((batch, H, splits, 8), float("nan"), device="cuda")
-                l_ = torch.full((batch, H, splits, 8), float("nan"), device="cuda")
-                ggrid = (batch, H, splits)
+                rows_out = splits * pairs  # PAIRS programs per split, one row of partials each
+                acc = torch.full((batch, H, rows_out, 8, D), float("nan"), device="cuda")
+                m = torch.full((batch, H, rows_out, 8), float("nan"), device="cuda")
+                l_ = torch.full((batch, H, rows_out, 8), float("nan"), device="cuda")
+                ggrid = (batch, H, rows_out)
                 launch = lambda: k[ggrid](*gargs, acc, m, l_)  # noqa: E731
                 launch()
                 torch.cuda.synchronize()

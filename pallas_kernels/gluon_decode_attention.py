@@ -41,13 +41,15 @@ def default_num_splits(batch: int, num_kv_heads: int, num_groups: int) -> int:
 
 
 def kernel_constexprs(*, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, pages_per_seq: int,
-                      num_pages: int, num_sink_tokens: int, window: int, num_splits: int, async_mode: int) -> dict:
+                      num_pages: int, num_sink_tokens: int, window: int, num_splits: int, async_mode: int,
+                      plane_pairs: int = 1) -> dict:
     """The kernel's constexpr parameters (also used by bench/gluon_offline.py and bench/gluon_harness.py);
     async_mode: its ASYNC (bit 0: cp.async staging, bit 1: page ids one group ahead; the metadata-staging and
-    single-buffer modes above 3, bench/gluon_harness.py's docstring, are reached only from the bench tools)."""
+    single-buffer modes above 3, bench/gluon_harness.py's docstring, are reached only from the bench tools);
+    plane_pairs: its PAIRS (2: two programs per split, each over two planes of every group)."""
     return dict(H=num_kv_heads, QPK=num_q_heads // num_kv_heads, D=head_dim, P=64, PAGE=page_size, PPS=pages_per_seq,
                 NUM_PAGES=num_pages, NS=num_sink_tokens, W=window, SPLITS=num_splits,
-                QK_SCALE=math.log2(math.e) / math.sqrt(head_dim), ASYNC=async_mode)
+                QK_SCALE=math.log2(math.e) / math.sqrt(head_dim), ASYNC=async_mode, PAIRS=plane_pairs)
 
 
 def _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, *, num_sink_tokens, window, pages_per_seq, page_size):
@@ -78,9 +80,10 @@ def _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, *, num_sink_tokens, 
             jnp.pad(jnp.sum(p, axis=-1), ((0, 0), (0, 0), (0, pad))))
 
 
-@functools.partial(jax.jit, static_argnames=("num_sink_tokens", "window", "num_splits", "maxnreg", "async_copy"))
+@functools.partial(jax.jit, static_argnames=("num_sink_tokens", "window", "num_splits", "maxnreg", "async_copy",
+                                             "plane_pairs"))
 def _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v, sink_k, sink_v,
-                  page_indices, kv_lens, *, num_sink_tokens, window, num_splits, maxnreg, async_copy):
+                  page_indices, kv_lens, *, num_sink_tokens, window, num_splits, maxnreg, async_copy, plane_pairs):
     from pallas_kernels.gluon_decode_kernel import hack_gluon_decode_kernel
     from pallas_kernels.gluon_launch import gluon_call
     S, Hq, D = q.shape
@@ -88,14 +91,16 @@ def _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, o
     page_size, pps = 4 * quarter, page_indices.shape[1]
     consts = kernel_constexprs(num_q_heads=Hq, num_kv_heads=H, head_dim=D, page_size=page_size, pages_per_seq=pps,
                                num_pages=N, num_sink_tokens=num_sink_tokens, window=window, num_splits=num_splits,
-                               async_mode=2 + int(async_copy))  # page ids one group ahead; + cp.async staging
-    rows = (S, H, num_splits, 8)
+                               async_mode=2 + int(async_copy),  # page ids one group ahead; + cp.async staging
+                               plane_pairs=plane_pairs)
+    rows = (S, H, num_splits * plane_pairs, 8)
     acc, m2, l = gluon_call(
         hack_gluon_decode_kernel, kv_lens, page_indices, q.astype(jnp.float32), k_codes, k_scale, k_min, v_codes,
         v_scale, v_min,
         out_shapes=[jax.ShapeDtypeStruct(rows + (D,), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.float32),
                     jax.ShapeDtypeStruct(rows, jnp.float32)],
-        grid=(S, H, num_splits), constexprs=consts, num_warps=1, maxnreg=maxnreg, name="hack_gluon_decode")
+        grid=(S, H, num_splits * plane_pairs), constexprs=consts, num_warps=1, maxnreg=maxnreg,
+        name="hack_gluon_decode")
     acc_o, m_o, l_o = _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, num_sink_tokens=num_sink_tokens,
                                   window=window, pages_per_seq=pps, page_size=page_size)
     acc = jnp.concatenate([acc, acc_o[:, :, None]], 2)
@@ -110,17 +115,18 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
                                 page_indices=None, kv_lens=None, *, partition_size: int | None = None,
                                 num_sink_tokens: int | None = None, window: int | None = None,
                                 num_splits: int | None = None, maxnreg: int | None = None, async_copy: bool = False,
-                                bits: int = 2):
+                                plane_pairs: int = 1, bits: int = 2):
     """Scale-folded HACK decode attention by the Gluon kernel (module docstring); f32[S, Hq, D].
 
     Arrays and static ints as pallas_kernels.decode_attention.hack_decode_attention. num_splits: programs per
     (sequence, kv head) (None: `default_num_splits`); maxnreg: a register cap for the kernel (None: none);
     async_copy: stage each packing group's code tiles in shared memory by cp.async, two groups ahead (else direct
-    loads into registers).
+    loads into registers); plane_pairs: 2 runs two programs per split, each over two of every packing group's
+    four blocks (fewer registers per program; direct loads only), 1 one program over all four.
 
     Raises:
       ValueError: shapes or dtypes off the kivi layout, outside the kernel's coverage (module docstring), or bad
-        num_splits / maxnreg / async_copy.
+        num_splits / maxnreg / async_copy / plane_pairs.
       NotImplementedError: bits other than 2.
       RuntimeError: no CUDA GPU (the kernel has no interpret mode).
     """
@@ -145,6 +151,10 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
     common.check_maxnreg(maxnreg)
     if not isinstance(async_copy, bool):
         raise ValueError(f"async_copy must be a bool, got async_copy={async_copy!r}")
+    if plane_pairs not in (1, 2) or isinstance(plane_pairs, bool):
+        raise ValueError(f"plane_pairs must be 1 or 2, got plane_pairs={plane_pairs!r}")
+    if plane_pairs == 2 and async_copy:
+        raise ValueError("plane_pairs=2 loads the codes directly: it takes async_copy=False")
     if jax.default_backend() != "gpu":
         raise RuntimeError(f"the gluon kernel runs only on a CUDA GPU (backend: {jax.default_backend()!r})")
     window = window or partition_size
@@ -153,4 +163,4 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
     return _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v,
                          sink_k if num_sink_tokens else None, sink_v if num_sink_tokens else None, page_indices,
                          kv_lens, num_sink_tokens=num_sink_tokens, window=window, num_splits=splits, maxnreg=maxnreg,
-                         async_copy=async_copy)
+                         async_copy=async_copy, plane_pairs=plane_pairs)

@@ -16,6 +16,9 @@ def _plane_asm(j):
             f"and.b32 $0, lo, 0x{m:08X}; and.b32 $1, hi, 0x{m:08X}; }}")
 
 
+# the same with the mask as an operand ($3: the plane's 2-bit mask in every byte; the plane known at run time)
+PLANE_RT = gl.constexpr("{ .reg .b32 z, lo, hi; mov.b32 z, 0; prmt.b32 lo, $2, z, 0x4140; prmt.b32 hi, $2, z, 0x4342; "
+                        "and.b32 $0, lo, $3; and.b32 $1, hi, $3; }")
 PLANE0 = gl.constexpr(_plane_asm(0))
 PLANE1 = gl.constexpr(_plane_asm(1))
 PLANE2 = gl.constexpr(_plane_asm(2))
@@ -98,6 +101,12 @@ def _pid(page_indices_ptr, b, grp, PPS: gl.constexpr, GPP: gl.constexpr, NUM_PAG
     # page id of packing group grp of sequence b (ids outside the pool read page 0, the null page)
     pid = gl.load(page_indices_ptr + b * PPS + grp // GPP)
     return gl.where((pid >= 0) & (pid < NUM_PAGES), pid, 0)
+
+
+@gluon.jit
+def _plane_rt(x, mask):
+    # _plane with the plane chosen at run time: mask u8 like x, (3 << 2 j) in every element
+    return gl.inline_asm_elementwise(PLANE_RT, "=r,=r,r,r", [x, mask], dtype=gl.float16, is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -233,13 +242,13 @@ def _row(x, rows, J: gl.constexpr):
 
 
 @gluon.jit
-def _block_weights(s, bias, m_new, valid, v_scale_ptr, v_min_ptr, tmeta2, vsc, vmn, J: gl.constexpr,
-                   B: gl.constexpr, ROW_C: gl.constexpr, QK_SCALE: gl.constexpr, MASKED: gl.constexpr,
-                   META: gl.constexpr):
+def _block_weights(s, bias, m_new, valid, v_scale_ptr, v_min_ptr, tmeta2, vsc, vmn, sc, two_j, f, J: gl.constexpr,
+                   B: gl.constexpr, ROW_C: gl.constexpr, META: gl.constexpr, MASKED: gl.constexpr):
     # block J's softmax weights against the group max m_new: (l, nu0, nu1 partial sums [8], B operands
     # f16(p tau_g 4**-J) [P, 8] for channel groups 0 and 1); tmeta2 [P, 2] offsets of (tau, nu) pairs (T2)
-    # p 4**-J: the V plane's weight 4**J 2**-24 folded into the exponent (the sums below scale back)
-    p = gl.exp2(s * (2.0 ** (24 - 2 * J) * QK_SCALE) + (bias - m_new - 2.0 * J)[None, :])
+    # p 4**-J: the V plane's weight 4**J 2**-24 folded into the exponent (the sums below scale back); sc = 2**(24 -
+    # 2 J) QK_SCALE, two_j = 2 J, f = 4**J (constants, or run-time values in _pair_group, whose META is 0)
+    p = gl.exp2(s * sc + (bias - m_new - two_j)[None, :])
     if MASKED:
         p = gl.where(valid, p, 0.0)
     if META >= 1:  # the stage's rows J P.. (logical token order)
@@ -254,7 +263,6 @@ def _block_weights(s, bias, m_new, valid, v_scale_ptr, v_min_ptr, tmeta2, vsc, v
     nuv1 = gl.convert_layout(nuv1, ROW_C, assert_trivial=True)
     b0 = _to_b((p * tau0[:, None]).to(gl.float16), B)
     b1 = _to_b((p * tau1[:, None]).to(gl.float16), B)
-    f = 4.0 ** J
     return (gl.sum(p, axis=0) * f, gl.sum(p * nuv0[:, None], axis=0) * f, gl.sum(p * nuv1[:, None], axis=0) * f,
             b0, b1)
 
@@ -335,14 +343,17 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
     alpha = gl.exp2(m_i - m_safe)
     m_i = m_new
     tmeta = (ph * PAGE + gi * 4 * P) * 2 + t_off  # block 0's per-token metadata
-    la, n0a, n1a, b00, b01 = _block_weights(s0, bias0, m_safe, v0, v_scale_ptr, v_min_ptr, tmeta, vsc, vmn, 0, B,
-                                            ROW_C, QK_SCALE, MASKED, META)
+    la, n0a, n1a, b00, b01 = _block_weights(s0, bias0, m_safe, v0, v_scale_ptr, v_min_ptr, tmeta, vsc, vmn,
+                                            2.0 ** 24 * QK_SCALE, 0.0, 1.0, 0, B, ROW_C, META, MASKED)
     lb, n0b, n1b, b10, b11 = _block_weights(s1, bias1, m_safe, v1, v_scale_ptr, v_min_ptr, tmeta + 2 * P, vsc,
-                                            vmn, 1, B, ROW_C, QK_SCALE, MASKED, META)
+                                            vmn, 2.0 ** 22 * QK_SCALE, 2.0, 4.0, 1, B, ROW_C, META,
+                                            MASKED)
     lc, n0c, n1c, b20, b21 = _block_weights(s2, bias2, m_safe, v2, v_scale_ptr, v_min_ptr, tmeta + 4 * P, vsc,
-                                            vmn, 2, B, ROW_C, QK_SCALE, MASKED, META)
+                                            vmn, 2.0 ** 20 * QK_SCALE, 4.0, 16.0, 2, B, ROW_C, META,
+                                            MASKED)
     ld, n0d, n1d, b30, b31 = _block_weights(s3, bias3, m_safe, v3, v_scale_ptr, v_min_ptr, tmeta + 6 * P, vsc,
-                                            vmn, 3, B, ROW_C, QK_SCALE, MASKED, META)
+                                            vmn, 2.0 ** 18 * QK_SCALE, 6.0, 64.0, 3, B, ROW_C, META,
+                                            MASKED)
     l_i = l_i * alpha + (la + lb + lc + ld)
     nu0_i = nu0_i * alpha + (n0a + n0b + n0c + n0d)
     nu1_i = nu1_i * alpha + (n1a + n1b + n1c + n1d)
@@ -369,16 +380,92 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
 
 
 @gluon.jit
+def _pair_group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, j0, mk_a, mk_b, mv_a, mv_b, num_blocks, h,
+                q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off,
+                rmu, cmu, mu_off, v_off, t_off, rowsC, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
+                PAGE: gl.constexpr, QK_SCALE: gl.constexpr, MASKED: gl.constexpr):
+    # PAIRS = 2: blocks j0, j0 + 1 of a packing group (planes j0, j0 + 1 of its code bytes; j0 = 0 or 2, this
+    # program's pair, at run time; the other pair's program reads the same code words) into this program's state;
+    # mk_* / mv_* the two planes' masks shaped as a K / V chunk. Direct loads, no staging
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    ROW_C: gl.constexpr = gl.SliceLayout(1, mma)
+    GPP: gl.constexpr = PAGE // (4 * P)
+    BPP: gl.constexpr = PAGE // P
+    VCH: gl.constexpr = 32 * (PAGE // 4)
+    gi = grp % GPP
+    ph = pid.to(gl.int64) * H + h
+    kbase = k_codes_ptr + ph * (PAGE // 4 * D) + gi * (P * D)
+    vbase = v_codes_ptr + ph * (D * PAGE // 4) + gi * P
+    va = grp * 4 + j0 < num_blocks
+    vb = grp * 4 + j0 + 1 < num_blocks
+    meta = (ph * BPP + gi * 4 + j0) * D  # block j0 of the group
+    mu_mask = ((rmu < 2) & (grp * 4 + j0 + rmu < num_blocks))[:, None] & (cmu < 32)[None, :]
+    sa = gl.zeros([P, 8], gl.float32, layout=mma)
+    sb = gl.zeros([P, 8], gl.float32, layout=mma)
+    bacc = gl.zeros([16, 8], gl.float32, layout=mma)
+    for c in gl.static_range(4):
+        kc = gl.load(kbase + c * 32 + k_off)
+        qp = gl.load(q_rows + c * 32, mask=qmask, other=0.0)
+        mc = meta + c * 32
+        sg = _ld(k_scale_ptr + mc + kq, va, MASKED).to(gl.float32)
+        sa = mma_v2(_k_logical(_plane_rt(kc, mk_a), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), sa)
+        sg = _ld(k_scale_ptr + mc + D + kq, vb, MASKED).to(gl.float32)
+        sb = mma_v2(_k_logical(_plane_rt(kc, mk_b), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), sb)
+        mu = _k_logical(gl.load(k_min_ptr + mc + mu_off, mask=mu_mask, other=0.0), A)  # rows 0, 1: blocks j0, j0 + 1
+        qhi = qp.to(gl.float16)
+        qlo = (qp - qhi.to(gl.float32)).to(gl.float16)
+        bacc = mma_v2(mu, _q_logical(qhi, B), bacc)
+        bacc = mma_v2(mu, _q_logical(qlo, B), bacc)
+    biasa = _row(bacc, rowsC, 0) * QK_SCALE
+    biasb = _row(bacc, rowsC, 1) * QK_SCALE
+    tja = 2.0 * j0.to(gl.float32)  # 2 j0: the logits of plane j carry 4**-j (2**(24 - 2 j) QK_SCALE below)
+    sca = gl.exp2(24.0 - tja) * QK_SCALE
+    ma = gl.where(va, gl.max(sa, axis=0) * sca + biasa, float("-inf"))
+    mb = gl.where(vb, gl.max(sb, axis=0) * (sca * 0.25) + biasb, float("-inf"))
+    m_new = gl.maximum(m_i, gl.maximum(ma, mb))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    m_i = m_new
+    tmeta = (ph * PAGE + (gi * 4 + j0) * P) * 2 + t_off
+    fa_ = gl.exp2(tja)  # 4**j0
+    la, n0a, n1a, ba0, ba1 = _block_weights(sa, biasa, m_safe, va, v_scale_ptr, v_min_ptr, tmeta, 0, 0, sca, tja,
+                                            fa_, 0, B, ROW_C, 0, MASKED)
+    lb, n0b, n1b, bb0, bb1 = _block_weights(sb, biasb, m_safe, vb, v_scale_ptr, v_min_ptr, tmeta + 2 * P, 0, 0,
+                                            sca * 0.25, tja + 2.0, fa_ * 4.0, 0, B, ROW_C, 0, MASKED)
+    l_i = l_i * alpha + (la + lb)
+    nu0_i = nu0_i * alpha + (n0a + n0b)
+    nu1_i = nu1_i * alpha + (n1a + n1b)
+    fa = alpha[None, :]
+    vq0 = gl.load(vbase + v_off)
+    vq1 = gl.load(vbase + VCH + v_off)
+    vq2 = gl.load(vbase + 2 * VCH + v_off)
+    vq3 = gl.load(vbase + 3 * VCH + v_off)
+    acc0 = mma_v2(_v_logical(_plane_rt(vq0, mv_b), A), bb0,
+                  mma_v2(_v_logical(_plane_rt(vq0, mv_a), A), ba0, acc0 * fa))
+    acc1 = mma_v2(_v_logical(_plane_rt(vq1, mv_b), A), bb0,
+                  mma_v2(_v_logical(_plane_rt(vq1, mv_a), A), ba0, acc1 * fa))
+    acc2 = mma_v2(_v_logical(_plane_rt(vq2, mv_b), A), bb1,
+                  mma_v2(_v_logical(_plane_rt(vq2, mv_a), A), ba1, acc2 * fa))
+    acc3 = mma_v2(_v_logical(_plane_rt(vq3, mv_b), A), bb1,
+                  mma_v2(_v_logical(_plane_rt(vq3, mv_a), A), ba1, acc3 * fa))
+    return m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
 def hack_gluon_decode_kernel(
         kv_lens_ptr, page_indices_ptr, q_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
         v_min_ptr, acc_ptr, m_ptr, l_ptr,
         H: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
         PPS: gl.constexpr, NUM_PAGES: gl.constexpr, NS: gl.constexpr, W: gl.constexpr, SPLITS: gl.constexpr,
-        QK_SCALE: gl.constexpr, ASYNC: gl.constexpr):
+        QK_SCALE: gl.constexpr, ASYNC: gl.constexpr, PAIRS: gl.constexpr):
     # kv_lens i32[S]; page_indices i32[S, PPS]; q f32[S, H * QPK, D]
     # k_codes u8[N, H, PAGE // 4, D]; k_scale, k_min f16[N, H, PAGE // P, D]
     # v_codes u8[N, H, D, PAGE // 4]; v_scale, v_min f16[N, H, PAGE, 2] (token t, channel group g at 2 t + g)
-    # out: acc f32[S, H, SPLITS, 8, D]; m (base 2), l f32[S, H, SPLITS, 8]
+    # out: acc f32[S, H, SPLITS * PAIRS, 8, D]; m (base 2), l f32[S, H, SPLITS * PAIRS, 8]
+    # PAIRS 2: two programs per split, each over two of every group's four blocks (planes), direct loads (ASYNC's
+    # bit 1 only); 1: one program over all four
     # ASYNC: bit 1 page ids one group ahead; bit 0 two cp.async stages of the code tiles, with META = (ASYNC // 4)
     # % 4 = 1 / 2 the metadata staged too (k_scale, v_scale, v_min / and k_min; without bit 0 META is ignored:
     # direct loads); >= 16 single buffers (V during QK^T, the next K during PV) with that META, page ids always
@@ -392,7 +479,8 @@ def hack_gluon_decode_kernel(
 
     b = gl.program_id(0)
     h = gl.program_id(1)
-    split = gl.program_id(2)
+    split = gl.program_id(2) // PAIRS
+    j0 = (gl.program_id(2) % PAIRS) * 2  # PAIRS 2: this program's first plane
     kv_len = gl.load(kv_lens_ptr + b)
     after_sinks = gl.minimum(gl.maximum(kv_len - NS, 0), PPS * PAGE)
     num_blocks = (after_sinks // W) * (W // P)
@@ -433,7 +521,29 @@ def hack_gluon_decode_kernel(
     last = gl.maximum(g_hi - 1, 0)
     # page ids: one group ahead (bit 1 of ASYNC), so that no group's first loads wait on its page id's load
     pid_cur = _pid(page_indices_ptr, b, gl.minimum(g_lo, last), PPS, GPP, NUM_PAGES)
-    if ASYNC >= 16:  # single buffers, each group's V copied during its QK^T, the next group's K during its PV
+    if PAIRS == 2:
+        mk_a = gl.full([P, 32], 3, gl.uint8, layout=LK) << (2 * j0).to(gl.uint8)
+        mk_b = mk_a << 2
+        mv_a = gl.full([32, P], 3, gl.uint8, layout=LV) << (2 * j0).to(gl.uint8)
+        mv_b = mv_a << 2
+        for grp in range(g_lo, g_full):
+            if (ASYNC // 2) % 2 == 1:
+                pid = pid_cur
+                pid_cur = _pid(page_indices_ptr, b, gl.minimum(grp + 1, last), PPS, GPP, NUM_PAGES)
+            else:
+                pid = _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES)
+            m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _pair_group(
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, j0, mk_a, mk_b, mv_a, mv_b, num_blocks, h,
+                q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off,
+                rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, QK_SCALE, False)
+        if g_hi > g_lo:  # the last group again if it is partial: masked
+            if g_hi * 4 > num_blocks:
+                pid = _pid(page_indices_ptr, b, last, PPS, GPP, NUM_PAGES)
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _pair_group(
+                    m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, g_hi - 1, pid, j0, mk_a, mk_b, mv_a, mv_b,
+                    num_blocks, h, q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
+                    v_min_ptr, kq, k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, QK_SCALE, True)
+    elif ASYNC >= 16:  # single buffers, each group's V copied during its QK^T, the next group's K during its PV
         META: gl.constexpr = (ASYNC // 4) % 4
         ksm = gl.allocate_shared_memory(gl.uint8, [1, P, D], SMEM_K)
         vsm = gl.allocate_shared_memory(gl.uint8, [1, D, P], SMEM_V)
@@ -516,16 +626,18 @@ def hack_gluon_decode_kernel(
                 m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, 0, 0, 0, 0, 0, 0, num_blocks, h, q_rows,
                 qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu,
                 cmu, mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, False, False, 0, False)
-    if g_hi > g_lo:  # the last group again if it is partial: masked
-        if g_hi * 4 > num_blocks:
-            pid = _pid(page_indices_ptr, b, last, PPS, GPP, NUM_PAGES)
-            m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, g_hi - 1, pid, 0, 0, 0, 0, 0, 0, num_blocks, h,
-                q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off,
-                rmu, cmu, mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, True, False, 0, False)
+    if PAIRS == 1:
+        if g_hi > g_lo:  # the last group again if it is partial: masked
+            if g_hi * 4 > num_blocks:
+                pid = _pid(page_indices_ptr, b, last, PPS, GPP, NUM_PAGES)
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
+                    m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, g_hi - 1, pid, 0, 0, 0, 0, 0, 0, num_blocks, h,
+                    q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq,
+                    k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, True, False, 0,
+                    False)
 
     w = 2.0 ** 24
-    out_row = ((b * H + h) * SPLITS + split) * 8 + nC  # [8]
+    out_row = ((b * H + h) * (SPLITS * PAIRS) + gl.program_id(2)) * 8 + nC  # [8]
     gl.store(m_ptr + out_row, m_i)
     gl.store(l_ptr + out_row, l_i)
     optr = acc_ptr + out_row[None, :] * D + chC[:, None]

@@ -51,6 +51,21 @@ def test_gluon_kernel_within_2x_naive(case, splits, maxnreg, async_copy):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case,splits,maxnreg", [(ODD_CASE, 3, None), (G8_PAGE8P_CASE, 2, 168), (G2_CASE, 1, None),
+                                                 (dataclasses.replace(CASE["d128_P64_g4_s2"], num_splits=40), 40, 184)],
+                         ids=["odd_s3", "g8_page8P_over_capacity_r168", "g2_s1", "more_splits_than_groups_r184"])
+def test_gluon_kernel_plane_pairs_within_2x_naive(case, splits, maxnreg):
+    """plane_pairs=2 (two programs per split, planes 0-1 and 2-3 of every group, run-time plane masks): the same
+    rule against float64, masked tail groups (odd lengths) included."""
+    q, c = build(case, seed=5)
+    out = run(case, q, c, num_splits=splits, maxnreg=maxnreg, plane_pairs=2)
+    assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
+    err, naive = within_2x_naive(out, q, c, case, "folded_f16")
+    assert naive > 0
+    assert err <= 2 * naive + TIGHT * v_scale_of(c), (err, naive)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case,splits", [(CASE["d128_P64_g4_s3"], 2), (ODD_CASE, 3)], ids=["g4_s2", "odd_s3"])
 def test_gluon_kernel_async_copy_same_output(case, splits):
     """The cp.async double-buffered tiles (async_copy=True) give the values of the direct loads, bit for bit."""
@@ -72,7 +87,9 @@ def test_gluon_wrapper_refuses_uncovered_shapes(case, match):
 
 @pytest.mark.parametrize("kw,match", [(dict(num_splits=0), "num_splits"), (dict(num_splits=2.0), "num_splits"),
                                       (dict(maxnreg=300), "maxnreg"), (dict(maxnreg=True), "maxnreg"),
-                                      (dict(async_copy="yes"), "async_copy")])
+                                      (dict(async_copy="yes"), "async_copy"), (dict(plane_pairs=3), "plane_pairs"),
+                                      (dict(plane_pairs=True), "plane_pairs"),
+                                      (dict(plane_pairs=2, async_copy=True), "plane_pairs=2")])
 def test_gluon_wrapper_refuses_bad_launch_options(kw, match):
     case = CASE["d128_P64_g4_s3"]
     q, c = build(case, seed=0)
