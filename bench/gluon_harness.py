@@ -60,7 +60,7 @@ def reference_seq(args, b):
 
 
 def merge(acc, m, l, b):
-    # acc [S, H, SPLITS, 8, D], m / l [S, H, SPLITS, 8] (m base 2) -> [H, QPK, D]
+    # acc [S, H, ROWS, 8, D], m / l [S, H, ROWS, 8] (m base 2; ROWS = SPLITS * PAIRS) -> [H, QPK, D]
     a, mm, ll = acc[b].double(), m[b].double(), l[b].double()
     mx = mm.max(1, keepdim=True).values
     w = torch.exp2(mm - mx)
@@ -100,7 +100,8 @@ def main():
         ref = reference_seq(gargs[:6] + [None] + gargs[6:], 0)
         for v in variants:
             name, spec = v.split("=")
-            splits, maxnreg, pf, pairs = (list(map(int, spec.split(":"))) + [0, 1])[:4]
+            fields = list(map(int, spec.split(":")))
+            splits, maxnreg, pf, pairs = fields + [0, 0, 1][len(fields) - 1:]  # defaults: no cap, ASYNC 0, PAIRS 1
             consts = kernel_constexprs(num_q_heads=H * QPK, num_kv_heads=H, head_dim=D, page_size=PAGE,
                                        pages_per_seq=kv // PAGE, num_pages=t["k_codes"].shape[0], num_sink_tokens=NS,
                                        window=P, num_splits=splits, async_mode=pf, plane_pairs=pairs)

@@ -33,10 +33,10 @@ SIGNATURE = (("kv_lens_ptr", "*i32"), ("page_indices_ptr", "*i32"), ("q_ptr", "*
 PROGRAMS_PER_SM = 8  # one warp each at 255 registers (the cp.async staging's 32 KiB of shared memory allow 6)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, num_groups: int) -> int:
-    """Splits per (sequence, kv head): one wave of PROGRAMS_PER_SM one-warp programs per SM, at least one
-    packing group each."""
-    slots = NUM_SMS * PROGRAMS_PER_SM
+def default_num_splits(batch: int, num_kv_heads: int, num_groups: int, plane_pairs: int = 1) -> int:
+    """Splits per (sequence, kv head): one wave of PROGRAMS_PER_SM one-warp programs per SM (plane_pairs of them
+    per split), at least one packing group each."""
+    slots = NUM_SMS * PROGRAMS_PER_SM // plane_pairs
     return max(1, min(num_groups, slots // max(1, batch * num_kv_heads)))
 
 
@@ -47,6 +47,8 @@ def kernel_constexprs(*, num_q_heads: int, num_kv_heads: int, head_dim: int, pag
     async_mode: its ASYNC (bit 0: cp.async staging, bit 1: page ids one group ahead; the metadata-staging and
     single-buffer modes above 3, bench/gluon_harness.py's docstring, are reached only from the bench tools);
     plane_pairs: its PAIRS (2: two programs per split, each over two planes of every group)."""
+    if plane_pairs not in (1, 2):
+        raise ValueError(f"plane_pairs must be 1 or 2, got plane_pairs={plane_pairs!r}")
     return dict(H=num_kv_heads, QPK=num_q_heads // num_kv_heads, D=head_dim, P=64, PAGE=page_size, PPS=pages_per_seq,
                 NUM_PAGES=num_pages, NS=num_sink_tokens, W=window, SPLITS=num_splits,
                 QK_SCALE=math.log2(math.e) / math.sqrt(head_dim), ASYNC=async_mode, PAIRS=plane_pairs)
@@ -159,7 +161,7 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
         raise RuntimeError(f"the gluon kernel runs only on a CUDA GPU (backend: {jax.default_backend()!r})")
     window = window or partition_size
     groups = page_indices.shape[1] * page_size // 256
-    splits = num_splits or default_num_splits(S, H, groups)
+    splits = num_splits or default_num_splits(S, H, groups, plane_pairs)
     return _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v,
                          sink_k if num_sink_tokens else None, sink_v if num_sink_tokens else None, page_indices,
                          kv_lens, num_sink_tokens=num_sink_tokens, window=window, num_splits=splits, maxnreg=maxnreg,

@@ -97,6 +97,51 @@ def _copy_group(ksm, vsm, ksc, kmn, vsc, vmn, k_codes_ptr, v_codes_ptr, k_scale_
 
 
 @gluon.jit
+def _group_pid(pid_cur, page_indices_ptr, b, grp, last, AHEAD: gl.constexpr, PPS: gl.constexpr, GPP: gl.constexpr,
+               NUM_PAGES: gl.constexpr):
+    # (group grp's page id, the id carried to the next group); AHEAD: the carried id is grp's and the next group's
+    # is loaded now, a group ahead of its use
+    if AHEAD:
+        return pid_cur, _pid(page_indices_ptr, b, gl.minimum(grp + 1, last), PPS, GPP, NUM_PAGES)
+    else:
+        return _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES), pid_cur
+
+
+@gluon.jit
+def _stages(NST: gl.constexpr, P: gl.constexpr, D: gl.constexpr, META: gl.constexpr):
+    # NST stages of shared memory: the code tiles (ksm, vsm) and, META >= 1, the metadata (ksc, vsc, vmn; META >=
+    # 2 also kmn); buffers a META does not use alias ksm (never written nor read)
+    ksm = gl.allocate_shared_memory(gl.uint8, [NST, P, D], SMEM_K)
+    vsm = gl.allocate_shared_memory(gl.uint8, [NST, D, P], SMEM_V)
+    if META >= 1:
+        ksc = gl.allocate_shared_memory(gl.float16, [NST, 4, D], SMEM_M)
+        vsc = gl.allocate_shared_memory(gl.float16, [NST, 4 * P, 2], SMEM_M)
+        vmn = gl.allocate_shared_memory(gl.float16, [NST, 4 * P, 2], SMEM_M)
+        if META >= 2:
+            kmn = gl.allocate_shared_memory(gl.float16, [NST, 16, D], SMEM_M)
+        else:
+            kmn = ksc
+    else:
+        ksc = ksm
+        kmn = ksm
+        vsc = ksm
+        vmn = ksm
+    return ksm, vsm, ksc, kmn, vsc, vmn
+
+
+@gluon.jit
+def _group_bases(k_codes_ptr, v_codes_ptr, pid, grp, h, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
+                 PAGE: gl.constexpr):
+    # packing group grp (on page pid) of kv head h: its index in the page, its K and V code tiles, block 0's
+    # offset in the K metadata (k_scale / k_min) and in the per-token (tau, nu) pairs
+    gi = grp % (PAGE // (4 * P))
+    ph = pid.to(gl.int64) * H + h
+    kbase = k_codes_ptr + ph * (PAGE // 4 * D) + gi * (P * D)
+    vbase = v_codes_ptr + ph * (D * PAGE // 4) + gi * P
+    return gi, kbase, vbase, (ph * (PAGE // P) + gi * 4) * D, (ph * PAGE + gi * 4 * P) * 2
+
+
+@gluon.jit
 def _pid(page_indices_ptr, b, grp, PPS: gl.constexpr, GPP: gl.constexpr, NUM_PAGES: gl.constexpr):
     # page id of packing group grp of sequence b (ids outside the pool read page 0, the null page)
     pid = gl.load(page_indices_ptr + b * PPS + grp // GPP)
@@ -121,6 +166,13 @@ def _plane(x, J: gl.constexpr):
         asm: gl.constexpr = PLANE3
     return gl.inline_asm_elementwise(asm, "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
 
+
+# The mma.m16n8k16 layouts of one warp: the accumulator (C), the A and B operands (k_width 2), C's rows
+_MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+MMA = gl.constexpr(_MMA)
+A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2))
+B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2))
+ROW_C_MMA = gl.constexpr(gl.SliceLayout(1, _MMA))
 
 # Physical-order layouts (one warp). The codes and the K-side B operand are loaded in memory order with wide
 # loads, then relabelled (reshape / permute: no data movement) into the mma_v2 operand layouts (k_width 2), whose
@@ -286,29 +338,21 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
     # SMEM): its metadata too (1: ksc, vsc, vmn; 2: and kmn), else from memory. SPLIT (with SMEM): single
     # buffers, this group's K tile already copied (or in flight): its V tile is copied during QK^T, the next
     # group's (pid_n, ok_n) K tile during PV
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    ROW_C: gl.constexpr = gl.SliceLayout(1, mma)
     GPP: gl.constexpr = PAGE // (4 * P)
-    BPP: gl.constexpr = PAGE // P
-    VCH: gl.constexpr = 32 * (PAGE // 4)
-    gi = grp % GPP
-    ph = pid.to(gl.int64) * H + h
-    kbase = k_codes_ptr + ph * (PAGE // 4 * D) + gi * (P * D)
-    vbase = v_codes_ptr + ph * (D * PAGE // 4) + gi * P
+    VCH: gl.constexpr = 32 * (PAGE // 4)  # one 32-channel V chunk of a page
+    gi, kbase, vbase, meta0, tmeta0 = _group_bases(k_codes_ptr, v_codes_ptr, pid, grp, h, H, D, P, PAGE)
     v0 = grp * 4 < num_blocks
     v1 = grp * 4 + 1 < num_blocks
     v2 = grp * 4 + 2 < num_blocks
     v3 = grp * 4 + 3 < num_blocks
-    meta = (ph * BPP + gi * 4) * D  # block 0 of the group
+    meta = meta0
     mu_mask = ((rmu < 4) & (grp * 4 + rmu < num_blocks))[:, None] & (cmu < 32)[None, :]
     # QK^T: chunk-outer (32 channels of K codes live at a time), block-inner
-    s0 = gl.zeros([P, 8], gl.float32, layout=mma)
-    s1 = gl.zeros([P, 8], gl.float32, layout=mma)
-    s2 = gl.zeros([P, 8], gl.float32, layout=mma)
-    s3 = gl.zeros([P, 8], gl.float32, layout=mma)
-    bacc = gl.zeros([16, 8], gl.float32, layout=mma)
+    s0 = gl.zeros([P, 8], gl.float32, layout=MMA)
+    s1 = gl.zeros([P, 8], gl.float32, layout=MMA)
+    s2 = gl.zeros([P, 8], gl.float32, layout=MMA)
+    s3 = gl.zeros([P, 8], gl.float32, layout=MMA)
+    bacc = gl.zeros([16, 8], gl.float32, layout=MMA)
     if SPLIT:
         _copy_v(vsm, vsc, vmn, v_codes_ptr, v_scale_ptr, v_min_ptr, pid, gi, h, True, H, D, P, PAGE, META)
         async_copy.commit_group()
@@ -321,7 +365,7 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
             kc = gl.load(kbase + c * 32 + k_off)  # physical order (LK)
         qp = gl.load(q_rows + c * 32, mask=qmask, other=0.0)
         s0, s1, s2, s3, bacc = _qk_chunk(s0, s1, s2, s3, bacc, kc, qp, k_scale_ptr, k_min_ptr, meta + c * 32,
-                                         kq, v0, v1, v2, v3, mu_off, mu_mask, ksc, kmn, A, B, D, MASKED, c, META)
+                                         kq, v0, v1, v2, v3, mu_off, mu_mask, ksc, kmn, A_OP, B_OP, D, MASKED, c, META)
     bias0 = _row(bacc, rowsC, 0) * QK_SCALE
     bias1 = _row(bacc, rowsC, 1) * QK_SCALE
     bias2 = _row(bacc, rowsC, 2) * QK_SCALE
@@ -342,17 +386,17 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     m_i = m_new
-    tmeta = (ph * PAGE + gi * 4 * P) * 2 + t_off  # block 0's per-token metadata
+    tmeta = tmeta0 + t_off
     la, n0a, n1a, b00, b01 = _block_weights(s0, bias0, m_safe, v0, v_scale_ptr, v_min_ptr, tmeta, vsc, vmn,
-                                            2.0 ** 24 * QK_SCALE, 0.0, 1.0, 0, B, ROW_C, META, MASKED)
+                                            2.0 ** 24 * QK_SCALE, 0.0, 1.0, 0, B_OP, ROW_C_MMA, META, MASKED)
     lb, n0b, n1b, b10, b11 = _block_weights(s1, bias1, m_safe, v1, v_scale_ptr, v_min_ptr, tmeta + 2 * P, vsc,
-                                            vmn, 2.0 ** 22 * QK_SCALE, 2.0, 4.0, 1, B, ROW_C, META,
+                                            vmn, 2.0 ** 22 * QK_SCALE, 2.0, 4.0, 1, B_OP, ROW_C_MMA, META,
                                             MASKED)
     lc, n0c, n1c, b20, b21 = _block_weights(s2, bias2, m_safe, v2, v_scale_ptr, v_min_ptr, tmeta + 4 * P, vsc,
-                                            vmn, 2.0 ** 20 * QK_SCALE, 4.0, 16.0, 2, B, ROW_C, META,
+                                            vmn, 2.0 ** 20 * QK_SCALE, 4.0, 16.0, 2, B_OP, ROW_C_MMA, META,
                                             MASKED)
     ld, n0d, n1d, b30, b31 = _block_weights(s3, bias3, m_safe, v3, v_scale_ptr, v_min_ptr, tmeta + 6 * P, vsc,
-                                            vmn, 2.0 ** 18 * QK_SCALE, 6.0, 64.0, 3, B, ROW_C, META,
+                                            vmn, 2.0 ** 18 * QK_SCALE, 6.0, 64.0, 3, B_OP, ROW_C_MMA, META,
                                             MASKED)
     l_i = l_i * alpha + (la + lb + lc + ld)
     nu0_i = nu0_i * alpha + (n0a + n0b + n0c + n0d)
@@ -369,10 +413,10 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
         vq1 = gl.load(vbase + VCH + v_off)
         vq2 = gl.load(vbase + 2 * VCH + v_off)
         vq3 = gl.load(vbase + 3 * VCH + v_off)
-    acc0 = _pv_chunk(acc0 * fa, vq0, b00, b10, b20, b30, A)
-    acc1 = _pv_chunk(acc1 * fa, vq1, b00, b10, b20, b30, A)
-    acc2 = _pv_chunk(acc2 * fa, vq2, b01, b11, b21, b31, A)
-    acc3 = _pv_chunk(acc3 * fa, vq3, b01, b11, b21, b31, A)
+    acc0 = _pv_chunk(acc0 * fa, vq0, b00, b10, b20, b30, A_OP)
+    acc1 = _pv_chunk(acc1 * fa, vq1, b00, b10, b20, b30, A_OP)
+    acc2 = _pv_chunk(acc2 * fa, vq2, b01, b11, b21, b31, A_OP)
+    acc3 = _pv_chunk(acc3 * fa, vq3, b01, b11, b21, b31, A_OP)
     if SPLIT:  # the V buffer read by every lane before the next group's copy
         gl.thread_barrier()
 
@@ -387,53 +431,44 @@ def _pair_group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, j0, mk
     # PAIRS = 2: blocks j0, j0 + 1 of a packing group (planes j0, j0 + 1 of its code bytes; j0 = 0 or 2, this
     # program's pair, at run time; the other pair's program reads the same code words) into this program's state;
     # mk_* / mv_* the two planes' masks shaped as a K / V chunk. Direct loads, no staging
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    ROW_C: gl.constexpr = gl.SliceLayout(1, mma)
-    GPP: gl.constexpr = PAGE // (4 * P)
-    BPP: gl.constexpr = PAGE // P
-    VCH: gl.constexpr = 32 * (PAGE // 4)
-    gi = grp % GPP
-    ph = pid.to(gl.int64) * H + h
-    kbase = k_codes_ptr + ph * (PAGE // 4 * D) + gi * (P * D)
-    vbase = v_codes_ptr + ph * (D * PAGE // 4) + gi * P
+    VCH: gl.constexpr = 32 * (PAGE // 4)  # one 32-channel V chunk of a page
+    gi, kbase, vbase, meta0, tmeta0 = _group_bases(k_codes_ptr, v_codes_ptr, pid, grp, h, H, D, P, PAGE)
     va = grp * 4 + j0 < num_blocks
     vb = grp * 4 + j0 + 1 < num_blocks
-    meta = (ph * BPP + gi * 4 + j0) * D  # block j0 of the group
+    meta = meta0 + j0 * D  # block j0 of the group
     mu_mask = ((rmu < 2) & (grp * 4 + j0 + rmu < num_blocks))[:, None] & (cmu < 32)[None, :]
-    sa = gl.zeros([P, 8], gl.float32, layout=mma)
-    sb = gl.zeros([P, 8], gl.float32, layout=mma)
-    bacc = gl.zeros([16, 8], gl.float32, layout=mma)
+    sa = gl.zeros([P, 8], gl.float32, layout=MMA)
+    sb = gl.zeros([P, 8], gl.float32, layout=MMA)
+    bacc = gl.zeros([16, 8], gl.float32, layout=MMA)
     for c in gl.static_range(4):
         kc = gl.load(kbase + c * 32 + k_off)
         qp = gl.load(q_rows + c * 32, mask=qmask, other=0.0)
         mc = meta + c * 32
         sg = _ld(k_scale_ptr + mc + kq, va, MASKED).to(gl.float32)
-        sa = mma_v2(_k_logical(_plane_rt(kc, mk_a), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), sa)
+        sa = mma_v2(_k_logical(_plane_rt(kc, mk_a), A_OP), _q_logical((qp * sg[:, None]).to(gl.float16), B_OP), sa)
         sg = _ld(k_scale_ptr + mc + D + kq, vb, MASKED).to(gl.float32)
-        sb = mma_v2(_k_logical(_plane_rt(kc, mk_b), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), sb)
-        mu = _k_logical(gl.load(k_min_ptr + mc + mu_off, mask=mu_mask, other=0.0), A)  # rows 0, 1: blocks j0, j0 + 1
+        sb = mma_v2(_k_logical(_plane_rt(kc, mk_b), A_OP), _q_logical((qp * sg[:, None]).to(gl.float16), B_OP), sb)
+        mu = _k_logical(gl.load(k_min_ptr + mc + mu_off, mask=mu_mask, other=0.0), A_OP)  # rows 0, 1: blocks j0, j0 + 1
         qhi = qp.to(gl.float16)
         qlo = (qp - qhi.to(gl.float32)).to(gl.float16)
-        bacc = mma_v2(mu, _q_logical(qhi, B), bacc)
-        bacc = mma_v2(mu, _q_logical(qlo, B), bacc)
+        bacc = mma_v2(mu, _q_logical(qhi, B_OP), bacc)
+        bacc = mma_v2(mu, _q_logical(qlo, B_OP), bacc)
     biasa = _row(bacc, rowsC, 0) * QK_SCALE
     biasb = _row(bacc, rowsC, 1) * QK_SCALE
     tja = 2.0 * j0.to(gl.float32)  # 2 j0: the logits of plane j carry 4**-j (2**(24 - 2 j) QK_SCALE below)
-    sca = gl.exp2(24.0 - tja) * QK_SCALE
+    sca = gl.where(j0 == 0, 2.0 ** 24 * QK_SCALE, 2.0 ** 20 * QK_SCALE)  # exact, not ex2.approx
     ma = gl.where(va, gl.max(sa, axis=0) * sca + biasa, float("-inf"))
     mb = gl.where(vb, gl.max(sb, axis=0) * (sca * 0.25) + biasb, float("-inf"))
     m_new = gl.maximum(m_i, gl.maximum(ma, mb))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_safe)
     m_i = m_new
-    tmeta = (ph * PAGE + (gi * 4 + j0) * P) * 2 + t_off
-    fa_ = gl.exp2(tja)  # 4**j0
+    tmeta = tmeta0 + j0 * (2 * P) + t_off
+    fa_ = gl.where(j0 == 0, 1.0, 16.0)  # 4**j0
     la, n0a, n1a, ba0, ba1 = _block_weights(sa, biasa, m_safe, va, v_scale_ptr, v_min_ptr, tmeta, 0, 0, sca, tja,
-                                            fa_, 0, B, ROW_C, 0, MASKED)
+                                            fa_, 0, B_OP, ROW_C_MMA, 0, MASKED)
     lb, n0b, n1b, bb0, bb1 = _block_weights(sb, biasb, m_safe, vb, v_scale_ptr, v_min_ptr, tmeta + 2 * P, 0, 0,
-                                            sca * 0.25, tja + 2.0, fa_ * 4.0, 0, B, ROW_C, 0, MASKED)
+                                            sca * 0.25, tja + 2.0, fa_ * 4.0, 0, B_OP, ROW_C_MMA, 0, MASKED)
     l_i = l_i * alpha + (la + lb)
     nu0_i = nu0_i * alpha + (n0a + n0b)
     nu1_i = nu1_i * alpha + (n1a + n1b)
@@ -442,14 +477,14 @@ def _pair_group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, j0, mk
     vq1 = gl.load(vbase + VCH + v_off)
     vq2 = gl.load(vbase + 2 * VCH + v_off)
     vq3 = gl.load(vbase + 3 * VCH + v_off)
-    acc0 = mma_v2(_v_logical(_plane_rt(vq0, mv_b), A), bb0,
-                  mma_v2(_v_logical(_plane_rt(vq0, mv_a), A), ba0, acc0 * fa))
-    acc1 = mma_v2(_v_logical(_plane_rt(vq1, mv_b), A), bb0,
-                  mma_v2(_v_logical(_plane_rt(vq1, mv_a), A), ba0, acc1 * fa))
-    acc2 = mma_v2(_v_logical(_plane_rt(vq2, mv_b), A), bb1,
-                  mma_v2(_v_logical(_plane_rt(vq2, mv_a), A), ba1, acc2 * fa))
-    acc3 = mma_v2(_v_logical(_plane_rt(vq3, mv_b), A), bb1,
-                  mma_v2(_v_logical(_plane_rt(vq3, mv_a), A), ba1, acc3 * fa))
+    acc0 = mma_v2(_v_logical(_plane_rt(vq0, mv_b), A_OP), bb0,
+                  mma_v2(_v_logical(_plane_rt(vq0, mv_a), A_OP), ba0, acc0 * fa))
+    acc1 = mma_v2(_v_logical(_plane_rt(vq1, mv_b), A_OP), bb0,
+                  mma_v2(_v_logical(_plane_rt(vq1, mv_a), A_OP), ba0, acc1 * fa))
+    acc2 = mma_v2(_v_logical(_plane_rt(vq2, mv_b), A_OP), bb1,
+                  mma_v2(_v_logical(_plane_rt(vq2, mv_a), A_OP), ba1, acc2 * fa))
+    acc3 = mma_v2(_v_logical(_plane_rt(vq3, mv_b), A_OP), bb1,
+                  mma_v2(_v_logical(_plane_rt(vq3, mv_a), A_OP), ba1, acc3 * fa))
     return m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3
 
 
@@ -527,11 +562,8 @@ def hack_gluon_decode_kernel(
         mv_a = gl.full([32, P], 3, gl.uint8, layout=LV) << (2 * j0).to(gl.uint8)
         mv_b = mv_a << 2
         for grp in range(g_lo, g_full):
-            if (ASYNC // 2) % 2 == 1:
-                pid = pid_cur
-                pid_cur = _pid(page_indices_ptr, b, gl.minimum(grp + 1, last), PPS, GPP, NUM_PAGES)
-            else:
-                pid = _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES)
+            pid, pid_cur = _group_pid(pid_cur, page_indices_ptr, b, grp, last, (ASYNC // 2) % 2 == 1, PPS, GPP,
+                                      NUM_PAGES)
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _pair_group(
                 m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, j0, mk_a, mk_b, mv_a, mv_b, num_blocks, h,
                 q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off,
@@ -544,22 +576,8 @@ def hack_gluon_decode_kernel(
                     num_blocks, h, q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
                     v_min_ptr, kq, k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, QK_SCALE, True)
     elif ASYNC >= 16:  # single buffers, each group's V copied during its QK^T, the next group's K during its PV
-        META: gl.constexpr = (ASYNC // 4) % 4
-        ksm = gl.allocate_shared_memory(gl.uint8, [1, P, D], SMEM_K)
-        vsm = gl.allocate_shared_memory(gl.uint8, [1, D, P], SMEM_V)
-        if META >= 1:
-            ksc = gl.allocate_shared_memory(gl.float16, [1, 4, D], SMEM_M)
-            vsc = gl.allocate_shared_memory(gl.float16, [1, 4 * P, 2], SMEM_M)
-            vmn = gl.allocate_shared_memory(gl.float16, [1, 4 * P, 2], SMEM_M)
-            if META >= 2:
-                kmn = gl.allocate_shared_memory(gl.float16, [1, 16, D], SMEM_M)
-            else:
-                kmn = ksc
-        else:
-            ksc = ksm
-            kmn = ksm
-            vsc = ksm
-            vmn = ksm
+        META: gl.constexpr = (ASYNC // 4) % 4  # metadata staged too: 1 k_scale, v_scale, v_min; 2 and k_min
+        ksm, vsm, ksc, kmn, vsc, vmn = _stages(1, P, D, META)
         _copy_k(ksm.index(0), ksc.index(0), kmn.index(0), k_codes_ptr, k_scale_ptr, k_min_ptr, pid_cur, g_lo % GPP, h,
                 g_lo < g_full, H, D, P, PAGE, META)
         async_copy.commit_group()
@@ -574,23 +592,9 @@ def hack_gluon_decode_kernel(
                 True)
         async_copy.wait_group(0)
     elif ASYNC % 2 == 1:  # two stages: group g + 2 is copied while group g + 1 waits and group g is computed
-        META: gl.constexpr = ASYNC // 4  # metadata staged too: 1 k_scale, v_scale, v_min; 2 and k_min
+        META: gl.constexpr = (ASYNC // 4) % 4  # metadata staged too: 1 k_scale, v_scale, v_min; 2 and k_min
         pid_nxt = _pid(page_indices_ptr, b, gl.minimum(g_lo + 1, last), PPS, GPP, NUM_PAGES)
-        ksm = gl.allocate_shared_memory(gl.uint8, [2, P, D], SMEM_K)
-        vsm = gl.allocate_shared_memory(gl.uint8, [2, D, P], SMEM_V)
-        if META >= 1:
-            ksc = gl.allocate_shared_memory(gl.float16, [2, 4, D], SMEM_M)
-            vsc = gl.allocate_shared_memory(gl.float16, [2, 4 * P, 2], SMEM_M)
-            vmn = gl.allocate_shared_memory(gl.float16, [2, 4 * P, 2], SMEM_M)
-            if META >= 2:
-                kmn = gl.allocate_shared_memory(gl.float16, [2, 16, D], SMEM_M)
-            else:
-                kmn = ksc
-        else:
-            ksc = ksm
-            kmn = ksm
-            vsc = ksm
-            vmn = ksm
+        ksm, vsm, ksc, kmn, vsc, vmn = _stages(2, P, D, META)
         for s0 in gl.static_range(2):
             pid0 = pid_cur if s0 == 0 else pid_nxt
             _copy_group(ksm.index(s0), vsm.index(s0), ksc.index(s0), kmn.index(s0), vsc.index(s0), vmn.index(s0),
@@ -617,11 +621,8 @@ def hack_gluon_decode_kernel(
         async_copy.wait_group(0)
     else:
         for grp in range(g_lo, g_full):
-            if (ASYNC // 2) % 2 == 1:
-                pid = pid_cur
-                pid_cur = _pid(page_indices_ptr, b, gl.minimum(grp + 1, last), PPS, GPP, NUM_PAGES)
-            else:
-                pid = _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES)
+            pid, pid_cur = _group_pid(pid_cur, page_indices_ptr, b, grp, last, (ASYNC // 2) % 2 == 1, PPS, GPP,
+                                      NUM_PAGES)
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
                 m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, 0, 0, 0, 0, 0, 0, num_blocks, h, q_rows,
                 qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu,
