@@ -52,16 +52,15 @@ def _copy_k(ksm, ksc, kmn, k_codes_ptr, k_scale_ptr, k_min_ptr, pid, gi, h, ok, 
     # cp.async of one packing group's K tile (rows in logical token order: row r <- physical token _tok(r)) and,
     # META >= 1, its 4 blocks' K scale rows (META >= 2: and K minimum rows); where not ok, zeros are written
     # (callers copy into a buffer only after its last read)
-    ph = pid.to(gl.int64) * H + h
+    ko, _, meta0, _ = _group_offsets(pid, gi, h, H, D, P, PAGE)
     rk = gl.arange(0, P, layout=gl.SliceLayout(1, COPY_K))
     ck = gl.arange(0, D, layout=gl.SliceLayout(0, COPY_K))
-    ksrc = k_codes_ptr + ph * (PAGE // 4 * D) + gi * (P * D) + _tok(rk)[:, None] * D + ck[None, :]
+    ksrc = k_codes_ptr + ko + _tok(rk)[:, None] * D + ck[None, :]
     async_copy.async_copy_global_to_shared(ksm, ksrc, mask=ok & (ck < D)[None, :])
     if META >= 1:
-        BPP: gl.constexpr = PAGE // P
         rs = gl.arange(0, 4, layout=gl.SliceLayout(1, COPY_KS))
         cs = gl.arange(0, D, layout=gl.SliceLayout(0, COPY_KS))
-        soff = (ph * BPP + gi * 4) * D + rs[:, None] * D + cs[None, :]
+        soff = meta0 + rs[:, None] * D + cs[None, :]
         async_copy.async_copy_global_to_shared(ksc, k_scale_ptr + soff, mask=ok & (cs < D)[None, :])
         if META >= 2:  # rows 0..3 of the [16, D] stage (rows 4..15 only feed mma rows that are never read)
             async_copy.async_copy_global_to_shared(kmn.slice(0, 4, dim=0), k_min_ptr + soff,
@@ -73,15 +72,15 @@ def _copy_v(vsm, vsc, vmn, v_codes_ptr, v_scale_ptr, v_min_ptr, pid, gi, h, ok, 
             P: gl.constexpr, PAGE: gl.constexpr, META: gl.constexpr):
     # cp.async of one packing group's V tile (memory order) and, META >= 1, its 256 tokens' (tau, nu) pairs
     # (rows in logical token order)
-    ph = pid.to(gl.int64) * H + h
+    _, vo, _, tmeta0 = _group_offsets(pid, gi, h, H, D, P, PAGE)
     rv = gl.arange(0, D, layout=gl.SliceLayout(1, COPY_V))
     cv = gl.arange(0, P, layout=gl.SliceLayout(0, COPY_V))
-    vsrc = v_codes_ptr + ph * (D * PAGE // 4) + gi * P + rv[:, None] * (PAGE // 4) + cv[None, :]
+    vsrc = v_codes_ptr + vo + rv[:, None] * (PAGE // 4) + cv[None, :]
     async_copy.async_copy_global_to_shared(vsm, vsrc, mask=ok & (cv < P)[None, :])
     if META >= 1:
         rt = gl.arange(0, 4 * P, layout=gl.SliceLayout(1, COPY_VM))
         ct = gl.arange(0, 2, layout=gl.SliceLayout(0, COPY_VM))
-        toff = (ph * PAGE + gi * 4 * P) * 2 + ((rt // P) * P + _tok(rt % P))[:, None] * 2 + ct[None, :]
+        toff = tmeta0 + ((rt // P) * P + _tok(rt % P))[:, None] * 2 + ct[None, :]
         async_copy.async_copy_global_to_shared(vsc, v_scale_ptr + toff, mask=ok & (ct < 2)[None, :])
         async_copy.async_copy_global_to_shared(vmn, v_min_ptr + toff, mask=ok & (ct < 2)[None, :])
 
@@ -130,15 +129,22 @@ def _stages(NST: gl.constexpr, P: gl.constexpr, D: gl.constexpr, META: gl.conste
 
 
 @gluon.jit
+def _group_offsets(pid, gi, h, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr):
+    # element offsets of packing group gi of page pid, kv head h: its K code tile, its V code tile, block 0's
+    # row of the K metadata (k_scale / k_min) and block 0's per-token (tau, nu) pairs
+    ph = pid.to(gl.int64) * H + h
+    return (ph * (PAGE // 4 * D) + gi * (P * D), ph * (D * PAGE // 4) + gi * P, (ph * (PAGE // P) + gi * 4) * D,
+            (ph * PAGE + gi * 4 * P) * 2)
+
+
+@gluon.jit
 def _group_bases(k_codes_ptr, v_codes_ptr, pid, grp, h, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
                  PAGE: gl.constexpr):
     # packing group grp (on page pid) of kv head h: its index in the page, its K and V code tiles, block 0's
-    # offset in the K metadata (k_scale / k_min) and in the per-token (tau, nu) pairs
+    # offset in the K metadata and in the per-token pairs (_group_offsets)
     gi = grp % (PAGE // (4 * P))
-    ph = pid.to(gl.int64) * H + h
-    kbase = k_codes_ptr + ph * (PAGE // 4 * D) + gi * (P * D)
-    vbase = v_codes_ptr + ph * (D * PAGE // 4) + gi * P
-    return gi, kbase, vbase, (ph * (PAGE // P) + gi * 4) * D, (ph * PAGE + gi * 4 * P) * 2
+    ko, vo, meta0, tmeta0 = _group_offsets(pid, gi, h, H, D, P, PAGE)
+    return gi, k_codes_ptr + ko, v_codes_ptr + vo, meta0, tmeta0
 
 
 @gluon.jit
