@@ -69,11 +69,14 @@ QUICK = [("llama3.1-8b", 8, 32768), ("llama3.1-8b", 1, 32768), ("llama3.1-8b", 3
 SMOKE = [("tiny", 2, 256), ("tiny", 1, 100)]
 IMPLS = ("hack", "dequant", "bf16", "fp8", "int8", "kivi2", "int4", "turbo3", "turbo4", "jax_gqa", "xla", "triton")
 # Not in the default run: hack4 = the HACK kernel on a 4-bit cache (QuantConfig.bits=4), rows hack4_<mode>;
+# hack4p128 = the same at partition_size 128 (page 512: half the blocks, so half the per-block work per token);
 # hackw = the HACK kernel on the K 32 / V 64 / 16-bit window 128 cache (issue 18's best 2-bit configuration;
 # its V rotation is applied to q and the output outside the kernel, not timed here), rows hackw_<mode>;
 # hackwns = hackw without code sums (QuantConfig.code_sums=False: no sums operands; folded modes only);
-# gluon / gluon168 = the Gluon kernel (pallas_kernels.gluon_decode_attention), uncapped / capped at 168 registers
-EXTRA_IMPLS = ("hack4", "hackw", "hackwns", "gluon", "gluon168")
+# gluon* = the Gluon kernel (pallas_kernels.gluon_decode_attention, impl="gluon") with these launch options
+GLUON_IMPLS = {"gluon": {}, "gluon168": {"maxnreg": 168}, "gluondirect": {"staging": "direct"},
+               "gluonjnp": {"open_in_kernel": False}, "gluonffi": {"launch": "ffi"}, "gluonlegacy": {"launch": "legacy"}}
+EXTRA_IMPLS = ("hack4", "hack4p128", "hackw", "hackwns") + tuple(GLUON_IMPLS)
 HACKW_FIELDS = {"partition_size": 32, "v_group": 64, "window": 128}
 PAGE_SIZE = 256  # QuantConfig's default
 UNROLL = 8
@@ -332,14 +335,15 @@ def prep_triton(shape, key, *, interpret):
     return _prep_sums_free(shape, key, make)
 
 
-def prep_gluon(shape, key, *, interpret, maxnreg=None):
-    """The Gluon kernel (pallas_kernels.gluon_decode_attention) on the kivi cache; no code sums read. GPU only."""
+def prep_gluon(shape, key, *, interpret, **options):
+    """The Gluon kernel (pallas_kernels.gluon_decode_attention, `options` its launch options: maxnreg, staging,
+    open_in_kernel) on the kivi cache; no code sums read. GPU only."""
     from pallas_kernels import gluon_decode_attention as mod
     if interpret:
         raise RuntimeError("the gluon kernel has no interpret mode")
     return _prep_sums_free(shape, key, lambda config, pps: (
         lambda q, arrays, table, lens, static:
-        mod.hack_gluon_decode_attention(q, *arrays, table, lens, **static, maxnreg=maxnreg)), f"gluon {maxnreg=}")
+        mod.hack_gluon_decode_attention(q, *arrays, table, lens, **static, **options), f"gluon {options}"))
 
 
 def prep_hack(shape, key, *, interpret, variant_kwargs=None):
@@ -706,10 +710,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} shapes (GPU.md's anchors)")
     ap.add_argument("--smoke", action="store_true", help="CPU check: interpret=True, tiny shapes")
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + EXTRA_IMPLS,
-                    help="hack4 / hackw / hackwns (not in the default): the HACK kernel on a 4-bit cache / on the K 32, "
+                    help="hack4 / hack4p128 / hackw / hackwns (not in the default): the HACK kernel on a 4-bit cache (P 64 / "
+                         "P 128) / on the K 32, "
                          "V 64, window 128 cache / that cache without code sums (EXTRA_IMPLS), each --hack-dots "
-                         "mode (hackwns: the folded ones); gluon / gluon168: the Gluon kernel, uncapped / capped at "
-                         "168 registers (GPU only)")
+                         "mode (hackwns: the folded ones); gluon*: the Gluon kernel with GLUON_IMPLS' options "
+                         "(GPU only)")
     ap.add_argument("--heads", nargs="+", choices=sorted(HEADS), help="restrict head configs")
     ap.add_argument("--batches", nargs="+", type=int)
     ap.add_argument("--kv-lens", nargs="+", type=int)
@@ -787,6 +792,11 @@ def main(argv=None):
             impls += [("hack4" + v[len("hack"):], lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret,
                                                                                variant_kwargs={**kw, "bits": 4}))
                       for v, kw in hack_variants(args.hack_dots)]
+        elif name == "hack4p128":
+            impls += [("hack4p128" + v[len("hack"):],
+                       lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret,
+                                                     variant_kwargs={**kw, "bits": 4, "partition_size": 128}))
+                      for v, kw in hack_variants(args.hack_dots)]
         elif name == "hackw":
             impls += [("hackw" + v[len("hack"):], lambda s, k, kw=kw: prep_hack(s, k, interpret=interpret,
                                                                                variant_kwargs={**kw, **HACKW_FIELDS}))
@@ -816,9 +826,8 @@ def main(argv=None):
             impls.append(("hack_triton", lambda s, k: prep_triton(s, k, interpret=interpret)))
         elif name == "xla":
             impls.append(("xla", lambda s, k: prep_xla(s, k, interpret=interpret)))
-        elif name in ("gluon", "gluon168"):  # rows named hack_gluon*: the hack cache's memory and touch rules
-            impls.append(("hack_" + name, lambda s, k, r=(168 if name == "gluon168" else None):
-                          prep_gluon(s, k, interpret=interpret, maxnreg=r)))
+        elif name in GLUON_IMPLS:  # rows named hack_gluon*: the hack cache's memory and touch rules
+            impls.append(("hack_" + name, lambda s, k, o=GLUON_IMPLS[name]: prep_gluon(s, k, interpret=interpret, **o)))
 
     path = os.path.join(args.out, "decode_attention.jsonl")
     rows = []

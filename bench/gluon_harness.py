@@ -9,10 +9,13 @@ Per shape: the Pallas kernel's TTIR compiled by pip Triton with the register cap
 constexpr: bit 0 cp.async double buffering of the code tiles, bit 1 page ids one group ahead; with bit 0, (ASYNC // 4)
 % 4 = 1 stages k_scale / v_scale / v_min too, 2 also k_min; ASYNC >= 16: single buffers instead, each group's V tile
 copied during its QK^T and the next group's K tile during its PV; PAIRS, default 1, the kernel's: 2 runs two programs per
-split, each over two of every group's four blocks) on the harness's operands: time,
-registers, and the error of its sealed-block attention (splits merged) against a float64 torch reference of the
-dequantized cache for sequence 0 (all kv heads); the shapes' caches are block-exact (no open tokens; the NS sinks
-are not part of either side's sealed blocks). GPU, torch + triton only.
+split, each over two of every group's four blocks; DENSE, default 2, the kernel's: the NS sinks attended in the
+kernel, as the Pallas kernel does, before (2) or after (1) the last program's sealed groups, 0 the sealed blocks only) on the harness's operands: time, registers, and the
+error of its attention (splits merged) against a float64 torch reference of the dequantized cache (and the sinks,
+DENSE 1 / 2) for sequence 0 (all kv heads); the shapes' caches are block-exact (no open tokens). The page table's row
+stride is its own width (pages_per_seq + 1 here; the runs before 2026-12-05 session 26 passed pages_per_seq, so
+sequences past the first read shifted rows of the same random pool: their timings stand, their outputs were not
+checked). GPU, torch + triton only.
 """
 import json
 import math
@@ -33,8 +36,9 @@ from pallas_kernels.gluon_launch import compile_kernel  # noqa: E402
 H, QPK, D, P, PAGE, NS = 8, 4, 128, 64, 256, 4  # kernel_harness.py's shapes (bench_hack_decode: Llama heads)
 
 
-def reference_seq(args, b):
-    """float64 softmax(q K^T / sqrt(D)) V over sequence b's sealed blocks (all of its pages here)."""
+def reference_seq(args, b, sinks=None):
+    """float64 softmax(q K^T / sqrt(D)) V over sequence b's sealed blocks (all of its pages here) and, given
+    (sink_k, sink_v), its NS sinks (the shapes' caches have no open tokens)."""
     kv_lens, pages, q, kc, ks, km, _, vc, vs, vm = args[:10]
     n_tok = int(kv_lens[b]) - NS
     n_pages = n_tok // PAGE
@@ -54,16 +58,19 @@ def reference_seq(args, b):
     tau = torch.repeat_interleave(tau, 64, dim=-1)  # [.., P, D] channel c -> group c // 64
     nu = torch.repeat_interleave(nu, 64, dim=-1)
     V = (vcode.double() * tau + nu).permute(1, 0, 2, 3, 4).reshape(H, n_pages * PAGE, D)
+    if sinks is not None:
+        K = torch.cat([K, sinks[0][b].double()], 1)
+        V = torch.cat([V, sinks[1][b].double()], 1)
     qq = q[b].double().reshape(H, QPK, D)
     s = torch.einsum("hgd,htd->hgt", qq, K) / math.sqrt(D)
     return torch.einsum("hgt,htd->hgd", torch.softmax(s, -1), V)  # [H, QPK, D]
 
 
 def merge(acc, m, l, b):
-    # acc [S, H, ROWS, 8, D], m / l [S, H, ROWS, 8] (m base 2; ROWS = SPLITS * PAIRS) -> [H, QPK, D]
+    # acc [S, H, ROWS, 8, D], m / l [S, H, ROWS, 8] (m natural log units; ROWS = SPLITS * PAIRS) -> [H, QPK, D]
     a, mm, ll = acc[b].double(), m[b].double(), l[b].double()
     mx = mm.max(1, keepdim=True).values
-    w = torch.exp2(mm - mx)
+    w = torch.exp(mm - mx)
     out = (a * w[..., None]).sum(1) / (ll * w).sum(1)[..., None]
     return out[:, :QPK]
 
@@ -75,7 +82,7 @@ def main():
     ap.add_argument("out", help="append the rows (JSON lines) here")
     ap.add_argument("--shapes", nargs="+", default=None)
     ap.add_argument("--variants", nargs="+", default=["s16=16:0:0", "s16a=16:0:1"],
-                    help="NAME=SPLITS:MAXNREG:ASYNC[:PAIRS]")
+                    help="NAME=SPLITS:MAXNREG:ASYNC[:PAIRS[:DENSE]]")
     a = ap.parse_args()
     hdir, out_path, shapes, variants = a.dir, a.out, a.shapes, a.variants
     entries = json.load(open(os.path.join(hdir, "manifest.json")))
@@ -96,17 +103,21 @@ def main():
         print(json.dumps(row), flush=True)
         rows.append(row)
         gargs = [t["kv_lens"], t["page_indices"], t["q"], t["k_codes"], t["k_scale"], t["k_min"], t["v_codes"],
-                 t["v_scale"], t["v_min"]]
-        ref = reference_seq(gargs[:6] + [None] + gargs[6:], 0)
+                 t["v_scale"], t["v_min"], t["open_k"], t["open_v"], t["sink_k"], t["sink_v"]]
+        refs = {d: reference_seq(gargs[:6] + [None] + gargs[6:9], 0, (t["sink_k"], t["sink_v"]) if d else None)
+                for d in (0, 1, 2)}
         for v in variants:
             name, spec = v.split("=")
             fields = list(map(int, spec.split(":")))
-            splits, maxnreg, pf, pairs = fields + [0, 0, 1][len(fields) - 1:]  # defaults: no cap, ASYNC 0, PAIRS 1
+            # defaults: no cap, ASYNC 0, PAIRS 1, DENSE 2
+            splits, maxnreg, pf, pairs, dense = fields + [0, 0, 1, 2][len(fields) - 1:]
+            ref = refs[dense]
             consts = kernel_constexprs(num_q_heads=H * QPK, num_kv_heads=H, head_dim=D, page_size=PAGE,
-                                       pages_per_seq=kv // PAGE, num_pages=t["k_codes"].shape[0], num_sink_tokens=NS,
-                                       window=P, num_splits=splits, async_mode=pf, plane_pairs=pairs)
+                                       pages_per_seq=t["page_indices"].shape[1], num_pages=t["k_codes"].shape[0],
+                                       num_sink_tokens=NS, window=P, num_splits=splits, async_mode=pf,
+                                       plane_pairs=pairs, dense=dense)
             row = dict(shape=e["shape"], kernel="gluon_" + name, splits=splits, maxnreg=maxnreg, async_mode=pf,
-                       plane_pairs=pairs, bytes=e["bytes"])
+                       plane_pairs=pairs, dense=dense, bytes=e["bytes"])
             try:
                 k = compile_kernel(hack_gluon_decode_kernel, SIGNATURE, tuple(sorted(consts.items())), 1,
                                    maxnreg or None, 90)

@@ -39,7 +39,7 @@
 #   HACK4=1 HACK4_ARGS="..."                       4-bit HACK cache (QuantConfig.bits=4): tests/test_bits.py's gpu
 #                                                  tests, then bench_decode_attention.py --impls bf16 hack hack4
 #                                                  -> OUT_DIR/hack4/ (HACK4_TIMEOUT=300)
-#   GLUON=1 GLUON_VARIANTS="s16=16:0:2 ..."         the Gluon decode kernel: tests/test_gluon_decode.py's gpu tests, then
+#   GLUON=1 GLUON_VARIANTS="s16=16:0:21 ..."        the Gluon decode kernel: tests/test_gluon_decode.py's gpu tests, then
 #                                                  bench/gluon_harness.py (vs the Pallas kernel, same tensors) at b8_32k
 #                                                  and b1_128k -> OUT_DIR/gluon/ (GLUON_TIMEOUT=240)
 #   INTERLEAVED=1 INTERLEAVED_ARGS="--shapes ..."   KernelConfig.interleaved (2-bit folded f16 without byte permutes):
@@ -258,7 +258,7 @@ if [[ -n "${GLUON:-}" ]]; then
     > "$OUT/gluon/prepare.log" 2>&1
   # shellcheck disable=SC2086
   timeout -k 5 "${GLUON_TIMEOUT:-240}" python3 bench/gluon_harness.py "$OUT/gluon/harness" "$OUT/gluon/gluon.jsonl" \
-    --variants ${GLUON_VARIANTS:-s16=16:0:2 s16a=16:0:3 s128=128:0:2 s128a=128:0:3} 2>&1 | tee "$OUT/gluon/bench.log"
+    --variants ${GLUON_VARIANTS:-s16=16:0:21 s16d=16:0:2 s128=128:0:21 s128d=128:0:2} 2>&1 | tee "$OUT/gluon/bench.log"
   echo "gluon harness exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gluon/bench.log"
 fi
 

@@ -19,6 +19,9 @@ attention, fused into one kernel call on request) (STYLE.md rule 11). `impl` pic
     same bytes read, codes dequantized in registers, float math), for benchmarks and comparisons.
   "triton": decode on the hack kivi cache with scale-folded f16 operands, a jax-triton kernel
     (pallas_kernels.triton_decode_attention; needs the `cuda` extra).
+  "gluon": the same decode as a Gluon kernel (one warp per program, explicit layouts, cp.async staging;
+    pallas_kernels.gluon_decode_attention; needs Triton >= 3.6 on a CUDA GPU): 2-bit codes, partition_size 64,
+    head_dim 128, no window beyond the open block, no V channel group of its own.
 
 Query positions. decode: one query per sequence at position kv_lens[s] - 1 (kv_lens include the
 token just appended). prefill: q is left-aligned like write_prefill's k/v: row t of sequence s is
@@ -52,7 +55,7 @@ from hack_jax.kv_cache import stacked
 from hack_jax.rotation import rotate_v
 from hack_jax.step import Step
 
-Impl = Literal["reference", "pallas", "pallas_dequant", "triton"]
+Impl = Literal["reference", "pallas", "pallas_dequant", "triton", "gluon"]
 IMPLS = get_args(Impl)
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -74,6 +77,8 @@ _PALLAS = {
                                            "dequant_decode_attention"),
     # scale-folded operands, jax-triton (the `cuda` extra); kv_format="hack" kivi decode only
     ("triton", "decode", "hack"): ("pallas_kernels.triton_decode_attention", "hack_triton_decode_attention"),
+    # the same as a Gluon kernel (Triton >= 3.6, CUDA); kv_format="hack" kivi decode only
+    ("gluon", "decode", "hack"): ("pallas_kernels.gluon_decode_attention", "hack_gluon_decode_attention"),
 }
 _WINDOW_KERNELS = {("pallas", "decode")}  # the (impl, kind) whose kivi kernels take QuantConfig.window
 _BITS_KERNELS = {("pallas", "decode")}  # ... and 4-bit codes (QuantConfig.bits); the fused kernel too
@@ -88,7 +93,7 @@ def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, im
         h // (num_q_heads // num_kv_heads). sm_scale = 1 / sqrt(head_dim).
       layer: a LayerCache (any kv_format) holding the sequences, new token included.
       page_indices: i32[max_seqs, pages_per_seq]; kv_lens: i32[max_seqs] (the new token included).
-      impl: "reference" | "pallas" | "pallas_dequant".
+      impl: "reference" | "pallas" | "pallas_dequant" | "triton" | "gluon".
       kernel_options: passed to the Pallas kernel (e.g. interpret=True); only with a Pallas impl.
     Returns f32[max_seqs, num_q_heads, head_dim] (0 for kv_lens 0).
     Raises ValueError on an unknown impl or inconsistent shapes, and (concrete, non-traced inputs
@@ -263,8 +268,8 @@ def _pallas(impl, kind, layer):
                                   "needs none unless it becomes accurate); use impl='reference'")
     if (impl, kind, fmt) not in _PALLAS:
         raise NotImplementedError(f"impl={impl!r} has no {kind} kernel for kv_format={fmt!r}")
-    if impl == "triton" and layer.config.v_group:
-        raise NotImplementedError(f"impl='triton' has no kernel for a V channel group set apart from the "
+    if impl in ("triton", "gluon") and layer.config.v_group:
+        raise NotImplementedError(f"impl={impl!r} has no kernel for a V channel group set apart from the "
                                   f"K block (v_group={layer.config.v_group}); use impl='pallas'")
     if layer.config.window and (impl, kind) not in _WINDOW_KERNELS:
         raise NotImplementedError(f"impl={impl!r} has no {kind} kernel for a 16-bit window longer than the open "

@@ -62,7 +62,7 @@ class Backend:
     """The attention a model runs over its cache (module docstring).
 
     Attributes:
-      impl: hack_jax.attention's ("reference" | "pallas" | "pallas_dequant" | "triton").
+      impl: hack_jax.attention's ("reference" | "pallas" | "pallas_dequant" | "triton" | "gluon").
       options: keyword options for the kernels as sorted (name, value) pairs (a dict is accepted and
         converted, so the backend stays hashable), e.g. {"interpret": True} to run them in Pallas
         interpret mode on the CPU; {"fuse": True}: the non-sealing decode steps through the fused append +

@@ -1,7 +1,8 @@
 """The @gluon.jit body of pallas_kernels.gluon_decode_attention (that module's docstring says what it computes and
 bench/NOTES_gluon.md how it is laid out): HACK decode over the sealed blocks of the 2-bit kivi cache with the
-scale-folded f16 operands, one warp per program, explicit mma_v2 layouts; per-split (acc, m, l) partials out.
-Kept apart so that the host-side module imports without Triton."""
+scale-folded f16 operands and (DENSE) over the bf16 sinks and open region, one warp per program, explicit mma_v2
+layouts; one row of (acc, m, l) partials per program out (m in natural-log units, rows at stride ROWS). Kept
+apart so that the host-side module imports without Triton."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -369,7 +370,7 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
             kc = ksm.slice(c * 32, 32, dim=1).load(LK)
         else:
             kc = gl.load(kbase + c * 32 + k_off)  # physical order (LK)
-        qp = gl.load(q_rows + c * 32, mask=qmask, other=0.0)
+        qp = gl.load(q_rows + c * 32, mask=qmask, other=0.0).to(gl.float32)
         s0, s1, s2, s3, bacc = _qk_chunk(s0, s1, s2, s3, bacc, kc, qp, k_scale_ptr, k_min_ptr, meta + c * 32,
                                          kq, v0, v1, v2, v3, mu_off, mu_mask, ksc, kmn, A_OP, B_OP, D, MASKED, c, META)
     bias0 = _row(bacc, rowsC, 0) * QK_SCALE
@@ -448,7 +449,7 @@ def _pair_group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, j0, mk
     bacc = gl.zeros([16, 8], gl.float32, layout=MMA)
     for c in gl.static_range(4):
         kc = gl.load(kbase + c * 32 + k_off)
-        qp = gl.load(q_rows + c * 32, mask=qmask, other=0.0)
+        qp = gl.load(q_rows + c * 32, mask=qmask, other=0.0).to(gl.float32)
         mc = meta + c * 32
         sg = _ld(k_scale_ptr + mc + kq, va, MASKED).to(gl.float32)
         sa = mma_v2(_k_logical(_plane_rt(kc, mk_a), A_OP), _q_logical((qp * sg[:, None]).to(gl.float16), B_OP), sa)
@@ -494,17 +495,137 @@ def _pair_group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, j0, mk
     return m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3
 
 
+# DENSE: the sinks and the open region (bf16 rows) in the first program of each (sequence, kv head): plain
+# [rows, 32] / [32, rows] tiles converted into the mma operands (once per program, not in the loop); q and the
+# softmax weights as two bf16 parts (hi + lo: ~16-bit products against the exact bf16 K / V)
+DENSE_K = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))  # [R, 32] K rows: 8 channels a lane
+DENSE_V = gl.constexpr(gl.BlockedLayout([8, 1], [4, 8], [1, 1], [0, 1]))  # [32, R] V^T: 8 channels a lane
+DENSE_Q = gl.constexpr(gl.BlockedLayout([8, 1], [4, 8], [1, 1], [0, 1]))  # [32, 8] q^T chunk
+
+
+@gluon.jit
+def _hi_lo(x, L: gl.constexpr):
+    # f32 x -> (bf16 hi, bf16 lo) in layout L, x ~ hi + lo
+    hi = x.to(gl.bfloat16)
+    lo = (x - hi.to(gl.float32)).to(gl.bfloat16)
+    return gl.convert_layout(hi, L), gl.convert_layout(lo, L)
+
+
+@gluon.jit
+def _dense_load(k_ptr, v_ptr, n_valid, D: gl.constexpr, R: gl.constexpr):
+    # R bf16 rows at k_ptr / v_ptr (rows of D), the first n_valid real (the rest never read): the K rows as 4
+    # [R, 32] chunks, V^T as 4 [32, R] chunks
+    rk = gl.arange(0, R, layout=gl.SliceLayout(1, DENSE_K))
+    ck = gl.arange(0, 32, layout=gl.SliceLayout(0, DENSE_K))
+    rv = gl.arange(0, R, layout=gl.SliceLayout(0, DENSE_V))
+    cv = gl.arange(0, 32, layout=gl.SliceLayout(1, DENSE_V))
+    kp = k_ptr + rk[:, None] * D + ck[None, :]
+    vp = v_ptr + rv[None, :] * D + cv[:, None]
+    km = (rk < n_valid)[:, None] & (ck < 32)[None, :]
+    vm = (rv < n_valid)[None, :] & (cv < 32)[:, None]
+    return (gl.load(kp, mask=km, other=0.0), gl.load(kp + 32, mask=km, other=0.0),
+            gl.load(kp + 64, mask=km, other=0.0), gl.load(kp + 96, mask=km, other=0.0),
+            gl.load(vp, mask=vm, other=0.0), gl.load(vp + 32, mask=vm, other=0.0),
+            gl.load(vp + 64, mask=vm, other=0.0), gl.load(vp + 96, mask=vm, other=0.0))
+
+
+@gluon.jit
+def _dense_logits(k0, k1, k2, k3, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, n_valid, R: gl.constexpr,
+                  QK_SCALE: gl.constexpr):
+    # base-2 logits [R, 8] of a tile's K rows against q (hi / lo B operands per chunk), -inf past n_valid
+    s = _dense_qk(gl.zeros([R, 8], gl.float32, layout=MMA), k0, qh0, ql0)
+    s = _dense_qk(s, k1, qh1, ql1)
+    s = _dense_qk(s, k2, qh2, ql2)
+    s = _dense_qk(s, k3, qh3, ql3)
+    rows = gl.arange(0, R, layout=gl.SliceLayout(1, MMA))
+    return gl.where((rows < n_valid)[:, None], s * QK_SCALE, float("-inf"))
+
+
+@gluon.jit
+def _dense(m_i, l_i, acc0, acc1, acc2, acc3, ok_ptr, ov_ptr, sk_ptr, sv_ptr, num_open, num_sink, q_ptr, qrow0,
+           QPK: gl.constexpr, D: gl.constexpr, W: gl.constexpr, NS: gl.constexpr, QK_SCALE: gl.constexpr):
+    # the open region (W rows at ok_ptr / ov_ptr, num_open real) and the NS sinks (a tile of 16 rows at sk_ptr /
+    # sv_ptr, num_sink real; NS <= 16) into the running state (acc in real units). Every load is issued before any
+    # math: one memory latency for this work, which lengthens one program of each (sequence, kv head)
+    ok0, ok1, ok2, ok3, ov0, ov1, ov2, ov3 = _dense_load(ok_ptr, ov_ptr, num_open, D, W)
+    if NS > 0:
+        sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3 = _dense_load(sk_ptr, sv_ptr, num_sink, D, 16)
+    cq = gl.arange(0, 32, layout=gl.SliceLayout(1, DENSE_Q))
+    nq = gl.arange(0, 8, layout=gl.SliceLayout(0, DENSE_Q))
+    qp = q_ptr + (qrow0 + nq)[None, :] * D + cq[:, None]
+    qmask = (nq < QPK)[None, :] & (cq < 32)[:, None]
+    qh0, ql0 = _hi_lo(gl.load(qp, mask=qmask, other=0.0).to(gl.float32), B_OP)
+    qh1, ql1 = _hi_lo(gl.load(qp + 32, mask=qmask, other=0.0).to(gl.float32), B_OP)
+    qh2, ql2 = _hi_lo(gl.load(qp + 64, mask=qmask, other=0.0).to(gl.float32), B_OP)
+    qh3, ql3 = _hi_lo(gl.load(qp + 96, mask=qmask, other=0.0).to(gl.float32), B_OP)
+    t = _dense_logits(ok0, ok1, ok2, ok3, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, num_open, W, QK_SCALE)
+    m_new = gl.maximum(m_i, gl.max(t, axis=0))
+    if NS > 0:
+        ts = _dense_logits(sk0, sk1, sk2, sk3, qh0, ql0, qh1, ql1, qh2, ql2, qh3, ql3, num_sink, 16, QK_SCALE)
+        m_new = gl.maximum(m_new, gl.max(ts, axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    fa = alpha[None, :]
+    p = gl.exp2(t - m_safe[None, :])  # 0 at -inf
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    phi, plo = _hi_lo(p, B_OP)
+    acc0 = _dense_pv(acc0 * fa, ov0, phi, plo)
+    acc1 = _dense_pv(acc1 * fa, ov1, phi, plo)
+    acc2 = _dense_pv(acc2 * fa, ov2, phi, plo)
+    acc3 = _dense_pv(acc3 * fa, ov3, phi, plo)
+    if NS > 0:
+        ps = gl.exp2(ts - m_safe[None, :])
+        l_i = l_i + gl.sum(ps, axis=0)
+        shi, slo = _hi_lo(ps, B_OP)
+        acc0 = _dense_pv(acc0, sv0, shi, slo)
+        acc1 = _dense_pv(acc1, sv1, shi, slo)
+        acc2 = _dense_pv(acc2, sv2, shi, slo)
+        acc3 = _dense_pv(acc3, sv3, shi, slo)
+    return m_new, l_i, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _dense_part(m_i, l_i, acc0, acc1, acc2, acc3, b, h, kv_len, after_sinks, q_ptr, open_k_ptr, open_v_ptr,
+                sink_k_ptr, sink_v_ptr, H: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, W: gl.constexpr,
+                NS: gl.constexpr, QK_SCALE: gl.constexpr):
+    # _dense at sequence b, kv head h: its open tokens and sinks
+    num_open = after_sinks - (after_sinks // W) * W  # tokens in the open region
+    bh = (b * H + h).to(gl.int64)
+    return _dense(m_i, l_i, acc0, acc1, acc2, acc3, open_k_ptr + bh * (W * D), open_v_ptr + bh * (W * D),
+                  sink_k_ptr + bh * (NS * D), sink_v_ptr + bh * (NS * D), num_open, gl.minimum(kv_len, NS), q_ptr,
+                  (b * H + h) * QPK, QPK, D, W, NS, QK_SCALE)
+
+
+@gluon.jit
+def _dense_qk(s, kt, qhi, qlo):
+    # s [R, 8] += K rows (bf16 [R, 32]) . (q hi + q lo) (B operands of a q^T chunk [32, 8])
+    a = gl.convert_layout(kt.to(gl.bfloat16), A_OP)
+    return mma_v2(a, qlo, mma_v2(a, qhi, s))
+
+
+@gluon.jit
+def _dense_pv(acc, vt, phi, plo):
+    # acc [32, 8] += V^T chunk (bf16 [32, R]) . (p hi + p lo)
+    a = gl.convert_layout(vt.to(gl.bfloat16), A_OP)
+    return mma_v2(a, plo, mma_v2(a, phi, acc))
+
+
 @gluon.jit
 def hack_gluon_decode_kernel(
         kv_lens_ptr, page_indices_ptr, q_ptr, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
-        v_min_ptr, acc_ptr, m_ptr, l_ptr,
+        v_min_ptr, open_k_ptr, open_v_ptr, sink_k_ptr, sink_v_ptr, acc_ptr, m_ptr, l_ptr,
         H: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
         PPS: gl.constexpr, NUM_PAGES: gl.constexpr, NS: gl.constexpr, W: gl.constexpr, SPLITS: gl.constexpr,
-        QK_SCALE: gl.constexpr, ASYNC: gl.constexpr, PAIRS: gl.constexpr):
-    # kv_lens i32[S]; page_indices i32[S, PPS]; q f32[S, H * QPK, D]
+        QK_SCALE: gl.constexpr, ASYNC: gl.constexpr, PAIRS: gl.constexpr, DENSE: gl.constexpr,
+        ROWS: gl.constexpr):
+    # kv_lens i32[S]; page_indices i32[S, PPS]; q f32 | bf16 | f16 [S, H * QPK, D]
     # k_codes u8[N, H, PAGE // 4, D]; k_scale, k_min f16[N, H, PAGE // P, D]
     # v_codes u8[N, H, D, PAGE // 4]; v_scale, v_min f16[N, H, PAGE, 2] (token t, channel group g at 2 t + g)
-    # out: acc f32[S, H, SPLITS * PAIRS, 8, D]; m (base 2), l f32[S, H, SPLITS * PAIRS, 8]
+    # open_k, open_v bf16[S, H, W, D]; sink_k, sink_v bf16[S, H, NS, D] (NS 0: any array, not read)
+    # out: acc f32[S, H, ROWS, 8, D]; m (natural log units), l f32[S, H, ROWS, 8], rows 0 .. SPLITS * PAIRS - 1
+    # written (ROWS >= SPLITS * PAIRS: common.split_slots; the rest left as they are)
+    # DENSE 1 / 2: the first program of each (sequence, kv head) also attends to the sinks and the open region's
+    # tokens (NS <= 16), after / before its sealed groups (0: the sealed blocks only; the caller attends to them)
     # PAIRS 2: two programs per split, each over two of every group's four blocks (planes), direct loads (ASYNC's
     # bit 1 only); 1: one program over all four
     # ASYNC: bit 1 page ids one group ahead; bit 0 two cp.async stages of the code tiles, with META = (ASYNC // 4)
@@ -513,6 +634,8 @@ def hack_gluon_decode_kernel(
     # one group ahead (bits 0 and 1 ignored)
     gl.static_assert(D == 128)
     gl.static_assert(P == 64)
+    gl.static_assert(DENSE == 0 or NS <= 16)  # one 16-row sink tile
+    gl.static_assert(ROWS >= SPLITS * PAIRS)  # a row of partials per program
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     ROW_C: gl.constexpr = gl.SliceLayout(1, mma)
     COL_C: gl.constexpr = gl.SliceLayout(0, mma)
@@ -560,6 +683,16 @@ def hack_gluon_decode_kernel(
     acc3 = gl.zeros([32, 8], gl.float32, layout=mma)
     g_full = gl.minimum(g_hi, num_blocks // 4)  # groups of 4 sealed blocks
     last = gl.maximum(g_hi - 1, 0)
+    if DENSE == 2:  # the sinks and open region first, while no loop state is live; the state to the loop's units
+        if gl.program_id(2) == 0:  # split 0: the fewest groups where they do not divide evenly
+            m_i, l_i, acc0, acc1, acc2, acc3 = _dense_part(m_i, l_i, acc0, acc1, acc2, acc3, b, h, kv_len,
+                                                           after_sinks, q_ptr, open_k_ptr, open_v_ptr, sink_k_ptr,
+                                                           sink_v_ptr, H, QPK, D, W, NS, QK_SCALE)
+            u = 2.0 ** -24
+            acc0 = acc0 * u
+            acc1 = acc1 * u
+            acc2 = acc2 * u
+            acc3 = acc3 * u
     # page ids: one group ahead (bit 1 of ASYNC), so that no group's first loads wait on its page id's load
     pid_cur = _pid(page_indices_ptr, b, gl.minimum(g_lo, last), PPS, GPP, NUM_PAGES)
     if PAIRS == 2:
@@ -643,12 +776,21 @@ def hack_gluon_decode_kernel(
                     k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, True, False, 0,
                     False)
 
-    w = 2.0 ** 24
-    out_row = ((b * H + h) * (SPLITS * PAIRS) + gl.program_id(2)) * 8 + nC  # [8]
-    gl.store(m_ptr + out_row, m_i)
+    w = 2.0 ** 24  # the accumulator in real units from here
+    acc0 = acc0 * w + nu0_i[None, :]
+    acc1 = acc1 * w + nu0_i[None, :]
+    acc2 = acc2 * w + nu1_i[None, :]
+    acc3 = acc3 * w + nu1_i[None, :]
+    if DENSE == 1:
+        if gl.program_id(2) == 0:  # split 0: the fewest groups where they do not divide evenly
+            m_i, l_i, acc0, acc1, acc2, acc3 = _dense_part(m_i, l_i, acc0, acc1, acc2, acc3, b, h, kv_len,
+                                                           after_sinks, q_ptr, open_k_ptr, open_v_ptr, sink_k_ptr,
+                                                           sink_v_ptr, H, QPK, D, W, NS, QK_SCALE)
+    out_row = ((b * H + h) * ROWS + gl.program_id(2)) * 8 + nC  # [8]
+    gl.store(m_ptr + out_row, m_i * 0.6931471805599453)  # base 2 -> natural log units
     gl.store(l_ptr + out_row, l_i)
     optr = acc_ptr + out_row[None, :] * D + chC[:, None]
-    gl.store(optr, acc0 * w + nu0_i[None, :])
-    gl.store(optr + 32, acc1 * w + nu0_i[None, :])
-    gl.store(optr + 64, acc2 * w + nu1_i[None, :])
-    gl.store(optr + 96, acc3 * w + nu1_i[None, :])
+    gl.store(optr, acc0)
+    gl.store(optr + 32, acc1)
+    gl.store(optr + 64, acc2)
+    gl.store(optr + 96, acc3)

@@ -5,7 +5,9 @@ jax-triton 0.3.1 compiles only `@triton.jit` functions (its pipeline runs Triton
 module must skip) and passes no register cap; this module compiles with `triton.compile` (a
 `GluonASTSource`, options `num_warps` / `maxnreg`) and builds the call itself, the way jax-triton's lowering
 does: one `TritonKernel` (name, warps, shared memory, PTX), one `TritonKernelCall` (grid, one parameter per
-operand and output), serialized into the `triton_kernel_call` custom call. Arrays only (no scalar operands:
+operand and output), serialized into jaxlib's typed-FFI `triton_kernel_call_ffi` custom call where this jaxlib
+registers it (the kernel looked up once, when the executable initializes; command-buffer compatible), else the
+legacy `triton_kernel_call` (its opaque proto found per call, on the host). Arrays only (no scalar operands:
 pass them as constexprs), all assumed 16-byte aligned (XLA's buffers are).
 
 GPU only (CUDA, Triton >= 3.6 with `triton.experimental.gluon`); on other platforms the lowering raises.
@@ -51,7 +53,25 @@ def compile_kernel(kernel, signature: tuple, constexprs: tuple, num_warps: int, 
     return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=opts)
 
 
-def _lowering(ctx, *args, kernel, out_shapes, grid, constexprs, num_warps, maxnreg, name):
+FFI_TARGET = "triton_kernel_call_ffi"  # jaxlib's typed-FFI Triton call (kernel looked up once, at initialization)
+LEGACY_TARGET = "triton_kernel_call"  # the custom call jax-triton 0.3.1 lowers to (the opaque parsed per call)
+
+
+@functools.lru_cache(maxsize=1)
+def ffi_target_registered() -> bool:
+    """Whether this jaxlib registers FFI_TARGET for CUDA (its Triton module's registrations list it)."""
+    from jax._src.lib import gpu_triton as lib
+    for mod in (lib, getattr(lib, "_cuda_triton", None)):
+        regs = getattr(mod, "registrations", None)
+        if callable(regs):
+            try:
+                return FFI_TARGET in regs()
+            except Exception:  # noqa: BLE001 (a registry that cannot be listed: assume absent)
+                return False
+    return False
+
+
+def _lowering(ctx, *args, kernel, out_shapes, grid, constexprs, num_warps, maxnreg, name, launch):
     from jax._src.lib import gpu_triton as lib
     cc = lib.get_compute_capability(0)
     avals = list(ctx.avals_in) + list(ctx.avals_out)
@@ -62,20 +82,24 @@ def _lowering(ctx, *args, kernel, out_shapes, grid, constexprs, num_warps, maxnr
                           "", cc)
     params = [lib.create_array_parameter(0, 16) for _ in avals]
     call = lib.TritonKernelCall(tk, grid[0], grid[1], grid[2], params)
-    rule = jax.ffi.ffi_lowering("triton_kernel_call", api_version=2,
-                                backend_config=zlib.compress(call.to_proto(name, b"")))
-    return rule(ctx, *args)
+    opaque = zlib.compress(call.to_proto(name, b""))
+    if launch == "ffi" or (launch == "auto" and ffi_target_registered()):
+        return jax.ffi.ffi_lowering(FFI_TARGET, api_version=4)(ctx, *args, opaque=opaque)
+    return jax.ffi.ffi_lowering(LEGACY_TARGET, api_version=2, backend_config=opaque)(ctx, *args)
 
 
 mlir.register_lowering(gluon_call_p, _lowering, platform="cuda")
 
 
 def gluon_call(kernel, *arrays, out_shapes, grid, constexprs: dict, num_warps: int = 1, maxnreg: int | None = None,
-               name: str = "hack_gluon"):
+               name: str = "hack_gluon", launch: str = "auto"):
     """Outputs of `kernel(*arrays, *outputs, **constexprs)` launched on `grid` (3 ints): `out_shapes` a list of
     jax.ShapeDtypeStruct, written by the kernel (not zeroed first). The kernel's pointer parameters are the
-    arrays then the outputs, in order; `constexprs` its constexpr parameters (hashable values)."""
+    arrays then the outputs, in order; `constexprs` its constexpr parameters (hashable values). launch: the
+    custom call, "ffi" (FFI_TARGET), "legacy" (LEGACY_TARGET) or "auto" (FFI_TARGET where registered)."""
+    if launch not in ("auto", "ffi", "legacy"):
+        raise ValueError(f"launch must be 'auto', 'ffi' or 'legacy', got launch={launch!r}")
     grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
     return gluon_call_p.bind(*arrays, kernel=kernel, out_shapes=tuple(out_shapes), grid=grid,
                              constexprs=tuple(sorted(constexprs.items())), num_warps=num_warps, maxnreg=maxnreg,
-                             name=name)
+                             name=name, launch=launch)

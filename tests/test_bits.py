@@ -238,17 +238,12 @@ def test_decode_seed_reference():
           "seed")
 
 
-@pytest.mark.parametrize("impl", ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("dot_dtype,denormal", [("folded_f16", None), ("folded_bf16", None), ("folded_f16", False)],
-                         ids=["folded_f16", "folded_bf16", "folded_f16-magic"])
-def test_decode_folded_within_2x_naive(dot_dtype, denormal, impl):
-    """The scale-folded operands (the model's decode path) round Q sigma and W tau to 16 bits on purpose:
-    their error vs exact attention over the dequantized cache is at most 2x that of the same rounding
-    done naively (the twin with the transients rounded from float32), plus float32 order: folded_f16 with
-    its default nibble planes (f16 subnormals, KernelConfig.denormal) and with the 1024 + c planes
-    (denormal=False), 4-block trips (pages of 4 blocks)."""
-    cache = _cache(B4_PAGE4)
-    q = make_q((len(LENGTHS), NUM_Q_HEADS, HEAD_DIM))
+def _folded_within_2x_naive(config, lengths, impl, dot_dtype="folded_f16", denormal=None):
+    """The kernel's folded output vs exact attention over the dequantized cache (float64 twin): at most 2x
+    the error of the same 16-bit rounding done naively (the twin with the transients rounded from
+    float32), plus float32 order."""
+    cache = _cache(config, lengths=lengths)
+    q = make_q((len(lengths), NUM_Q_HEADS, HEAD_DIM))
     extra = {} if denormal is None else {"denormal": denormal}
     out = np.asarray(attention.decode_attention(q, cache.layer, page_indices=cache.table, kv_lens=cache.lengths,
                                                 **_impl(impl, dot_dtype=dot_dtype, **extra)))
@@ -258,6 +253,31 @@ def test_decode_folded_within_2x_naive(dot_dtype, denormal, impl):
     naive = twin.np_cache_attention(q[:, None], cache, q_pos, round_to=rnd)[:, 0]
     err, naive_err = np.abs(out - exact).max(), np.abs(naive - exact).max()
     assert 0 < naive_err and err <= 2 * naive_err + TIGHT * np.abs(cache.v).max(), (err, naive_err)
+    assert (out[cache.lengths == 0] == 0).all()
+
+
+@pytest.mark.parametrize("impl", ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dot_dtype,denormal", [("folded_f16", None), ("folded_bf16", None), ("folded_f16", False)],
+                         ids=["folded_f16", "folded_bf16", "folded_f16-magic"])
+def test_decode_folded_within_2x_naive(dot_dtype, denormal, impl):
+    """The scale-folded operands (the model's decode path) round Q sigma and W tau to 16 bits on purpose
+    (_folded_within_2x_naive): folded_f16 with its default nibble planes (f16 subnormals,
+    KernelConfig.denormal) and with the 1024 + c planes (denormal=False), 4-block trips (pages of 4 blocks)."""
+    _folded_within_2x_naive(B4_PAGE4, LENGTHS, impl, dot_dtype, denormal)
+
+
+# partition_size 128 (the hack4-p128 format: half the blocks per token), pages of 4 blocks (512 tokens), 4 sinks:
+# 133 = 1 sealed block + 1 open token; 390 = 3 blocks (page 0's second packing group half filled) + 2 open;
+# 520 = page 0 full + 4 open; 1100 = 2 pages + 72 open; 2100 = 4 pages + 48 open
+P128_LENGTHS = (0, 1, 133, 390, 520, 1100, 2100)
+
+
+@pytest.mark.parametrize("impl", ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_decode_p128_folded_within_2x_naive(impl):
+    """4-bit codes in blocks of 128 tokens (QuantConfig(partition_size=128, page_size=512, bits=4)), the
+    default folded operands (default_config's splits), as test_decode_folded_within_2x_naive."""
+    config = QuantConfig(partition_size=128, page_size=512, bits=4)
+    _folded_within_2x_naive(config, P128_LENGTHS, impl)
 
 
 def test_fused_decode_step_interpret():

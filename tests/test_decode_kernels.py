@@ -943,3 +943,39 @@ def test_validation_errors():
         hack_decode_attention(jnp.asarray(q), object(), *[args[f] for f in FIELDS[1:]], **kw)
     with pytest.raises(ValueError, match="page_indices"):
         call(page_indices=args["page_indices"][:2])
+
+
+# ----------------------------------------------------------------------------- a real cache for the dispatch tests
+
+KIVI_ARRAYS = ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min", "v_sums", "open_k", "open_v",
+               "sink_k", "sink_v")  # a kivi layer's arrays in the kernels' order (hack_jax.attention.kernel_args)
+
+
+def prefilled_kivi_layer(seed=4):
+    """A hack kivi layer (P 64, page 256, 4 sinks, 2 kv heads, head_dim 128) written by write_prefill with lengths
+    300 and 70 (sinks, sealed blocks, open tokens) and a q of 8 heads: (layer, page_indices, lengths, q)."""
+    from hack_jax import kv_cache
+    from hack_jax.config import QuantConfig
+    cfg = QuantConfig(kv_format="hack", layout="kivi", partition_size=64, page_size=256, num_sink_tokens=4)
+    rng = np.random.default_rng(seed)
+    lengths = np.array([300, 70], np.int32)
+    layer = kv_cache.init_layer(cfg, num_kv_heads=2, head_dim=128, num_pages=6, max_seqs=2)
+    page_indices = np.array([[1, 2], [3, 4]], np.int32)
+    k = rng.normal(0, 1, (2, 320, 2, 128)).astype(np.float32)
+    v = rng.normal(0, 1, (2, 320, 2, 128)).astype(np.float32)
+    layer = kv_cache.write_prefill(layer, jnp.asarray(k), jnp.asarray(v), lengths=jnp.asarray(lengths),
+                                   page_indices=jnp.asarray(page_indices))
+    return layer, page_indices, lengths, rng.normal(0, 1, (2, 8, 128)).astype(np.float32)
+
+
+def check_vs_dequantized(out, layer, page_indices, lengths, q, atol):
+    """out f32[S, Hq, D] against float64 attention over hack_jax's dequantization of the layer."""
+    from hack_jax import kv_cache
+    kd, vd = kv_cache.dequantize_cache(layer, jnp.asarray(page_indices), jnp.asarray(lengths))
+    kd, vd = np.asarray(kd, np.float64), np.asarray(vd, np.float64)
+    g = q.shape[1] // kd.shape[2]  # query heads per kv head
+    for s_, n in enumerate(lengths):
+        for hq in range(q.shape[1]):
+            lg = kd[s_, :n, hq // g] @ (q[s_, hq].astype(np.float64) / math.sqrt(q.shape[2]))
+            w = np.exp(lg - lg.max())
+            np.testing.assert_allclose(np.asarray(out)[s_, hq], w @ vd[s_, :n, hq // g] / w.sum(), atol=atol)

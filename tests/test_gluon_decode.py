@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import gluon_decode_attention as gd
-from test_decode_kernels import (CASE, FIELDS, ODD_CASE, TIGHT, Case, _f64, _residual_tokens, build, v_scale_of,
-                                 within_2x_naive)
+from test_decode_kernels import (CASE, FIELDS, KIVI_ARRAYS, ODD_CASE, TIGHT, Case, _f64, _residual_tokens, build,
+                                 check_vs_dequantized, prefilled_kivi_layer, v_scale_of, within_2x_naive)
 
 G7_CASE = Case("d128_P64_g7_s3", 128, 64, 256, 2, 7, 3, (700, 129, 4 + 256, 0), num_splits=3)
 # page 8P (2 packing groups per page), 8 query heads per kv head, one length beyond the capacity (4 + 2 * 512)
@@ -34,20 +34,43 @@ def run(case, q, c, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case,splits,maxnreg,async_copy", [
-    (ODD_CASE, 1, None, False), (ODD_CASE, 5, 168, False), (CASE["d128_P64_g4_s3"], 3, None, False),
-    (G7_CASE, 2, 200, False), (dataclasses.replace(CASE["d128_P64_g4_s2"], num_splits=40), 40, None, False),
-    (G8_PAGE8P_CASE, 3, None, False), (G1_CASE, 2, None, False), (G2_CASE, 2, None, False),
-    (ODD_CASE, 3, None, True), (G8_PAGE8P_CASE, 2, None, True)],
-    ids=["odd_s1", "odd_s5_r168", "g4_s3", "g7_s2_r200", "more_splits_than_groups", "g8_page8P_over_capacity",
-         "g1", "g2", "odd_s3_async", "g8_page8P_async"])
-def test_gluon_kernel_within_2x_naive(case, splits, maxnreg, async_copy):
+@pytest.mark.parametrize("case,splits,maxnreg,staging", [
+    (ODD_CASE, 1, None, "operand"), (ODD_CASE, 5, 168, "direct"), (CASE["d128_P64_g4_s3"], 3, None, "operand"),
+    (G7_CASE, 2, 200, "operand"), (dataclasses.replace(CASE["d128_P64_g4_s2"], num_splits=40), 40, None, "operand"),
+    (G8_PAGE8P_CASE, 3, None, "operand"), (G1_CASE, 2, None, "operand"), (G2_CASE, 2, None, "direct"),
+    (ODD_CASE, 3, None, "double"), (G8_PAGE8P_CASE, 2, None, "double"), (G8_PAGE8P_CASE, 17, None, "operand"),
+    (dataclasses.replace(ODD_CASE, ns=0), 3, None, "operand"), (dataclasses.replace(G7_CASE, ns=16), 2, None, "operand")],
+    ids=["odd_s1", "odd_s5_r168_direct", "g4_s3", "g7_s2_r200", "more_splits_than_groups", "g8_page8P_over_capacity",
+         "g1", "g2_direct", "odd_s3_double", "g8_page8P_double", "g8_page8P_s17_merge_kernel", "odd_ns0", "g7_ns16"])
+def test_gluon_kernel_within_2x_naive(case, splits, maxnreg, staging):
+    """Sinks and the open region in the kernel (the default), every staging; 17 splits: the partials merged by
+    common.combine_splits' kernel (32 rows, 15 never written); no sinks (their pointers stand in for nothing) and
+    a full 16-row sink tile."""
     q, c = build(case, seed=3)
-    out = run(case, q, c, num_splits=splits, maxnreg=maxnreg, async_copy=async_copy)
+    out = run(case, q, c, num_splits=splits, maxnreg=maxnreg, staging=staging)
     assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
     err, naive = within_2x_naive(out, q, c, case, "folded_f16")
     assert naive > 0
     assert err <= 2 * naive + TIGHT * v_scale_of(c), (err, naive)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [ODD_CASE, G8_PAGE8P_CASE], ids=["odd", "g8_page8P"])
+def test_gluon_open_in_kernel_matches_jnp_open_state(case):
+    """The kernel's bf16 hi / lo products over the sinks and the open region against the wrapper's float32 jnp
+    attention over them (open_in_kernel=False): both within float32 order of each other, and bf16 / f16 q (the
+    kernel's own loads) within the 2x rule."""
+    q, c = build(case, seed=6)
+    a = run(case, q, c, num_splits=2)
+    b = run(case, q, c, num_splits=2, open_in_kernel=False)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * v_scale_of(c))
+    for dt in (jnp.bfloat16, jnp.float16):  # q as the kernel loads it, in its own dtype
+        qr = np.asarray(jnp.asarray(q).astype(dt).astype(jnp.float32))
+        out = np.asarray(gd.hack_gluon_decode_attention(jnp.asarray(qr, dt), *[jnp.asarray(c[f]) for f in FIELDS],
+                                                        partition_size=case.P, num_sink_tokens=case.ns, num_splits=2))
+        err, naive = within_2x_naive(out, qr, c, case, "folded_f16")
+        assert naive > 0
+        assert err <= 2 * naive + TIGHT * v_scale_of(c), (dt, err, naive)
 
 
 @pytest.mark.gpu
@@ -58,7 +81,7 @@ def test_gluon_kernel_plane_pairs_within_2x_naive(case, splits, maxnreg):
     """plane_pairs=2 (two programs per split, planes 0-1 and 2-3 of every group, run-time plane masks): the same
     rule against float64, masked tail groups (odd lengths) included."""
     q, c = build(case, seed=5)
-    out = run(case, q, c, num_splits=splits, maxnreg=maxnreg, plane_pairs=2)
+    out = run(case, q, c, num_splits=splits, maxnreg=maxnreg, plane_pairs=2, staging="direct")
     assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
     err, naive = within_2x_naive(out, q, c, case, "folded_f16")
     assert naive > 0
@@ -67,12 +90,21 @@ def test_gluon_kernel_plane_pairs_within_2x_naive(case, splits, maxnreg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,splits", [(CASE["d128_P64_g4_s3"], 2), (ODD_CASE, 3)], ids=["g4_s2", "odd_s3"])
-def test_gluon_kernel_async_copy_same_output(case, splits):
-    """The cp.async double-buffered tiles (async_copy=True) give the values of the direct loads, bit for bit."""
+def test_gluon_kernel_stagings_same_output(case, splits):
+    """The cp.async stagings ("double", "operand") give the values of the direct loads, bit for bit."""
     q, c = build(case, seed=4)
-    a = run(case, q, c, num_splits=splits)
-    b = run(case, q, c, num_splits=splits, async_copy=True)
-    np.testing.assert_array_equal(a, b)
+    a = run(case, q, c, num_splits=splits, staging="direct")
+    for staging in ("double", "operand"):
+        np.testing.assert_array_equal(a, run(case, q, c, num_splits=splits, staging=staging), err_msg=staging)
+
+
+@pytest.mark.gpu
+def test_gluon_launches_agree():
+    """jaxlib's typed-FFI Triton call and the legacy custom call launch the same kernel: the same values."""
+    case = CASE["d128_P64_g4_s3"]
+    q, c = build(case, seed=7)
+    np.testing.assert_array_equal(run(case, q, c, num_splits=3, launch="ffi"),
+                                  run(case, q, c, num_splits=3, launch="legacy"))
 
 
 @pytest.mark.parametrize("case,match", [(CASE["d64_P32_g4_s1"], "partition_size=64"),
@@ -87,14 +119,45 @@ def test_gluon_wrapper_refuses_uncovered_shapes(case, match):
 
 @pytest.mark.parametrize("kw,match", [(dict(num_splits=0), "num_splits"), (dict(num_splits=2.0), "num_splits"),
                                       (dict(maxnreg=300), "maxnreg"), (dict(maxnreg=True), "maxnreg"),
-                                      (dict(async_copy="yes"), "async_copy"), (dict(plane_pairs=3), "plane_pairs"),
-                                      (dict(plane_pairs=True), "plane_pairs"),
-                                      (dict(plane_pairs=2, async_copy=True), "plane_pairs=2")])
+                                      (dict(staging="yes"), "staging"), (dict(staging=1), "staging"),
+                                      (dict(plane_pairs=3), "plane_pairs"), (dict(plane_pairs=True), "plane_pairs"),
+                                      (dict(plane_pairs=2), "plane_pairs=2"),
+                                      (dict(plane_pairs=2, staging="double"), "plane_pairs=2"),
+                                      (dict(open_in_kernel=1), "open_in_kernel"), (dict(launch="x"), "launch")])
 def test_gluon_wrapper_refuses_bad_launch_options(kw, match):
     case = CASE["d128_P64_g4_s3"]
     q, c = build(case, seed=0)
     with pytest.raises(ValueError, match=match):
         run(case, q, c, **kw)
+
+
+def test_gluon_wrapper_refuses_more_than_16_sinks_in_the_kernel():
+    case = Case("ns32", 128, 64, 256, 2, 4, 2, (300, 40), ns=32)
+    q, c = build(case, seed=0)
+    with pytest.raises(ValueError, match="num_sink_tokens=32: pass open_in_kernel=False"):
+        run(case, q, c)
+
+
+def test_gluon_wrapper_refuses_a_window_in_the_kernel():
+    case = CASE["d128_P64_g4_s3"]
+    q, c = build(case, seed=0)
+    for f in ("open_k", "open_v"):  # an open region of 128 tokens (window=128)
+        c[f] = np.concatenate([c[f], c[f]], axis=2)
+    with pytest.raises(ValueError, match="open region of 64 tokens itself, got window=128"):
+        run(case, q, c, window=128)
+
+
+def test_kernel_constexprs_refuse_what_the_kernel_cannot_hold():
+    kw = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=256, pages_per_seq=4, num_pages=33,
+              window=64, async_mode=21)
+    assert gd.kernel_constexprs(num_sink_tokens=16, num_splits=3, **kw)["ROWS"] == 3
+    with pytest.raises(ValueError, match="at most 16 sink tokens"):
+        gd.kernel_constexprs(num_sink_tokens=17, num_splits=3, **kw)
+    assert gd.kernel_constexprs(num_sink_tokens=17, num_splits=3, dense=0, **kw)["DENSE"] == 0
+    with pytest.raises(ValueError, match="one row per program"):
+        gd.kernel_constexprs(num_sink_tokens=4, num_splits=16, rows=8, **kw)
+    with pytest.raises(ValueError, match="dense must be"):
+        gd.kernel_constexprs(num_sink_tokens=4, num_splits=3, dense=3, **kw)
 
 
 def test_gluon_wrapper_refuses_non_float16_metadata():
@@ -137,3 +200,36 @@ def test_gluon_open_region_state_vs_numpy(case):
             want = (w @ vr) / w.sum(1, keepdims=True)
             np.testing.assert_allclose(acc[b, h, :G] / l[b, h, :G, None], want, rtol=0, atol=1e-5 * np.abs(vr).max())
             np.testing.assert_allclose(m[b, h, :G], np.log2(np.e) * lg.max(1), rtol=1e-5, atol=1e-5)
+
+
+def _kivi_layer(**kw):
+    from hack_jax import kv_cache
+    from hack_jax.config import QuantConfig
+    cfg = QuantConfig(kv_format="hack", layout="kivi", partition_size=64, page_size=256, num_sink_tokens=4, **kw)
+    return cfg, kv_cache.init_layer(cfg, num_kv_heads=2, head_dim=128, num_pages=6, max_seqs=2)
+
+
+def test_dispatch_knows_impl_gluon_and_refuses_a_v_group():
+    from hack_jax import attention
+    assert "gluon" in attention.IMPLS
+    assert attention._pallas("gluon", "decode", _kivi_layer()[1]) is gd.hack_gluon_decode_attention
+    with pytest.raises(NotImplementedError, match="v_group=32"):
+        attention._pallas("gluon", "decode", _kivi_layer(v_group=32)[1])
+    with pytest.raises(NotImplementedError, match="prefill"):
+        attention._pallas("gluon", "prefill", _kivi_layer()[1])
+
+
+@pytest.mark.gpu
+def test_gluon_via_dispatch_on_a_real_cache():
+    """impl="gluon" through hack_jax.attention on a cache written by write_prefill (sinks, sealed blocks, open
+    tokens): the wrapper's own output, and float attention over hack_jax's dequantized cache within f16
+    roundings."""
+    from hack_jax import attention
+    layer, page_indices, lengths, q = prefilled_kivi_layer()
+    out = np.asarray(attention.decode_attention(jnp.asarray(q), layer, page_indices=page_indices, kv_lens=lengths,
+                                                impl="gluon"))
+    direct = gd.hack_gluon_decode_attention(jnp.asarray(q), *(getattr(layer, f) for f in KIVI_ARRAYS),
+                                            jnp.asarray(page_indices), jnp.asarray(lengths), partition_size=64,
+                                            num_sink_tokens=4)
+    np.testing.assert_array_equal(out, np.asarray(direct))
+    check_vs_dequantized(out, layer, page_indices, lengths, q, atol=2e-3)

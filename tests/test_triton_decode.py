@@ -32,7 +32,8 @@ import pytest
 import jax.numpy as jnp
 
 from pallas_kernels import triton_decode_attention as td
-from test_decode_kernels import FIELDS, _f64, _finish, _residual_tokens, _sealed_blocks, make_cache, v_scale_of
+from test_decode_kernels import (FIELDS, KIVI_ARRAYS, _f64, _finish, _residual_tokens, _sealed_blocks,
+                                 check_vs_dequantized, make_cache, prefilled_kivi_layer, v_scale_of)
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -162,35 +163,16 @@ def test_triton_kernel_constant_v_returns_the_constant():
 
 @pytest.mark.gpu
 def test_triton_via_dispatch_on_a_real_cache():
-    from hack_jax import attention, kv_cache
-    from hack_jax.config import QuantConfig
-    cfg = QuantConfig(kv_format="hack", layout="kivi", partition_size=64, page_size=256, num_sink_tokens=4)
-    rng = np.random.default_rng(4)
-    lengths = np.array([300, 70], np.int32)
-    layer = kv_cache.init_layer(cfg, num_kv_heads=2, head_dim=128, num_pages=6, max_seqs=2)
-    page_indices = np.array([[1, 2], [3, 4]], np.int32)
-    k = rng.normal(0, 1, (2, 320, 2, 128)).astype(np.float32)
-    v = rng.normal(0, 1, (2, 320, 2, 128)).astype(np.float32)
-    layer = kv_cache.write_prefill(layer, jnp.asarray(k), jnp.asarray(v), lengths=jnp.asarray(lengths),
-                                   page_indices=jnp.asarray(page_indices))
-    q = rng.normal(0, 1, (2, 8, 128)).astype(np.float32)
+    from hack_jax import attention
+    layer, page_indices, lengths, q = prefilled_kivi_layer()
     out = attention.decode_attention(jnp.asarray(q), layer, page_indices=page_indices, kv_lens=lengths,
                                      impl="triton")
     direct = td.hack_triton_decode_attention(
-        jnp.asarray(q), *(getattr(layer, f) for f in ("k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale",
-                                                       "v_min", "v_sums", "open_k", "open_v", "sink_k", "sink_v")),
-        jnp.asarray(page_indices), jnp.asarray(lengths), partition_size=cfg.partition_size,
-        num_sink_tokens=cfg.num_sink_tokens)
+        jnp.asarray(q), *(getattr(layer, f) for f in KIVI_ARRAYS), jnp.asarray(page_indices), jnp.asarray(lengths),
+        partition_size=layer.config.partition_size, num_sink_tokens=layer.config.num_sink_tokens)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(direct))
     # against float attention over the dequantized cache (hack_jax's own dequantizer): f16 roundings only
-    kd, vd = kv_cache.dequantize_cache(layer, jnp.asarray(page_indices), jnp.asarray(lengths))
-    kd, vd = np.asarray(kd, np.float64), np.asarray(vd, np.float64)
-    for s_, L in enumerate(lengths):
-        for hq in range(8):
-            lg = kd[s_, :L, hq // 4] @ (q[s_, hq].astype(np.float64) / math.sqrt(128))
-            w = np.exp(lg - lg.max())
-            ref = w @ vd[s_, :L, hq // 4] / w.sum()
-            np.testing.assert_allclose(np.asarray(out)[s_, hq], ref, atol=2e-3)
+    check_vs_dequantized(out, layer, page_indices, lengths, q, atol=2e-3)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton's interpreter needs `triton`")
