@@ -75,7 +75,8 @@ IMPLS = ("hack", "dequant", "bf16", "fp8", "int8", "kivi2", "int4", "turbo3", "t
 # hackwns = hackw without code sums (QuantConfig.code_sums=False: no sums operands; folded modes only);
 # gluon* = the Gluon kernel (pallas_kernels.gluon_decode_attention, impl="gluon") with these launch options
 GLUON_IMPLS = {"gluon": {}, "gluon168": {"maxnreg": 168}, "gluondirect": {"staging": "direct"},
-               "gluonjnp": {"open_in_kernel": False}, "gluonffi": {"launch": "ffi"}, "gluonlegacy": {"launch": "legacy"}}
+               "gluonjnp": {"open_in_kernel": False}, "gluonffi": {"launch": "ffi"},
+               "gluonlegacy": {"launch": "legacy"}}
 EXTRA_IMPLS = ("hack4", "hack4p128", "hackw", "hackwns") + tuple(GLUON_IMPLS)
 HACKW_FIELDS = {"partition_size": 32, "v_group": 64, "window": 128}
 PAGE_SIZE = 256  # QuantConfig's default
@@ -710,9 +711,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} shapes (GPU.md's anchors)")
     ap.add_argument("--smoke", action="store_true", help="CPU check: interpret=True, tiny shapes")
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS + EXTRA_IMPLS,
-                    help="hack4 / hack4p128 / hackw / hackwns (not in the default): the HACK kernel on a 4-bit cache (P 64 / "
-                         "P 128) / on the K 32, "
-                         "V 64, window 128 cache / that cache without code sums (EXTRA_IMPLS), each --hack-dots "
+                    help="hack4 / hack4p128 / hackw / hackwns (not in the default): the HACK kernel on a 4-bit "
+                         "cache (P 64 / P 128) / on the K 32, V 64, window 128 cache / that cache without code sums "
+                         "(EXTRA_IMPLS), each --hack-dots "
                          "mode (hackwns: the folded ones); gluon*: the Gluon kernel with GLUON_IMPLS' options "
                          "(GPU only)")
     ap.add_argument("--heads", nargs="+", choices=sorted(HEADS), help="restrict head configs")

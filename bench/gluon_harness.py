@@ -10,9 +10,10 @@ constexpr: bit 0 cp.async double buffering of the code tiles, bit 1 page ids one
 % 4 = 1 stages k_scale / v_scale / v_min too, 2 also k_min; ASYNC >= 16: single buffers instead, each group's V tile
 copied during its QK^T and the next group's K tile during its PV; PAIRS, default 1, the kernel's: 2 runs two programs per
 split, each over two of every group's four blocks; DENSE, default 2, the kernel's: the NS sinks attended in the
-kernel, as the Pallas kernel does, before (2) or after (1) the last program's sealed groups, 0 the sealed blocks only) on the harness's operands: time, registers, and the
-error of its attention (splits merged) against a float64 torch reference of the dequantized cache (and the sinks,
-DENSE 1 / 2) for sequence 0 (all kv heads); the shapes' caches are block-exact (no open tokens). The page table's row
+kernel as the Pallas kernel does, by the first program of each sequence and kv head before (2) or after (1) its
+sealed groups, 0 the sealed blocks only) on the harness's operands: time, registers, and the error of its
+attention (splits merged) against a float64 torch reference of the dequantized cache (and the sinks, DENSE 1 / 2)
+for sequence 0 (all kv heads); the shapes' caches are block-exact (no open tokens). The page table's row
 stride is its own width (pages_per_seq + 1 here; the runs before 2026-12-05 session 26 passed pages_per_seq, so
 sequences past the first read shifted rows of the same random pool: their timings stand, their outputs were not
 checked). GPU, torch + triton only.

@@ -39,7 +39,8 @@ def run(case, q, c, **kw):
     (G7_CASE, 2, 200, "operand"), (dataclasses.replace(CASE["d128_P64_g4_s2"], num_splits=40), 40, None, "operand"),
     (G8_PAGE8P_CASE, 3, None, "operand"), (G1_CASE, 2, None, "operand"), (G2_CASE, 2, None, "direct"),
     (ODD_CASE, 3, None, "double"), (G8_PAGE8P_CASE, 2, None, "double"), (G8_PAGE8P_CASE, 17, None, "operand"),
-    (dataclasses.replace(ODD_CASE, ns=0), 3, None, "operand"), (dataclasses.replace(G7_CASE, ns=16), 2, None, "operand")],
+    (dataclasses.replace(ODD_CASE, ns=0), 3, None, "operand"),
+    (dataclasses.replace(G7_CASE, ns=16), 2, None, "operand")],
     ids=["odd_s1", "odd_s5_r168_direct", "g4_s3", "g7_s2_r200", "more_splits_than_groups", "g8_page8P_over_capacity",
          "g1", "g2_direct", "odd_s3_double", "g8_page8P_double", "g8_page8P_s17_merge_kernel", "odd_ns0", "g7_ns16"])
 def test_gluon_kernel_within_2x_naive(case, splits, maxnreg, staging):
