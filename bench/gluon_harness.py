@@ -5,18 +5,19 @@ tensors, one process, no XLA: kernel time only (triton.testing.do_bench, CUDA ev
   python bench/gluon_harness.py DIR OUT.jsonl --shapes b8_32k --variants s16=16:0:0 s16a=16:0:1 ...
 
 Per shape: the Pallas kernel's TTIR compiled by pip Triton with the register cap 168 (as XLA builds it; the row
-`pallas_r168`), then each Gluon variant NAME=SPLITS:MAXNREG:ASYNC (MAXNREG 0: none; ASYNC the kernel's
-constexpr: bit 0 cp.async double buffering of the code tiles, bit 1 page ids one group ahead; with bit 0, (ASYNC // 4)
-% 4 = 1 stages k_scale / v_scale / v_min too, 2 also k_min; ASYNC >= 16: single buffers instead, each group's V tile
-copied during its QK^T and the next group's K tile during its PV; PAIRS, default 1, the kernel's: 2 runs two programs per
-split, each over two of every group's four blocks; DENSE, default 2, the kernel's: the NS sinks attended in the
-kernel as the Pallas kernel does, by the first program of each sequence and kv head before (2) or after (1) its
-sealed groups, 0 the sealed blocks only) on the harness's operands: time, registers, and the error of its
-attention (splits merged) against a float64 torch reference of the dequantized cache (and the sinks, DENSE 1 / 2)
+`pallas_r168`), then each Gluon variant NAME=SPLITS:MAXNREG:ASYNC[:DENSE] (MAXNREG 0: none; ASYNC the kernel's
+constexpr: < 16 direct loads, bit 1 page ids one group ahead; >= 16 single cp.async buffers, each group's V tile
+copied during its QK^T and the next group's K tile during its PV, (ASYNC // 4) % 4 = 1 k_scale / v_scale / v_min
+staged too; DENSE, default 2, the kernel's: the NS sinks attended in the
+kernel as the Pallas kernel does, by the first program of each sequence and kv head before its sealed groups, 0 the
+sealed blocks only) on the harness's operands: time, registers, and the error of its attention (splits merged)
+against a float64 torch reference of the dequantized cache (and the sinks, DENSE 2)
 for sequence 0 (all kv heads); the shapes' caches are block-exact (no open tokens). The page table's row
 stride is its own width (pages_per_seq + 1 here; the runs before 2026-12-05 session 26 passed pages_per_seq, so
 sequences past the first read shifted rows of the same random pool: their timings stand, their outputs were not
-checked). GPU, torch + triton only.
+checked). The run.sh files of bench/results before commit "Gluon kernel: the measured-slower options removed"
+use the variant syntax of their time (a PAIRS field before DENSE; PAIRS, DENSE 1, the two-stage staging (odd
+ASYNC below 16) and ASYNC's META 2 since removed). GPU, torch + triton only.
 """
 import json
 import math
@@ -68,7 +69,7 @@ def reference_seq(args, b, sinks=None):
 
 
 def merge(acc, m, l, b):
-    # acc [S, H, ROWS, 8, D], m / l [S, H, ROWS, 8] (m natural log units; ROWS = SPLITS * PAIRS) -> [H, QPK, D]
+    # acc [S, H, SPLITS, 8, D], m / l [S, H, SPLITS, 8] (m natural log units) -> [H, QPK, D]
     a, mm, ll = acc[b].double(), m[b].double(), l[b].double()
     mx = mm.max(1, keepdim=True).values
     w = torch.exp(mm - mx)
@@ -83,7 +84,7 @@ def main():
     ap.add_argument("out", help="append the rows (JSON lines) here")
     ap.add_argument("--shapes", nargs="+", default=None)
     ap.add_argument("--variants", nargs="+", default=["s16=16:0:0", "s16a=16:0:1"],
-                    help="NAME=SPLITS:MAXNREG:ASYNC[:PAIRS[:DENSE]]")
+                    help="NAME=SPLITS:MAXNREG:ASYNC[:DENSE]")
     a = ap.parse_args()
     hdir, out_path, shapes, variants = a.dir, a.out, a.shapes, a.variants
     entries = json.load(open(os.path.join(hdir, "manifest.json")))
@@ -106,28 +107,25 @@ def main():
         gargs = [t["kv_lens"], t["page_indices"], t["q"], t["k_codes"], t["k_scale"], t["k_min"], t["v_codes"],
                  t["v_scale"], t["v_min"], t["open_k"], t["open_v"], t["sink_k"], t["sink_v"]]
         refs = {d: reference_seq(gargs[:6] + [None] + gargs[6:9], 0, (t["sink_k"], t["sink_v"]) if d else None)
-                for d in (0, 1, 2)}
+                for d in (0, 2)}
         for v in variants:
             name, spec = v.split("=")
             fields = list(map(int, spec.split(":")))
-            # defaults: no cap, ASYNC 0, PAIRS 1, DENSE 2
-            splits, maxnreg, pf, pairs, dense = fields + [0, 0, 1, 2][len(fields) - 1:]
+            splits, maxnreg, pf, dense = fields + [0, 0, 2][len(fields) - 1:]  # defaults: no cap, ASYNC 0, DENSE 2
             ref = refs[dense]
             consts = kernel_constexprs(num_q_heads=H * QPK, num_kv_heads=H, head_dim=D, page_size=PAGE,
                                        pages_per_seq=t["page_indices"].shape[1], num_pages=t["k_codes"].shape[0],
-                                       num_sink_tokens=NS, window=P, num_splits=splits, async_mode=pf,
-                                       plane_pairs=pairs, dense=dense)
+                                       num_sink_tokens=NS, window=P, num_splits=splits, async_mode=pf, dense=dense)
             row = dict(shape=e["shape"], kernel="gluon_" + name, splits=splits, maxnreg=maxnreg, async_mode=pf,
-                       plane_pairs=pairs, dense=dense, bytes=e["bytes"])
+                       dense=dense, bytes=e["bytes"])
             try:
                 k = compile_kernel(hack_gluon_decode_kernel, SIGNATURE, tuple(sorted(consts.items())), 1,
                                    maxnreg or None, 90)
                 k._init_handles()
-                rows_out = splits * pairs  # PAIRS programs per split, one row of partials each
-                acc = torch.full((batch, H, rows_out, 8, D), float("nan"), device="cuda")
-                m = torch.full((batch, H, rows_out, 8), float("nan"), device="cuda")
-                l_ = torch.full((batch, H, rows_out, 8), float("nan"), device="cuda")
-                ggrid = (batch, H, rows_out)
+                acc = torch.full((batch, H, splits, 8, D), float("nan"), device="cuda")
+                m = torch.full((batch, H, splits, 8), float("nan"), device="cuda")
+                l_ = torch.full((batch, H, splits, 8), float("nan"), device="cuda")
+                ggrid = (batch, H, splits)
                 launch = lambda: k[ggrid](*gargs, acc, m, l_)  # noqa: E731
                 launch()
                 torch.cuda.synchronize()

@@ -1,6 +1,6 @@
 """Offline (CPU-only) compile of the Gluon decode kernel to sm_90 SASS and its loop's instruction counts.
 
-  PYTHONPATH=.:/tmp/tri python bench/gluon_offline.py [--maxnreg N] [--async-mode 0..31] [--plane-pairs 1|2]
+  PYTHONPATH=.:/tmp/tri python bench/gluon_offline.py [--maxnreg N] [--async-mode 0..31]
       [--dense 0|1|2] [--out DIR]
 
 pip Triton 3.6 (`pip install --target /tmp/tri triton==3.6.0`) compiles `pallas_kernels/gluon_decode_kernel.py`
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import triton_offline  # noqa: E402
 
 
-def compile_sass(*, batch=8, kv_len=32768, splits=16, async_mode=0, maxnreg=None, plane_pairs=1, dense=2,
+def compile_sass(*, batch=8, kv_len=32768, splits=16, async_mode=0, maxnreg=None, dense=2,
                  out_dir="/tmp/gluon_offline"):
     """(cuobjdump -res-usage text, SASS text) of the kernel compiled for sm_90; writes DIR/k.{ttgir,ptx,cubin,sass}."""
     from pallas_kernels.gluon_decode_attention import SIGNATURE, kernel_constexprs
@@ -29,7 +29,7 @@ def compile_sass(*, batch=8, kv_len=32768, splits=16, async_mode=0, maxnreg=None
     from pallas_kernels.gluon_launch import compile_kernel
     consts = kernel_constexprs(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=256, pages_per_seq=kv_len // 256,
                                num_pages=batch * kv_len // 256 + 1, num_sink_tokens=4, window=64, num_splits=splits,
-                               async_mode=async_mode, plane_pairs=plane_pairs, dense=dense)
+                               async_mode=async_mode, dense=dense)
     k = compile_kernel(hack_gluon_decode_kernel, SIGNATURE, tuple(sorted(consts.items())), 1, maxnreg, 90)
     os.makedirs(out_dir, exist_ok=True)
     for ext in ("ttgir", "ptx"):
@@ -47,25 +47,20 @@ def compile_sass(*, batch=8, kv_len=32768, splits=16, async_mode=0, maxnreg=None
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--maxnreg", type=int, default=None)
-    ap.add_argument("--async-mode", type=int, default=0, choices=range(32),
-                    help="the kernel's ASYNC (its header comment: bit 0 cp.async stages, bit 1 page ids ahead, "
-                    "(// 4) %% 4 metadata staged, >= 16 single buffers)")
-    ap.add_argument("--plane-pairs", type=int, default=1, choices=(1, 2),
-                    help="the kernel's PAIRS (2: two programs per split, two planes each)")
-    ap.add_argument("--dense", type=int, default=2, choices=(0, 1, 2),
-                    help="the kernel's DENSE (the sinks and open region before / after the last program's sealed "
-                    "groups: 2 / 1; 0 left to the caller)")
+    ap.add_argument("--async-mode", type=int, default=0, choices=[0, 2, 16, 17, 18, 19, 20, 21, 22, 23],
+                    help="the kernel's ASYNC (its header comment: < 16 direct loads, bit 1 page ids ahead; >= 16 "
+                    "single cp.async buffers, (// 4) %% 4 = 1 metadata staged)")
+    ap.add_argument("--dense", type=int, default=2, choices=(0, 2),
+                    help="the kernel's DENSE (2: the sinks and open region in the first program, before its sealed "
+                    "groups; 0: left to the caller)")
     ap.add_argument("--out", default="/tmp/gluon_offline")
     a = ap.parse_args(argv)
-    res, sass = compile_sass(async_mode=a.async_mode, maxnreg=a.maxnreg, plane_pairs=a.plane_pairs,
-                             dense=a.dense, out_dir=a.out)
+    res, sass = compile_sass(async_mode=a.async_mode, maxnreg=a.maxnreg, dense=a.dense, out_dir=a.out)
     regs, stack = triton_offline.resources(res)
     lo, hi, n = max(triton_offline.loops(sass, innermost=False), key=lambda x: x[1] - x[0])  # the widest loop
     ops = triton_offline.op_counts(sass, lo, hi)
     print(f"registers {regs}, stack {stack} B")
-    blocks = 4 // a.plane_pairs  # a program's blocks per packing group
-    print(f"loop: {n} instructions per packing group and program ({n / blocks:.0f} per block; "
-          f"{n * a.plane_pairs} per group over its {a.plane_pairs} program(s))")
+    print(f"loop: {n} instructions per packing group ({n / 4:.0f} per block)")
     print(", ".join(f"{k} {v}" for k, v in ops.most_common()))
 
 

@@ -37,10 +37,10 @@ SIGNATURE = (("kv_lens_ptr", "*i32"), ("page_indices_ptr", "*i32"), ("q_ptr", "*
              ("v_min_ptr", "*fp16"), ("open_k_ptr", "*bf16"), ("open_v_ptr", "*bf16"), ("sink_k_ptr", "*bf16"),
              ("sink_v_ptr", "*bf16"), ("acc_ptr", "*fp32"), ("m_ptr", "*fp32"), ("l_ptr", "*fp32"))
 # staging of each packing group's tiles -> the kernel's ASYNC (page ids always one group ahead): "direct" loads
-# into registers; "double": two cp.async stages of the code tiles; "operand": single buffers, the group's V tile
+# into registers; "operand": single cp.async buffers, the group's V tile
 # and per-token metadata copied during its QK^T, the next group's K tile and K scales during its PV (the fastest
 # measured, bench/NOTES_gluon.md)
-STAGING = {"direct": 2, "double": 3, "operand": 21}
+STAGING = {"direct": 2, "operand": 21}
 PROGRAMS_PER_SM = 8  # one warp each at 255 registers ("operand" staging's ~20 KiB of shared memory allow 11)
 
 
@@ -52,35 +52,31 @@ def _has_gluon() -> bool:
         return False
 
 
-def default_num_splits(batch: int, num_kv_heads: int, num_groups: int, plane_pairs: int = 1) -> int:
-    """Splits per (sequence, kv head): one wave of PROGRAMS_PER_SM one-warp programs per SM (plane_pairs of them
-    per split), at least one packing group each."""
-    slots = NUM_SMS * PROGRAMS_PER_SM // plane_pairs
+def default_num_splits(batch: int, num_kv_heads: int, num_groups: int) -> int:
+    """Splits per (sequence, kv head): one wave of PROGRAMS_PER_SM one-warp programs per SM, at least one packing
+    group each."""
+    slots = NUM_SMS * PROGRAMS_PER_SM
     return max(1, min(num_groups, slots // max(1, batch * num_kv_heads)))
 
 
 def kernel_constexprs(*, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, pages_per_seq: int,
                       num_pages: int, num_sink_tokens: int, window: int, num_splits: int, async_mode: int,
-                      plane_pairs: int = 1, dense: int = 2, rows: int | None = None) -> dict:
+                      dense: int = 2, rows: int | None = None) -> dict:
     """The kernel's constexpr parameters (also used by bench/gluon_offline.py and bench/gluon_harness.py);
     async_mode: its ASYNC (STAGING's values; the other modes of the kernel's docstring are reached only from the
-    bench tools); plane_pairs: its PAIRS (2: two programs per split, each over two planes of every group);
-    dense: the kernel's DENSE (the sinks and open region in the first program of each sequence and kv head, at
-    most 16 sinks: 2 before its sealed groups, 1 after them, 0 not at all); rows: the partials' rows (None: the
-    programs)."""
-    if dense not in (0, 1, 2):
-        raise ValueError(f"dense must be 0, 1 or 2, got dense={dense!r}")
+    bench tools); dense: the kernel's DENSE (2: the sinks, at most 16, and the open region in the first program of
+    each sequence and kv head, before its sealed groups; 0: not at all); rows: the partials' rows (None: one per
+    split)."""
+    if dense not in (0, 2):
+        raise ValueError(f"dense must be 0 or 2, got dense={dense!r}")
     if dense and num_sink_tokens > 16:
         raise ValueError(f"the kernel attends to at most 16 sink tokens itself, got {num_sink_tokens=} with {dense=}")
-    if rows is not None and rows < num_splits * plane_pairs:
-        raise ValueError(f"rows must hold one row per program ({num_splits * plane_pairs}), got {rows=}")
-    if plane_pairs not in (1, 2):
-        raise ValueError(f"plane_pairs must be 1 or 2, got plane_pairs={plane_pairs!r}")
-    programs = num_splits * plane_pairs
+    if rows is not None and rows < num_splits:
+        raise ValueError(f"rows must hold one row per program ({num_splits}), got {rows=}")
     return dict(H=num_kv_heads, QPK=num_q_heads // num_kv_heads, D=head_dim, P=64, PAGE=page_size, PPS=pages_per_seq,
                 NUM_PAGES=num_pages, NS=num_sink_tokens, W=window, SPLITS=num_splits,
-                QK_SCALE=math.log2(math.e) / math.sqrt(head_dim), ASYNC=async_mode, PAIRS=plane_pairs,
-                DENSE=int(dense), ROWS=programs if rows is None else rows)
+                QK_SCALE=math.log2(math.e) / math.sqrt(head_dim), ASYNC=async_mode,
+                DENSE=int(dense), ROWS=num_splits if rows is None else rows)
 
 
 def _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, *, num_sink_tokens, window, pages_per_seq, page_size):
@@ -112,20 +108,20 @@ def _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, *, num_sink_tokens, 
 
 
 @functools.partial(jax.jit, static_argnames=("num_sink_tokens", "window", "num_splits", "maxnreg", "staging",
-                                             "plane_pairs", "open_in_kernel", "launch"))
+                                             "open_in_kernel", "launch"))
 def _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v, sink_k, sink_v,
-                  page_indices, kv_lens, *, num_sink_tokens, window, num_splits, maxnreg, staging, plane_pairs,
+                  page_indices, kv_lens, *, num_sink_tokens, window, num_splits, maxnreg, staging,
                   open_in_kernel, launch):
     from pallas_kernels.gluon_decode_kernel import hack_gluon_decode_kernel
     from pallas_kernels.gluon_launch import gluon_call
     S, Hq, D = q.shape
     N, H, quarter, _ = k_codes.shape
     page_size, pps = 4 * quarter, page_indices.shape[1]
-    programs = num_splits * plane_pairs
+    programs = num_splits
     rows = common.split_slots(programs, 8, D) if open_in_kernel else programs
     consts = kernel_constexprs(num_q_heads=Hq, num_kv_heads=H, head_dim=D, page_size=page_size, pages_per_seq=pps,
                                num_pages=N, num_sink_tokens=num_sink_tokens, window=window, num_splits=num_splits,
-                               async_mode=STAGING[staging], plane_pairs=plane_pairs, dense=2 if open_in_kernel else 0,
+                               async_mode=STAGING[staging], dense=2 if open_in_kernel else 0,
                                rows=rows)
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         q = q.astype(jnp.float32)
@@ -153,23 +149,20 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
                                 page_indices=None, kv_lens=None, *, partition_size: int | None = None,
                                 num_sink_tokens: int | None = None, window: int | None = None,
                                 num_splits: int | None = None, maxnreg: int | None = None, staging: str = "operand",
-                                plane_pairs: int = 1, open_in_kernel: bool = True, launch: str = "auto",
-                                bits: int = 2):
+                                open_in_kernel: bool = True, launch: str = "auto", bits: int = 2):
     """Scale-folded HACK decode attention by the Gluon kernel (module docstring); f32[S, Hq, D].
 
     Arrays and static ints as pallas_kernels.decode_attention.hack_decode_attention. num_splits: programs per
     (sequence, kv head) (None: `default_num_splits`); maxnreg: a register cap for the kernel (None: none);
     staging: how each packing group's tiles reach the warp (STAGING's keys: "operand" single buffers by cp.async,
-    "double" two cp.async stages of the code tiles, "direct" loads into registers); plane_pairs: 2 runs two
-    programs per split, each over two of every packing group's four blocks (direct loads only), 1 one program
-    over all four; open_in_kernel: the sinks (at most 16) and the open region (window 64) attended by the kernel
-    (False: by float32 jnp here, any ns and window, for comparison); launch: the custom call
-    (gluon_launch.gluon_call: "auto", "ffi", "legacy").
+    "direct" loads into registers); open_in_kernel: the sinks (at
+    most 16) and the open region (window 64) attended by the kernel (False: by float32 jnp here, any ns and window,
+    for comparison); launch: the custom call (gluon_launch.gluon_call: "auto", "ffi", "legacy").
 
     Raises:
       ValueError: shapes or dtypes off the kivi layout, outside the kernel's coverage (module docstring: more
         than 16 sinks or a window other than 64 with open_in_kernel among them), or bad num_splits / maxnreg /
-        staging / plane_pairs / open_in_kernel / launch.
+        staging / open_in_kernel / launch.
       NotImplementedError: bits other than 2; no `triton.experimental.gluon` (Triton < 3.6 or none).
       RuntimeError: no CUDA GPU (the kernel has no interpret mode).
     """
@@ -194,10 +187,6 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
     common.check_maxnreg(maxnreg)
     if not isinstance(staging, str) or staging not in STAGING:
         raise ValueError(f"staging must be one of {sorted(STAGING)}, got staging={staging!r}")
-    if plane_pairs not in (1, 2) or isinstance(plane_pairs, bool):
-        raise ValueError(f"plane_pairs must be 1 or 2, got plane_pairs={plane_pairs!r}")
-    if plane_pairs == 2 and staging != "direct":
-        raise ValueError(f"plane_pairs=2 loads the codes directly: it takes staging='direct', got {staging=}")
     if not isinstance(open_in_kernel, bool):
         raise ValueError(f"open_in_kernel must be a bool, got open_in_kernel={open_in_kernel!r}")
     if open_in_kernel and (num_sink_tokens or 0) > 16:
@@ -214,8 +203,8 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
         raise NotImplementedError("the gluon kernel needs Triton >= 3.6 (triton.experimental.gluon), not installed")
     window = window or partition_size
     groups = page_indices.shape[1] * page_size // 256
-    splits = num_splits or default_num_splits(S, H, groups, plane_pairs)
+    splits = num_splits or default_num_splits(S, H, groups)
     return _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v,
                          sink_k if num_sink_tokens else None, sink_v if num_sink_tokens else None, page_indices,
                          kv_lens, num_sink_tokens=num_sink_tokens, window=window, num_splits=splits, maxnreg=maxnreg,
-                         staging=staging, plane_pairs=plane_pairs, open_in_kernel=open_in_kernel, launch=launch)
+                         staging=staging, open_in_kernel=open_in_kernel, launch=launch)

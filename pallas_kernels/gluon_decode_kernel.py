@@ -17,9 +17,6 @@ def _plane_asm(j):
             f"and.b32 $0, lo, 0x{m:08X}; and.b32 $1, hi, 0x{m:08X}; }}")
 
 
-# the same with the mask as an operand ($3: the plane's 2-bit mask in every byte; the plane known at run time)
-PLANE_RT = gl.constexpr("{ .reg .b32 z, lo, hi; mov.b32 z, 0; prmt.b32 lo, $2, z, 0x4140; prmt.b32 hi, $2, z, 0x4342; "
-                        "and.b32 $0, lo, $3; and.b32 $1, hi, $3; }")
 PLANE0 = gl.constexpr(_plane_asm(0))
 PLANE1 = gl.constexpr(_plane_asm(1))
 PLANE2 = gl.constexpr(_plane_asm(2))
@@ -27,16 +24,14 @@ PLANE3 = gl.constexpr(_plane_asm(3))
 # movmatrix: each 8x8 16-bit tile of a C-layout tensor (lane (g, t) holding row g, columns 2t, 2t+1) transposed
 # across the warp, one instruction per 32-bit register
 MOVM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
-# cp.async staging (ASYNC): [stages (2, or 1 in the single-buffer modes), 64 tokens, 128 channels] K and
-# [stages, 128 channels, 64 tokens] V u8 tiles,
+# cp.async staging (ASYNC >= 16): single [1, 64 tokens, 128 channels] K and [1, 128 channels, 64 tokens] V u8 tiles,
 # 16-byte chunks XOR-swizzled by row so that the LK / LV reads are free of bank conflicts; copied 16 bytes a lane
 SMEM_K = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0]))
 SMEM_V = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=2, max_phase=4, order=[1, 0]))
 COPY_K = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0]))  # [64, 128]: 16 bytes a lane
 COPY_V = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0]))  # [128, 64]
-# metadata staging (META = (ASYNC // 4) % 4: 1 k_scale, v_scale, v_min; 2 (or 3) k_min too): a group's [4, 128]
-# f16 K rows (16 bytes a lane) and [256, 2] f16 per-token pairs (4 bytes a lane, rows in logical token order),
-# unswizzled (the k_min stage is [16, 128] for the bias MMA's A operand; rows 4..15 never written nor used)
+# metadata staging (META = (ASYNC // 4) % 4 = 1: k_scale, v_scale, v_min): a group's [4, 128] f16 K scale rows (16
+# bytes a lane) and [256, 2] f16 per-token pairs (4 bytes a lane, rows in logical token order), unswizzled
 SMEM_M = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
 COPY_KS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))  # [4, 128]
 COPY_VM = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0]))  # [256, 2]
@@ -48,10 +43,10 @@ T2 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 
 
 
 @gluon.jit
-def _copy_k(ksm, ksc, kmn, k_codes_ptr, k_scale_ptr, k_min_ptr, pid, gi, h, ok, H: gl.constexpr, D: gl.constexpr,
-            P: gl.constexpr, PAGE: gl.constexpr, META: gl.constexpr):
+def _copy_k(ksm, ksc, k_codes_ptr, k_scale_ptr, pid, gi, h, ok, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
+            PAGE: gl.constexpr, META: gl.constexpr):
     # cp.async of one packing group's K tile (rows in logical token order: row r <- physical token _tok(r)) and,
-    # META >= 1, its 4 blocks' K scale rows (META >= 2: and K minimum rows); where not ok, zeros are written
+    # META 1, its 4 blocks' K scale rows; where not ok, zeros are written
     # (callers copy into a buffer only after its last read)
     ko, _, meta0, _ = _group_offsets(pid, gi, h, H, D, P, PAGE)
     rk = gl.arange(0, P, layout=gl.SliceLayout(1, COPY_K))
@@ -63,15 +58,12 @@ def _copy_k(ksm, ksc, kmn, k_codes_ptr, k_scale_ptr, k_min_ptr, pid, gi, h, ok, 
         cs = gl.arange(0, D, layout=gl.SliceLayout(0, COPY_KS))
         soff = meta0 + rs[:, None] * D + cs[None, :]
         async_copy.async_copy_global_to_shared(ksc, k_scale_ptr + soff, mask=ok & (cs < D)[None, :])
-        if META >= 2:  # rows 0..3 of the [16, D] stage (rows 4..15 only feed mma rows that are never read)
-            async_copy.async_copy_global_to_shared(kmn.slice(0, 4, dim=0), k_min_ptr + soff,
-                                                   mask=ok & (cs < D)[None, :])
 
 
 @gluon.jit
 def _copy_v(vsm, vsc, vmn, v_codes_ptr, v_scale_ptr, v_min_ptr, pid, gi, h, ok, H: gl.constexpr, D: gl.constexpr,
             P: gl.constexpr, PAGE: gl.constexpr, META: gl.constexpr):
-    # cp.async of one packing group's V tile (memory order) and, META >= 1, its 256 tokens' (tau, nu) pairs
+    # cp.async of one packing group's V tile (memory order) and, META 1, its 256 tokens' (tau, nu) pairs
     # (rows in logical token order)
     _, vo, _, tmeta0 = _group_offsets(pid, gi, h, H, D, P, PAGE)
     rv = gl.arange(0, D, layout=gl.SliceLayout(1, COPY_V))
@@ -87,16 +79,6 @@ def _copy_v(vsm, vsc, vmn, v_codes_ptr, v_scale_ptr, v_min_ptr, pid, gi, h, ok, 
 
 
 @gluon.jit
-def _copy_group(ksm, vsm, ksc, kmn, vsc, vmn, k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr,
-                v_min_ptr, pid, gi, h, ok, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
-                META: gl.constexpr):
-    # one packing group's K and V tiles (and metadata, META) into a stage; one commit group
-    _copy_k(ksm, ksc, kmn, k_codes_ptr, k_scale_ptr, k_min_ptr, pid, gi, h, ok, H, D, P, PAGE, META)
-    _copy_v(vsm, vsc, vmn, v_codes_ptr, v_scale_ptr, v_min_ptr, pid, gi, h, ok, H, D, P, PAGE, META)
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _group_pid(pid_cur, page_indices_ptr, b, grp, last, AHEAD: gl.constexpr, PPS: gl.constexpr, GPP: gl.constexpr,
                NUM_PAGES: gl.constexpr):
     # (group grp's page id, the id carried to the next group); AHEAD: the carried id is grp's and the next group's
@@ -109,24 +91,19 @@ def _group_pid(pid_cur, page_indices_ptr, b, grp, last, AHEAD: gl.constexpr, PPS
 
 @gluon.jit
 def _stages(NST: gl.constexpr, P: gl.constexpr, D: gl.constexpr, META: gl.constexpr):
-    # NST stages of shared memory: the code tiles (ksm, vsm) and, META >= 1, the metadata (ksc, vsc, vmn; META >=
-    # 2 also kmn); buffers a META does not use alias ksm (never written nor read)
+    # NST stages of shared memory: the code tiles (ksm, vsm) and, META 1, the metadata (ksc, vsc, vmn); without,
+    # those alias ksm (never written nor read)
     ksm = gl.allocate_shared_memory(gl.uint8, [NST, P, D], SMEM_K)
     vsm = gl.allocate_shared_memory(gl.uint8, [NST, D, P], SMEM_V)
-    if META >= 1:
+    if META == 1:
         ksc = gl.allocate_shared_memory(gl.float16, [NST, 4, D], SMEM_M)
         vsc = gl.allocate_shared_memory(gl.float16, [NST, 4 * P, 2], SMEM_M)
         vmn = gl.allocate_shared_memory(gl.float16, [NST, 4 * P, 2], SMEM_M)
-        if META >= 2:
-            kmn = gl.allocate_shared_memory(gl.float16, [NST, 16, D], SMEM_M)
-        else:
-            kmn = ksc
     else:
         ksc = ksm
-        kmn = ksm
         vsc = ksm
         vmn = ksm
-    return ksm, vsm, ksc, kmn, vsc, vmn
+    return ksm, vsm, ksc, vsc, vmn
 
 
 @gluon.jit
@@ -153,12 +130,6 @@ def _pid(page_indices_ptr, b, grp, PPS: gl.constexpr, GPP: gl.constexpr, NUM_PAG
     # page id of packing group grp of sequence b (ids outside the pool read page 0, the null page)
     pid = gl.load(page_indices_ptr + b * PPS + grp // GPP)
     return gl.where((pid >= 0) & (pid < NUM_PAGES), pid, 0)
-
-
-@gluon.jit
-def _plane_rt(x, mask):
-    # _plane with the plane chosen at run time: mask u8 like x, (3 << 2 j) in every element
-    return gl.inline_asm_elementwise(PLANE_RT, "=r,=r,r,r", [x, mask], dtype=gl.float16, is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -270,7 +241,7 @@ def _sg(ptr, valid, ksc, J: gl.constexpr, C: gl.constexpr, MASKED: gl.constexpr,
 
 @gluon.jit
 def _qk_chunk(s0, s1, s2, s3, bacc, kc, qp, k_scale_ptr, k_min_ptr, meta, kq, v0, v1, v2, v3, mu_off, mu_mask, ksc,
-              kmn, A: gl.constexpr, B: gl.constexpr, BD: gl.constexpr, MASKED: gl.constexpr, C: gl.constexpr,
+              A: gl.constexpr, B: gl.constexpr, BD: gl.constexpr, MASKED: gl.constexpr, C: gl.constexpr,
               META: gl.constexpr):
     # one 32-channel chunk of the 4 blocks' logits: s_j += plane_j(kc) @ f16(q sigma_j) (kc already in A;
     # qp [32, 8] f32 in LQ); meta: block 0's metadata offset of the chunk's first channel, BD: one block's
@@ -283,10 +254,7 @@ def _qk_chunk(s0, s1, s2, s3, bacc, kc, qp, k_scale_ptr, k_min_ptr, meta, kq, v0
     s2 = mma_v2(_k_logical(_plane(kc, 2), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), s2)
     sg = _sg(k_scale_ptr + meta + 3 * BD + kq, v3, ksc, 3, C, MASKED, META)
     s3 = mma_v2(_k_logical(_plane(kc, 3), A), _q_logical((qp * sg[:, None]).to(gl.float16), B), s3)
-    if META >= 2:  # f16 [16, 32] (rows >= 4: whatever the stage holds there; only rows 0..3 are read)
-        mu = _k_logical(kmn.slice(C * 32, 32, dim=1).load(LMU), A)
-    else:  # f16 [16, 32] (rows >= 4: 0)
-        mu = _k_logical(gl.load(k_min_ptr + meta + mu_off, mask=mu_mask, other=0.0), A)
+    mu = _k_logical(gl.load(k_min_ptr + meta + mu_off, mask=mu_mask, other=0.0), A)  # f16 [16, 32], rows >= 4: 0
     qhi = qp.to(gl.float16)
     qlo = (qp - qhi.to(gl.float32)).to(gl.float16)
     bacc = mma_v2(mu, _q_logical(qhi, B), bacc)
@@ -306,7 +274,7 @@ def _block_weights(s, bias, m_new, valid, v_scale_ptr, v_min_ptr, tmeta2, vsc, v
     # block J's softmax weights against the group max m_new: (l, nu0, nu1 partial sums [8], B operands
     # f16(p tau_g 4**-J) [P, 8] for channel groups 0 and 1); tmeta2 [P, 2] offsets of (tau, nu) pairs (T2)
     # p 4**-J: the V plane's weight 4**J 2**-24 folded into the exponent (the sums below scale back); sc = 2**(24 -
-    # 2 J) QK_SCALE, two_j = 2 J, f = 4**J (constants, or run-time values in _pair_group, whose META is 0)
+    # 2 J) QK_SCALE, two_j = 2 J, f = 4**J
     p = gl.exp2(s * sc + (bias - m_new - two_j)[None, :])
     if MASKED:
         p = gl.where(valid, p, 0.0)
@@ -336,15 +304,13 @@ def _pv_chunk(acc, vc, b0, b1, b2, b3, A: gl.constexpr):
 
 
 @gluon.jit
-def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, ksc, kmn, vsc, vmn, num_blocks, h,
+def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, ksc, vsc, vmn, num_blocks, h,
            q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu,
            cmu, mu_off, v_off, t_off, rowsC, pid_n, ok_n, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
-           PAGE: gl.constexpr, QK_SCALE: gl.constexpr, MASKED: gl.constexpr, SMEM: gl.constexpr, META: gl.constexpr,
-           SPLIT: gl.constexpr):
-    # one packing group (4 blocks) into the running state; SMEM: its codes from the stage (ksm, vsm), META (with
-    # SMEM): its metadata too (1: ksc, vsc, vmn; 2: and kmn), else from memory. SPLIT (with SMEM): single
-    # buffers, this group's K tile already copied (or in flight): its V tile is copied during QK^T, the next
-    # group's (pid_n, ok_n) K tile during PV
+           PAGE: gl.constexpr, QK_SCALE: gl.constexpr, MASKED: gl.constexpr, SMEM: gl.constexpr, META: gl.constexpr):
+    # one packing group (4 blocks) into the running state; SMEM: its tiles through the single buffers (ksm, vsm;
+    # META 1: its metadata too, ksc, vsc, vmn), this group's K tile already copied (or in flight): its V tile is
+    # copied during QK^T, the next group's (pid_n, ok_n) K tile during PV; else everything loaded from memory
     GPP: gl.constexpr = PAGE // (4 * P)
     VCH: gl.constexpr = 32 * (PAGE // 4)  # one 32-channel V chunk of a page
     gi, kbase, vbase, meta0, tmeta0 = _group_bases(k_codes_ptr, v_codes_ptr, pid, grp, h, H, D, P, PAGE)
@@ -360,7 +326,7 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
     s2 = gl.zeros([P, 8], gl.float32, layout=MMA)
     s3 = gl.zeros([P, 8], gl.float32, layout=MMA)
     bacc = gl.zeros([16, 8], gl.float32, layout=MMA)
-    if SPLIT:
+    if SMEM:
         _copy_v(vsm, vsc, vmn, v_codes_ptr, v_scale_ptr, v_min_ptr, pid, gi, h, True, H, D, P, PAGE, META)
         async_copy.commit_group()
         async_copy.wait_group(1)  # this group's K tile (the V copy may be in flight)
@@ -372,7 +338,7 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
             kc = gl.load(kbase + c * 32 + k_off)  # physical order (LK)
         qp = gl.load(q_rows + c * 32, mask=qmask, other=0.0).to(gl.float32)
         s0, s1, s2, s3, bacc = _qk_chunk(s0, s1, s2, s3, bacc, kc, qp, k_scale_ptr, k_min_ptr, meta + c * 32,
-                                         kq, v0, v1, v2, v3, mu_off, mu_mask, ksc, kmn, A_OP, B_OP, D, MASKED, c, META)
+                                         kq, v0, v1, v2, v3, mu_off, mu_mask, ksc, A_OP, B_OP, D, MASKED, c, META)
     bias0 = _row(bacc, rowsC, 0) * QK_SCALE
     bias1 = _row(bacc, rowsC, 1) * QK_SCALE
     bias2 = _row(bacc, rowsC, 2) * QK_SCALE
@@ -382,10 +348,9 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
     m1 = gl.where(v1, gl.max(s1, axis=0) * (2.0 ** 22 * QK_SCALE) + bias1, float("-inf"))
     m2 = gl.where(v2, gl.max(s2, axis=0) * (2.0 ** 20 * QK_SCALE) + bias2, float("-inf"))
     m3 = gl.where(v3, gl.max(s3, axis=0) * (2.0 ** 18 * QK_SCALE) + bias3, float("-inf"))
-    if SPLIT:  # the K buffer read by every lane: refill it with the next group's
+    if SMEM:  # the K buffer read by every lane: refill it with the next group's
         gl.thread_barrier()
-        _copy_k(ksm, ksc, kmn, k_codes_ptr, k_scale_ptr, k_min_ptr, pid_n, (grp + 1) % GPP, h, ok_n, H, D, P, PAGE,
-                META)
+        _copy_k(ksm, ksc, k_codes_ptr, k_scale_ptr, pid_n, (grp + 1) % GPP, h, ok_n, H, D, P, PAGE, META)
         async_copy.commit_group()
         async_copy.wait_group(1)  # this group's V tile
         gl.thread_barrier()
@@ -424,74 +389,9 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
     acc1 = _pv_chunk(acc1 * fa, vq1, b00, b10, b20, b30, A_OP)
     acc2 = _pv_chunk(acc2 * fa, vq2, b01, b11, b21, b31, A_OP)
     acc3 = _pv_chunk(acc3 * fa, vq3, b01, b11, b21, b31, A_OP)
-    if SPLIT:  # the V buffer read by every lane before the next group's copy
+    if SMEM:  # the V buffer read by every lane before the next group's copy
         gl.thread_barrier()
 
-    return m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3
-
-
-@gluon.jit
-def _pair_group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, j0, mk_a, mk_b, mv_a, mv_b, num_blocks, h,
-                q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off,
-                rmu, cmu, mu_off, v_off, t_off, rowsC, H: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
-                PAGE: gl.constexpr, QK_SCALE: gl.constexpr, MASKED: gl.constexpr):
-    # PAIRS = 2: blocks j0, j0 + 1 of a packing group (planes j0, j0 + 1 of its code bytes; j0 = 0 or 2, this
-    # program's pair, at run time; the other pair's program reads the same code words) into this program's state;
-    # mk_* / mv_* the two planes' masks shaped as a K / V chunk. Direct loads, no staging
-    VCH: gl.constexpr = 32 * (PAGE // 4)  # one 32-channel V chunk of a page
-    gi, kbase, vbase, meta0, tmeta0 = _group_bases(k_codes_ptr, v_codes_ptr, pid, grp, h, H, D, P, PAGE)
-    va = grp * 4 + j0 < num_blocks
-    vb = grp * 4 + j0 + 1 < num_blocks
-    meta = meta0 + j0 * D  # block j0 of the group
-    mu_mask = ((rmu < 2) & (grp * 4 + j0 + rmu < num_blocks))[:, None] & (cmu < 32)[None, :]
-    sa = gl.zeros([P, 8], gl.float32, layout=MMA)
-    sb = gl.zeros([P, 8], gl.float32, layout=MMA)
-    bacc = gl.zeros([16, 8], gl.float32, layout=MMA)
-    for c in gl.static_range(4):
-        kc = gl.load(kbase + c * 32 + k_off)
-        qp = gl.load(q_rows + c * 32, mask=qmask, other=0.0).to(gl.float32)
-        mc = meta + c * 32
-        sg = _ld(k_scale_ptr + mc + kq, va, MASKED).to(gl.float32)
-        sa = mma_v2(_k_logical(_plane_rt(kc, mk_a), A_OP), _q_logical((qp * sg[:, None]).to(gl.float16), B_OP), sa)
-        sg = _ld(k_scale_ptr + mc + D + kq, vb, MASKED).to(gl.float32)
-        sb = mma_v2(_k_logical(_plane_rt(kc, mk_b), A_OP), _q_logical((qp * sg[:, None]).to(gl.float16), B_OP), sb)
-        mu = _k_logical(gl.load(k_min_ptr + mc + mu_off, mask=mu_mask, other=0.0), A_OP)  # rows 0, 1: blocks j0, j0 + 1
-        qhi = qp.to(gl.float16)
-        qlo = (qp - qhi.to(gl.float32)).to(gl.float16)
-        bacc = mma_v2(mu, _q_logical(qhi, B_OP), bacc)
-        bacc = mma_v2(mu, _q_logical(qlo, B_OP), bacc)
-    biasa = _row(bacc, rowsC, 0) * QK_SCALE
-    biasb = _row(bacc, rowsC, 1) * QK_SCALE
-    tja = 2.0 * j0.to(gl.float32)  # 2 j0: the logits of plane j carry 4**-j (2**(24 - 2 j) QK_SCALE below)
-    sca = gl.where(j0 == 0, 2.0 ** 24 * QK_SCALE, 2.0 ** 20 * QK_SCALE)  # exact, not ex2.approx
-    ma = gl.where(va, gl.max(sa, axis=0) * sca + biasa, float("-inf"))
-    mb = gl.where(vb, gl.max(sb, axis=0) * (sca * 0.25) + biasb, float("-inf"))
-    m_new = gl.maximum(m_i, gl.maximum(ma, mb))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    m_i = m_new
-    tmeta = tmeta0 + j0 * (2 * P) + t_off
-    fa_ = gl.where(j0 == 0, 1.0, 16.0)  # 4**j0
-    la, n0a, n1a, ba0, ba1 = _block_weights(sa, biasa, m_safe, va, v_scale_ptr, v_min_ptr, tmeta, 0, 0, sca, tja,
-                                            fa_, 0, B_OP, ROW_C_MMA, 0, MASKED)
-    lb, n0b, n1b, bb0, bb1 = _block_weights(sb, biasb, m_safe, vb, v_scale_ptr, v_min_ptr, tmeta + 2 * P, 0, 0,
-                                            sca * 0.25, tja + 2.0, fa_ * 4.0, 0, B_OP, ROW_C_MMA, 0, MASKED)
-    l_i = l_i * alpha + (la + lb)
-    nu0_i = nu0_i * alpha + (n0a + n0b)
-    nu1_i = nu1_i * alpha + (n1a + n1b)
-    fa = alpha[None, :]
-    vq0 = gl.load(vbase + v_off)
-    vq1 = gl.load(vbase + VCH + v_off)
-    vq2 = gl.load(vbase + 2 * VCH + v_off)
-    vq3 = gl.load(vbase + 3 * VCH + v_off)
-    acc0 = mma_v2(_v_logical(_plane_rt(vq0, mv_b), A_OP), bb0,
-                  mma_v2(_v_logical(_plane_rt(vq0, mv_a), A_OP), ba0, acc0 * fa))
-    acc1 = mma_v2(_v_logical(_plane_rt(vq1, mv_b), A_OP), bb0,
-                  mma_v2(_v_logical(_plane_rt(vq1, mv_a), A_OP), ba0, acc1 * fa))
-    acc2 = mma_v2(_v_logical(_plane_rt(vq2, mv_b), A_OP), bb1,
-                  mma_v2(_v_logical(_plane_rt(vq2, mv_a), A_OP), ba1, acc2 * fa))
-    acc3 = mma_v2(_v_logical(_plane_rt(vq3, mv_b), A_OP), bb1,
-                  mma_v2(_v_logical(_plane_rt(vq3, mv_a), A_OP), ba1, acc3 * fa))
     return m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3
 
 
@@ -616,26 +516,25 @@ def hack_gluon_decode_kernel(
         v_min_ptr, open_k_ptr, open_v_ptr, sink_k_ptr, sink_v_ptr, acc_ptr, m_ptr, l_ptr,
         H: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
         PPS: gl.constexpr, NUM_PAGES: gl.constexpr, NS: gl.constexpr, W: gl.constexpr, SPLITS: gl.constexpr,
-        QK_SCALE: gl.constexpr, ASYNC: gl.constexpr, PAIRS: gl.constexpr, DENSE: gl.constexpr,
-        ROWS: gl.constexpr):
+        QK_SCALE: gl.constexpr, ASYNC: gl.constexpr, DENSE: gl.constexpr, ROWS: gl.constexpr):
     # kv_lens i32[S]; page_indices i32[S, PPS]; q f32 | bf16 | f16 [S, H * QPK, D]
     # k_codes u8[N, H, PAGE // 4, D]; k_scale, k_min f16[N, H, PAGE // P, D]
     # v_codes u8[N, H, D, PAGE // 4]; v_scale, v_min f16[N, H, PAGE, 2] (token t, channel group g at 2 t + g)
     # open_k, open_v bf16[S, H, W, D]; sink_k, sink_v bf16[S, H, NS, D] (NS 0: any array, not read)
-    # out: acc f32[S, H, ROWS, 8, D]; m (natural log units), l f32[S, H, ROWS, 8], rows 0 .. SPLITS * PAIRS - 1
-    # written (ROWS >= SPLITS * PAIRS: common.split_slots; the rest left as they are)
-    # DENSE 1 / 2: the first program of each (sequence, kv head) also attends to the sinks and the open region's
-    # tokens (NS <= 16), after / before its sealed groups (0: the sealed blocks only; the caller attends to them)
-    # PAIRS 2: two programs per split, each over two of every group's four blocks (planes), direct loads (ASYNC's
-    # bit 1 only); 1: one program over all four
-    # ASYNC: bit 1 page ids one group ahead; bit 0 two cp.async stages of the code tiles, with META = (ASYNC // 4)
-    # % 4 = 1 / 2 the metadata staged too (k_scale, v_scale, v_min / and k_min; without bit 0 META is ignored:
-    # direct loads); >= 16 single buffers (V during QK^T, the next K during PV) with that META, page ids always
-    # one group ahead (bits 0 and 1 ignored)
+    # out: acc f32[S, H, ROWS, 8, D]; m (natural log units), l f32[S, H, ROWS, 8], rows 0 .. SPLITS - 1 written
+    # (ROWS >= SPLITS: common.split_slots; the rest left as they are)
+    # DENSE 2: the first program of each (sequence, kv head) also attends to the sinks and the open region's tokens
+    # (NS <= 16) before its sealed groups (0: the sealed blocks only; the caller attends to them)
+    # ASYNC < 16: direct loads, bit 1 page ids one group ahead (bit 0 0: the two-stage staging was removed); >= 16:
+    # single cp.async buffers (V during QK^T, the next K during PV), META = (ASYNC // 4) % 4 = 1 the metadata staged
+    # too (k_scale, v_scale, v_min), page ids always one group ahead
     gl.static_assert(D == 128)
     gl.static_assert(P == 64)
+    gl.static_assert(DENSE == 0 or DENSE == 2)
     gl.static_assert(DENSE == 0 or NS <= 16)  # one 16-row sink tile
-    gl.static_assert(ROWS >= SPLITS * PAIRS)  # a row of partials per program
+    gl.static_assert(ROWS >= SPLITS)  # a row of partials per program
+    gl.static_assert(ASYNC >= 16 or ASYNC % 2 == 0)  # no two-stage staging
+    gl.static_assert(ASYNC < 16 or (ASYNC // 4) % 4 <= 1)  # META: the K minima are not staged
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     ROW_C: gl.constexpr = gl.SliceLayout(1, mma)
     COL_C: gl.constexpr = gl.SliceLayout(0, mma)
@@ -643,8 +542,7 @@ def hack_gluon_decode_kernel(
 
     b = gl.program_id(0)
     h = gl.program_id(1)
-    split = gl.program_id(2) // PAIRS
-    j0 = (gl.program_id(2) % PAIRS) * 2  # PAIRS 2: this program's first plane
+    split = gl.program_id(2)
     kv_len = gl.load(kv_lens_ptr + b)
     after_sinks = gl.minimum(gl.maximum(kv_len - NS, 0), PPS * PAGE)
     num_blocks = (after_sinks // W) * (W // P)
@@ -695,97 +593,42 @@ def hack_gluon_decode_kernel(
             acc3 = acc3 * u
     # page ids: one group ahead (bit 1 of ASYNC), so that no group's first loads wait on its page id's load
     pid_cur = _pid(page_indices_ptr, b, gl.minimum(g_lo, last), PPS, GPP, NUM_PAGES)
-    if PAIRS == 2:
-        mk_a = gl.full([P, 32], 3, gl.uint8, layout=LK) << (2 * j0).to(gl.uint8)
-        mk_b = mk_a << 2
-        mv_a = gl.full([32, P], 3, gl.uint8, layout=LV) << (2 * j0).to(gl.uint8)
-        mv_b = mv_a << 2
-        for grp in range(g_lo, g_full):
-            pid, pid_cur = _group_pid(pid_cur, page_indices_ptr, b, grp, last, (ASYNC // 2) % 2 == 1, PPS, GPP,
-                                      NUM_PAGES)
-            m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _pair_group(
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, j0, mk_a, mk_b, mv_a, mv_b, num_blocks, h,
-                q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off,
-                rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, QK_SCALE, False)
-        if g_hi > g_lo:  # the last group again if it is partial: masked
-            if g_hi * 4 > num_blocks:
-                pid = _pid(page_indices_ptr, b, last, PPS, GPP, NUM_PAGES)
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _pair_group(
-                    m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, g_hi - 1, pid, j0, mk_a, mk_b, mv_a, mv_b,
-                    num_blocks, h, q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr,
-                    v_min_ptr, kq, k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, H, D, P, PAGE, QK_SCALE, True)
-    elif ASYNC >= 16:  # single buffers, each group's V copied during its QK^T, the next group's K during its PV
-        META: gl.constexpr = (ASYNC // 4) % 4  # metadata staged too: 1 k_scale, v_scale, v_min; 2 and k_min
-        ksm, vsm, ksc, kmn, vsc, vmn = _stages(1, P, D, META)
-        _copy_k(ksm.index(0), ksc.index(0), kmn.index(0), k_codes_ptr, k_scale_ptr, k_min_ptr, pid_cur, g_lo % GPP, h,
-                g_lo < g_full, H, D, P, PAGE, META)
+    if ASYNC >= 16:  # single buffers, each group's V copied during its QK^T, the next group's K during its PV
+        META: gl.constexpr = (ASYNC // 4) % 4  # 1: k_scale, v_scale, v_min staged too
+        ksm, vsm, ksc, vsc, vmn = _stages(1, P, D, META)
+        _copy_k(ksm.index(0), ksc.index(0), k_codes_ptr, k_scale_ptr, pid_cur, g_lo % GPP, h, g_lo < g_full, H, D, P,
+                PAGE, META)
         async_copy.commit_group()
         for grp in range(g_lo, g_full):
             pid = pid_cur
             pid_cur = _pid(page_indices_ptr, b, gl.minimum(grp + 1, last), PPS, GPP, NUM_PAGES)
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
                 m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm.index(0), vsm.index(0),
-                ksc.index(0), kmn.index(0), vsc.index(0), vmn.index(0), num_blocks, h, q_rows, qmask,
+                ksc.index(0), vsc.index(0), vmn.index(0), num_blocks, h, q_rows, qmask,
                 k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu,
-                mu_off, v_off, t_off, rowsC, pid_cur, grp + 1 < g_full, H, D, P, PAGE, QK_SCALE, False, True, META,
-                True)
-        async_copy.wait_group(0)
-    elif ASYNC % 2 == 1:  # two stages: group g + 2 is copied while group g + 1 waits and group g is computed
-        META: gl.constexpr = (ASYNC // 4) % 4  # metadata staged too: 1 k_scale, v_scale, v_min; 2 and k_min
-        pid_nxt = _pid(page_indices_ptr, b, gl.minimum(g_lo + 1, last), PPS, GPP, NUM_PAGES)
-        ksm, vsm, ksc, kmn, vsc, vmn = _stages(2, P, D, META)
-        for s0 in gl.static_range(2):
-            pid0 = pid_cur if s0 == 0 else pid_nxt
-            _copy_group(ksm.index(s0), vsm.index(s0), ksc.index(s0), kmn.index(s0), vsc.index(s0), vmn.index(s0),
-                        k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr, pid0,
-                        (g_lo + s0) % GPP, h, g_lo + s0 < g_full, H, D, P, PAGE, META)
-        for grp in range(g_lo, g_full):
-            st = (grp - g_lo) % 2
-            g2 = gl.minimum(grp + 2, last)
-            pid2 = _pid(page_indices_ptr, b, g2, PPS, GPP, NUM_PAGES)
-            async_copy.wait_group(1)  # this group's copies done (the next group's may be in flight)
-            gl.thread_barrier()  # all lanes' copies visible
-            pid = pid_cur if (ASYNC // 2) % 2 == 1 else _pid(page_indices_ptr, b, grp, PPS, GPP, NUM_PAGES)
-            m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm.index(st), vsm.index(st),
-                ksc.index(st), kmn.index(st), vsc.index(st), vmn.index(st), num_blocks, h, q_rows, qmask,
-                k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu,
-                mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, False, True, META, False)
-            gl.thread_barrier()  # the stage read by every lane before it is refilled
-            _copy_group(ksm.index(st), vsm.index(st), ksc.index(st), kmn.index(st), vsc.index(st), vmn.index(st),
-                        k_codes_ptr, v_codes_ptr, k_scale_ptr, k_min_ptr, v_scale_ptr, v_min_ptr, pid2, g2 % GPP, h,
-                        grp + 2 < g_full, H, D, P, PAGE, META)
-            pid_cur = pid_nxt
-            pid_nxt = pid2
+                mu_off, v_off, t_off, rowsC, pid_cur, grp + 1 < g_full, H, D, P, PAGE, QK_SCALE, False, True, META)
         async_copy.wait_group(0)
     else:
         for grp in range(g_lo, g_full):
             pid, pid_cur = _group_pid(pid_cur, page_indices_ptr, b, grp, last, (ASYNC // 2) % 2 == 1, PPS, GPP,
                                       NUM_PAGES)
             m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, 0, 0, 0, 0, 0, 0, num_blocks, h, q_rows,
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, 0, 0, 0, 0, 0, num_blocks, h, q_rows,
                 qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu,
-                cmu, mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, False, False, 0, False)
-    if PAIRS == 1:
-        if g_hi > g_lo:  # the last group again if it is partial: masked
-            if g_hi * 4 > num_blocks:
-                pid = _pid(page_indices_ptr, b, last, PPS, GPP, NUM_PAGES)
-                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
-                    m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, g_hi - 1, pid, 0, 0, 0, 0, 0, 0, num_blocks, h,
-                    q_rows, qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq,
-                    k_off, rmu, cmu, mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, True, False, 0,
-                    False)
+                cmu, mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, False, False, 0)
+    if g_hi > g_lo:  # the last group again if it is partial: masked
+        if g_hi * 4 > num_blocks:
+            pid = _pid(page_indices_ptr, b, last, PPS, GPP, NUM_PAGES)
+            m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3 = _group(
+                m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, g_hi - 1, pid, 0, 0, 0, 0, 0, num_blocks, h, q_rows,
+                qmask, k_codes_ptr, k_scale_ptr, k_min_ptr, v_codes_ptr, v_scale_ptr, v_min_ptr, kq, k_off, rmu, cmu,
+                mu_off, v_off, t_off, rowsC, 0, False, H, D, P, PAGE, QK_SCALE, True, False, 0)
 
     w = 2.0 ** 24  # the accumulator in real units from here
     acc0 = acc0 * w + nu0_i[None, :]
     acc1 = acc1 * w + nu0_i[None, :]
     acc2 = acc2 * w + nu1_i[None, :]
     acc3 = acc3 * w + nu1_i[None, :]
-    if DENSE == 1:
-        if gl.program_id(2) == 0:  # split 0: the fewest groups where they do not divide evenly
-            m_i, l_i, acc0, acc1, acc2, acc3 = _dense_part(m_i, l_i, acc0, acc1, acc2, acc3, b, h, kv_len,
-                                                           after_sinks, q_ptr, open_k_ptr, open_v_ptr, sink_k_ptr,
-                                                           sink_v_ptr, H, QPK, D, W, NS, QK_SCALE)
     out_row = ((b * H + h) * ROWS + gl.program_id(2)) * 8 + nC  # [8]
     gl.store(m_ptr + out_row, m_i * 0.6931471805599453)  # base 2 -> natural log units
     gl.store(l_ptr + out_row, l_i)
