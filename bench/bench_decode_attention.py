@@ -76,7 +76,7 @@ IMPLS = ("hack", "dequant", "bf16", "fp8", "int8", "kivi2", "int4", "turbo3", "t
 # gluon* = the Gluon kernel (pallas_kernels.gluon_decode_attention, impl="gluon") with these launch options
 GLUON_IMPLS = {"gluon": {}, "gluon168": {"maxnreg": 168}, "gluondirect": {"staging": "direct"},
                "gluonjnp": {"open_in_kernel": False}, "gluonffi": {"launch": "ffi"},
-               "gluonlegacy": {"launch": "legacy"}}
+               "gluonlegacy": {"launch": "legacy"}, "gluons32": {"num_splits": 32}, "gluons64": {"num_splits": 64}}
 EXTRA_IMPLS = ("hack4", "hack4p128", "hackw", "hackwns") + tuple(GLUON_IMPLS)
 HACKW_FIELDS = {"partition_size": 32, "v_group": 64, "window": 128}
 PAGE_SIZE = 256  # QuantConfig's default

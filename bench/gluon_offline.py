@@ -1,7 +1,7 @@
 """Offline (CPU-only) compile of the Gluon decode kernel to sm_90 SASS and its loop's instruction counts.
 
   PYTHONPATH=.:/tmp/tri python bench/gluon_offline.py [--maxnreg N] [--async-mode 0..31]
-      [--dense 0|1|2] [--out DIR]
+      [--dense 0|2|3] [--out DIR]
 
 pip Triton 3.6 (`pip install --target /tmp/tri triton==3.6.0`) compiles `pallas_kernels/gluon_decode_kernel.py`
 for Llama-3.1-8B heads at 8 x 32K (32 q / 8 kv heads, d 128, P 64, page 256, 16 splits), then `cuobjdump` gives the
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import triton_offline  # noqa: E402
 
 
-def compile_sass(*, batch=8, kv_len=32768, splits=16, async_mode=0, maxnreg=None, dense=2,
+def compile_sass(*, batch=8, kv_len=32768, splits=16, async_mode=0, maxnreg=None, dense=3,
                  out_dir="/tmp/gluon_offline"):
     """(cuobjdump -res-usage text, SASS text) of the kernel compiled for sm_90; writes DIR/k.{ttgir,ptx,cubin,sass}."""
     from pallas_kernels.gluon_decode_attention import SIGNATURE, kernel_constexprs
@@ -50,9 +50,9 @@ def main(argv=None):
     ap.add_argument("--async-mode", type=int, default=0, choices=[0, 2, 16, 17, 18, 19, 20, 21, 22, 23],
                     help="the kernel's ASYNC (its header comment: < 16 direct loads, bit 1 page ids ahead; >= 16 "
                     "single cp.async buffers, (// 4) %% 4 = 1 metadata staged)")
-    ap.add_argument("--dense", type=int, default=2, choices=(0, 2),
-                    help="the kernel's DENSE (2: the sinks and open region in the first program, before its sealed "
-                    "groups; 0: left to the caller)")
+    ap.add_argument("--dense", type=int, default=3, choices=(0, 2, 3),
+                    help="the kernel's DENSE (3: the sinks and open region in a program of their own; 2: in the first "
+                    "program, before its sealed groups; 0: left to the caller)")
     ap.add_argument("--out", default="/tmp/gluon_offline")
     a = ap.parse_args(argv)
     res, sass = compile_sass(async_mode=a.async_mode, maxnreg=a.maxnreg, dense=a.dense, out_dir=a.out)

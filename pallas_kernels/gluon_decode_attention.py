@@ -3,11 +3,12 @@ explicit mma_v2 layouts (pallas_kernels/gluon_decode_kernel.py), launched by pal
 `impl="gluon"` in hack_jax.attention.
 
 What it computes: the folded_f16 mode of pallas_kernels.decode_attention (its docstring) over the sealed blocks,
-by the codes; the sinks and the 16-bit open region (in the first program of each sequence and kv head) as bf16
-rows against q and the softmax weights split into two bf16 parts (~16-bit products; open_k / sink_k of another
-float dtype are rounded to bf16 first); the per-program partials merged by common.combine_splits. A full open
-region is read as sealed (the Pallas kernel's open_full=False). It needs a CUDA GPU with Triton >= 3.6
-(`triton.experimental.gluon`); shapes are restricted to what the kernel covers.
+by the codes; the sinks and the 16-bit open region (in a program of their own per sequence and kv head, beside
+the splits over the sealed groups) as bf16 rows against q and the softmax weights split into two bf16 parts
+(~16-bit products; open_k / sink_k of another float dtype are rounded to bf16 first); the per-program partials
+merged by common.combine_splits. A full open region is read as sealed (the Pallas kernel's open_full=False). It
+needs a CUDA GPU with Triton >= 3.6 (`triton.experimental.gluon`); shapes are restricted to what the kernel
+covers.
 
 Shapes (the arrays of pallas_kernels.decode_attention.hack_decode_attention, whose call form this copies):
   q f32|bf16|f16[S, Hq, 128]; k_codes u8[N, H, page_size // 4, 128]; k_scale, k_min f16[N, H, bpp, 128];
@@ -52,31 +53,34 @@ def _has_gluon() -> bool:
         return False
 
 
-def default_num_splits(batch: int, num_kv_heads: int, num_groups: int) -> int:
-    """Splits per (sequence, kv head): one wave of PROGRAMS_PER_SM one-warp programs per SM, at least one packing
-    group each."""
-    slots = NUM_SMS * PROGRAMS_PER_SM
-    return max(1, min(num_groups, slots // max(1, batch * num_kv_heads)))
+def default_num_splits(batch: int, num_kv_heads: int, num_groups: int, *, extra: int = 1, q_pad: int = 4) -> int:
+    """Splits per (sequence, kv head): with the `extra` programs (the dense program: 1) one wave of
+    PROGRAMS_PER_SM one-warp programs per SM, at most what common.combine_splits merges in one kernel for q_pad
+    query-head rows (COMBINE_MAX_PARTIALS // q_pad), at least one packing group each."""
+    slots = NUM_SMS * PROGRAMS_PER_SM // max(1, batch * num_kv_heads)
+    return max(1, min(num_groups, min(slots, common.COMBINE_MAX_PARTIALS // q_pad) - extra))
 
 
 def kernel_constexprs(*, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, pages_per_seq: int,
                       num_pages: int, num_sink_tokens: int, window: int, num_splits: int, async_mode: int,
-                      dense: int = 2, rows: int | None = None) -> dict:
+                      dense: int = 3, rows: int | None = None) -> dict:
     """The kernel's constexpr parameters (also used by bench/gluon_offline.py and bench/gluon_harness.py);
     async_mode: its ASYNC (STAGING's values; the other modes of the kernel's docstring are reached only from the
-    bench tools); dense: the kernel's DENSE (2: the sinks, at most 16, and the open region in the first program of
-    each sequence and kv head, before its sealed groups; 0: not at all); rows: the partials' rows (None: one per
-    split)."""
-    if dense not in (0, 2):
-        raise ValueError(f"dense must be 0 or 2, got dense={dense!r}")
+    bench tools); dense: the kernel's DENSE (3: the sinks, at most 16, and the open region in one more program per
+    sequence and kv head, after the splits; 2: in the first program, before its sealed groups; 0: not at all);
+    rows: the partials' rows (None: one per program)."""
+    if dense not in (0, 2, 3):
+        raise ValueError(f"dense must be 0, 2 or 3, got dense={dense!r}")
     if dense and num_sink_tokens > 16:
         raise ValueError(f"the kernel attends to at most 16 sink tokens itself, got {num_sink_tokens=} with {dense=}")
-    if rows is not None and rows < num_splits:
-        raise ValueError(f"rows must hold one row per program ({num_splits}), got {rows=}")
+    programs = num_splits + (dense == 3)
+    if rows is not None and rows < programs:
+        raise ValueError(f"rows must hold one row per program ({programs}), got {rows=}")
     return dict(H=num_kv_heads, QPK=num_q_heads // num_kv_heads, D=head_dim, P=64, PAGE=page_size, PPS=pages_per_seq,
                 NUM_PAGES=num_pages, NS=num_sink_tokens, W=window, SPLITS=num_splits,
                 QK_SCALE=math.log2(math.e) / math.sqrt(head_dim), ASYNC=async_mode,
-                DENSE=int(dense), ROWS=num_splits if rows is None else rows)
+                DENSE=int(dense), ROWS=programs if rows is None else rows,
+                OPAD=common.q_per_kv_pad(num_q_heads // num_kv_heads))
 
 
 def _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, *, num_sink_tokens, window, pages_per_seq, page_size):
@@ -101,7 +105,7 @@ def _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, *, num_sink_tokens, 
     m = jnp.max(s, axis=-1)
     p = jnp.exp2(s - jnp.where(m > -jnp.inf, m, 0.0)[..., None])
     acc = jnp.einsum("shgt,shtd->shgd", p, v, precision="highest")
-    pad = 8 - G
+    pad = common.q_per_kv_pad(G) - G
     return (jnp.pad(acc, ((0, 0), (0, 0), (0, pad), (0, 0))),
             jnp.pad(m, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf),
             jnp.pad(jnp.sum(p, axis=-1), ((0, 0), (0, 0), (0, pad))))
@@ -117,17 +121,18 @@ def _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, o
     S, Hq, D = q.shape
     N, H, quarter, _ = k_codes.shape
     page_size, pps = 4 * quarter, page_indices.shape[1]
-    programs = num_splits
-    rows = common.split_slots(programs, 8, D) if open_in_kernel else programs
+    opad = common.q_per_kv_pad(Hq // H)
+    programs = num_splits + open_in_kernel  # the sinks and open region: a program of their own
+    rows = common.split_slots(programs, opad, D) if open_in_kernel else programs
     consts = kernel_constexprs(num_q_heads=Hq, num_kv_heads=H, head_dim=D, page_size=page_size, pages_per_seq=pps,
                                num_pages=N, num_sink_tokens=num_sink_tokens, window=window, num_splits=num_splits,
-                               async_mode=STAGING[staging], dense=2 if open_in_kernel else 0,
+                               async_mode=STAGING[staging], dense=3 if open_in_kernel else 0,
                                rows=rows)
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         q = q.astype(jnp.float32)
     sinks = (sink_k, sink_v) if num_sink_tokens else (open_k, open_v)  # ns 0: any bf16 array, not read
     dense = [x if x.dtype == jnp.bfloat16 else x.astype(jnp.bfloat16) for x in (open_k, open_v) + sinks]
-    shape = (S, H, rows, 8)
+    shape = (S, H, rows, opad)
     acc, m, l = gluon_call(
         hack_gluon_decode_kernel, kv_lens, page_indices, q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, *dense,
         out_shapes=[jax.ShapeDtypeStruct(shape + (D,), jnp.float32), jax.ShapeDtypeStruct(shape, jnp.float32),
@@ -152,12 +157,13 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
                                 open_in_kernel: bool = True, launch: str = "auto", bits: int = 2):
     """Scale-folded HACK decode attention by the Gluon kernel (module docstring); f32[S, Hq, D].
 
-    Arrays and static ints as pallas_kernels.decode_attention.hack_decode_attention. num_splits: programs per
-    (sequence, kv head) (None: `default_num_splits`); maxnreg: a register cap for the kernel (None: none);
-    staging: how each packing group's tiles reach the warp (STAGING's keys: "operand" single buffers by cp.async,
-    "direct" loads into registers); open_in_kernel: the sinks (at
-    most 16) and the open region (window 64) attended by the kernel (False: by float32 jnp here, any ns and window,
-    for comparison); launch: the custom call (gluon_launch.gluon_call: "auto", "ffi", "legacy").
+    Arrays and static ints as pallas_kernels.decode_attention.hack_decode_attention. num_splits: programs over the
+    sealed groups per (sequence, kv head), beside the sinks' and open region's program (None:
+    `default_num_splits`); maxnreg: a register cap for the kernel (None: none); staging: how each packing group's
+    tiles reach the warp (STAGING's keys: "operand" single buffers by cp.async, "direct" loads into registers);
+    open_in_kernel: the sinks (at most 16) and the open region (window 64) attended by the kernel (False: by
+    float32 jnp here, any ns and window, for comparison); launch: the custom call (gluon_launch.gluon_call:
+    "auto", "ffi", "legacy").
 
     Raises:
       ValueError: shapes or dtypes off the kivi layout, outside the kernel's coverage (module docstring: more
@@ -203,7 +209,8 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
         raise NotImplementedError("the gluon kernel needs Triton >= 3.6 (triton.experimental.gluon), not installed")
     window = window or partition_size
     groups = page_indices.shape[1] * page_size // 256
-    splits = num_splits or default_num_splits(S, H, groups)
+    splits = num_splits or default_num_splits(S, H, groups, extra=int(open_in_kernel),
+                                              q_pad=common.q_per_kv_pad(Hq // H))
     return _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v,
                          sink_k if num_sink_tokens else None, sink_v if num_sink_tokens else None, page_indices,
                          kv_lens, num_sink_tokens=num_sink_tokens, window=window, num_splits=splits, maxnreg=maxnreg,

@@ -516,23 +516,26 @@ def hack_gluon_decode_kernel(
         v_min_ptr, open_k_ptr, open_v_ptr, sink_k_ptr, sink_v_ptr, acc_ptr, m_ptr, l_ptr,
         H: gl.constexpr, QPK: gl.constexpr, D: gl.constexpr, P: gl.constexpr, PAGE: gl.constexpr,
         PPS: gl.constexpr, NUM_PAGES: gl.constexpr, NS: gl.constexpr, W: gl.constexpr, SPLITS: gl.constexpr,
-        QK_SCALE: gl.constexpr, ASYNC: gl.constexpr, DENSE: gl.constexpr, ROWS: gl.constexpr):
+        QK_SCALE: gl.constexpr, ASYNC: gl.constexpr, DENSE: gl.constexpr, ROWS: gl.constexpr, OPAD: gl.constexpr):
     # kv_lens i32[S]; page_indices i32[S, PPS]; q f32 | bf16 | f16 [S, H * QPK, D]
     # k_codes u8[N, H, PAGE // 4, D]; k_scale, k_min f16[N, H, PAGE // P, D]
     # v_codes u8[N, H, D, PAGE // 4]; v_scale, v_min f16[N, H, PAGE, 2] (token t, channel group g at 2 t + g)
     # open_k, open_v bf16[S, H, W, D]; sink_k, sink_v bf16[S, H, NS, D] (NS 0: any array, not read)
-    # out: acc f32[S, H, ROWS, 8, D]; m (natural log units), l f32[S, H, ROWS, 8], rows 0 .. SPLITS - 1 written
-    # (ROWS >= SPLITS: common.split_slots; the rest left as they are)
-    # DENSE 2: the first program of each (sequence, kv head) also attends to the sinks and the open region's tokens
-    # (NS <= 16) before its sealed groups (0: the sealed blocks only; the caller attends to them)
+    # out: acc f32[S, H, ROWS, OPAD, D]; m (natural log units), l f32[S, H, ROWS, OPAD], rows 0 .. SPLITS - 1
+    # written (ROWS >= SPLITS: common.split_slots; the rest left as they are); OPAD: QPK rounded up to a power of two
+    # (common.q_per_kv_pad), the query heads of a row
+    # DENSE 3: one more program per (sequence, kv head), program_id(2) == SPLITS (grid SPLITS + 1), attends to the
+    # sinks and the open region's tokens (NS <= 16) and to no sealed group; 2: the first program does, before its
+    # groups; 0: the sealed blocks only (the caller attends to the rest)
     # ASYNC < 16: direct loads, bit 1 page ids one group ahead (bit 0 0: the two-stage staging was removed); >= 16:
     # single cp.async buffers (V during QK^T, the next K during PV), META = (ASYNC // 4) % 4 = 1 the metadata staged
     # too (k_scale, v_scale, v_min), page ids always one group ahead
     gl.static_assert(D == 128)
     gl.static_assert(P == 64)
-    gl.static_assert(DENSE == 0 or DENSE == 2)
+    gl.static_assert(DENSE == 0 or DENSE == 2 or DENSE == 3)
     gl.static_assert(DENSE == 0 or NS <= 16)  # one 16-row sink tile
-    gl.static_assert(ROWS >= SPLITS)  # a row of partials per program
+    gl.static_assert(ROWS >= SPLITS + DENSE // 3)  # a row of partials per program
+    gl.static_assert(OPAD >= QPK and OPAD <= 8)
     gl.static_assert(ASYNC >= 16 or ASYNC % 2 == 0)  # no two-stage staging
     gl.static_assert(ASYNC < 16 or (ASYNC // 4) % 4 <= 1)  # META: the K minima are not staged
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -548,7 +551,7 @@ def hack_gluon_decode_kernel(
     num_blocks = (after_sinks // W) * (W // P)
     num_groups = (num_blocks + 3) // 4
     g_lo = split * num_groups // SPLITS
-    g_hi = (split + 1) * num_groups // SPLITS
+    g_hi = gl.minimum((split + 1) * num_groups // SPLITS, num_groups)  # DENSE 3's program: no groups
 
     kq = gl.arange(0, 32, layout=gl.SliceLayout(1, LQ))  # physical channel of a chunk
     nq = gl.arange(0, 8, layout=gl.SliceLayout(0, LQ))
@@ -581,8 +584,9 @@ def hack_gluon_decode_kernel(
     acc3 = gl.zeros([32, 8], gl.float32, layout=mma)
     g_full = gl.minimum(g_hi, num_blocks // 4)  # groups of 4 sealed blocks
     last = gl.maximum(g_hi - 1, 0)
-    if DENSE == 2:  # the sinks and open region first, while no loop state is live; the state to the loop's units
-        if gl.program_id(2) == 0:  # split 0: the fewest groups where they do not divide evenly
+    if DENSE != 0:  # the sinks and open region first, while no loop state is live; the state to the loop's units
+        # DENSE 2: split 0 (the fewest groups where they do not divide evenly); 3: the program after the splits
+        if split == SPLITS * (DENSE // 3):
             m_i, l_i, acc0, acc1, acc2, acc3 = _dense_part(m_i, l_i, acc0, acc1, acc2, acc3, b, h, kv_len,
                                                            after_sinks, q_ptr, open_k_ptr, open_v_ptr, sink_k_ptr,
                                                            sink_v_ptr, H, QPK, D, W, NS, QK_SCALE)
@@ -629,11 +633,12 @@ def hack_gluon_decode_kernel(
     acc1 = acc1 * w + nu0_i[None, :]
     acc2 = acc2 * w + nu1_i[None, :]
     acc3 = acc3 * w + nu1_i[None, :]
-    out_row = ((b * H + h) * ROWS + gl.program_id(2)) * 8 + nC  # [8]
-    gl.store(m_ptr + out_row, m_i * 0.6931471805599453)  # base 2 -> natural log units
-    gl.store(l_ptr + out_row, l_i)
+    out_row = ((b * H + h) * ROWS + gl.program_id(2)) * OPAD + nC  # [8]; nC >= OPAD not stored
+    gl.store(m_ptr + out_row, m_i * 0.6931471805599453, mask=nC < OPAD)  # base 2 -> natural log units
+    gl.store(l_ptr + out_row, l_i, mask=nC < OPAD)
     optr = acc_ptr + out_row[None, :] * D + chC[:, None]
-    gl.store(optr, acc0)
-    gl.store(optr + 32, acc1)
-    gl.store(optr + 64, acc2)
-    gl.store(optr + 96, acc3)
+    omask = (nC < OPAD)[None, :] & (chC < 32)[:, None]
+    gl.store(optr, acc0, mask=omask)
+    gl.store(optr + 32, acc1, mask=omask)
+    gl.store(optr + 64, acc2, mask=omask)
+    gl.store(optr + 96, acc3, mask=omask)

@@ -132,13 +132,19 @@ def test_gluon_wrapper_refuses_a_window_in_the_kernel():
 def test_kernel_constexprs_refuse_what_the_kernel_cannot_hold():
     kw = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=256, pages_per_seq=4, num_pages=33,
               window=64, async_mode=21)
-    assert gd.kernel_constexprs(num_sink_tokens=16, num_splits=3, **kw)["ROWS"] == 3
+    consts = gd.kernel_constexprs(num_sink_tokens=16, num_splits=3, **kw)
+    # 3 splits and the dense program; partial rows of 4 query heads (no padding to 8)
+    assert (consts["ROWS"], consts["OPAD"], consts["DENSE"]) == (4, 4, 3)
+    assert gd.kernel_constexprs(num_sink_tokens=16, num_splits=3, dense=2, **kw)["ROWS"] == 3
+    assert gd.kernel_constexprs(num_sink_tokens=16, num_splits=3, **{**kw, "num_q_heads": 24})["OPAD"] == 4
     with pytest.raises(ValueError, match="at most 16 sink tokens"):
         gd.kernel_constexprs(num_sink_tokens=17, num_splits=3, **kw)
     assert gd.kernel_constexprs(num_sink_tokens=17, num_splits=3, dense=0, **kw)["DENSE"] == 0
     with pytest.raises(ValueError, match="one row per program"):
         gd.kernel_constexprs(num_sink_tokens=4, num_splits=16, rows=8, **kw)
-    for dense in (1, 3):  # 2: before the groups, 0: none
+    with pytest.raises(ValueError, match=r"one row per program \(4\)"):
+        gd.kernel_constexprs(num_sink_tokens=4, num_splits=3, rows=3, **kw)
+    for dense in (1, 4):  # 3: a program of its own, 2: before the groups, 0: none
         with pytest.raises(ValueError, match="dense must be"):
             gd.kernel_constexprs(num_sink_tokens=4, num_splits=3, dense=dense, **kw)
 
@@ -172,6 +178,7 @@ def test_gluon_open_region_state_vs_numpy(case):
         jnp.asarray(q), *(jnp.asarray(c[f]) for f in ("open_k", "open_v", "sink_k", "sink_v", "kv_lens")),
         num_sink_tokens=case.ns, window=case.P, pages_per_seq=case.pages_per_seq, page_size=case.page_size))
     assert np.isfinite(acc).all()
+    assert acc.shape == (S, H, max(1, 1 << (G - 1).bit_length()), D)  # query heads rounded up to a power of two
     for b in range(S):
         for h in range(H):
             kr, vr = _residual_tokens(c, b, h, case.P, case.ns)
@@ -216,3 +223,17 @@ def test_gluon_via_dispatch_on_a_real_cache():
                                             num_sink_tokens=4)
     np.testing.assert_array_equal(out, np.asarray(direct))
     check_vs_dequantized(out, layer, page_indices, lengths, q, atol=2e-3)
+
+
+@pytest.mark.parametrize("batch,heads,groups,q_per_kv", [(1, 8, 128, 4), (1, 8, 512, 4), (8, 8, 128, 4),
+                                                         (1, 4, 512, 8), (2, 8, 4, 4), (64, 8, 512, 4)])
+def test_default_splits_one_wave_and_one_merge_kernel(batch, heads, groups, q_per_kv):
+    """The splits and the dense program fill at most one wave of one-warp programs, never more splits than
+    groups, and their partial rows stay within what combine_splits merges in one kernel."""
+    from pallas_kernels import common
+    pad = 1 << (q_per_kv - 1).bit_length()
+    splits = gd.default_num_splits(batch, heads, groups, extra=1, q_pad=pad)
+    programs = splits + 1
+    assert 1 <= splits <= groups
+    assert programs * batch * heads <= gd.NUM_SMS * gd.PROGRAMS_PER_SM or splits == 1
+    assert (1 << (programs - 1).bit_length()) * pad <= common.COMBINE_MAX_PARTIALS
