@@ -4,9 +4,10 @@
       [--dense 0|2|3] [--out DIR]
 
 pip Triton 3.6 (`pip install --target /tmp/tri triton==3.6.0`) compiles `pallas_kernels/gluon_decode_kernel.py`
-for Llama-3.1-8B heads at 8 x 32K (32 q / 8 kv heads, d 128, P 64, page 256, 16 splits), then `cuobjdump` gives the
-registers, stack and the SASS; the loop is the widest backward branch's body (one packing group = 4 blocks per
-trip; the masked tail group is outside it). The numbers of bench/NOTES_gluon.md's offline table come from this.
+for Llama-3.1-8B heads at 8 x 32K (32 q / 8 kv heads, d 128, P 64, page 256, 16 splits and, with DENSE 3, the
+dense program), then `cuobjdump` gives the registers, stack and the SASS; the loop is the widest backward
+branch's body (one packing group = 4 blocks per trip; the masked tail group is outside it). The numbers of
+bench/NOTES_gluon.md's offline table come from this.
 """
 from __future__ import annotations
 

@@ -53,12 +53,14 @@ def _has_gluon() -> bool:
         return False
 
 
-def default_num_splits(batch: int, num_kv_heads: int, num_groups: int, *, extra: int = 1, q_pad: int = 4) -> int:
-    """Splits per (sequence, kv head): with the `extra` programs (the dense program: 1) one wave of
-    PROGRAMS_PER_SM one-warp programs per SM, at most what common.combine_splits merges in one kernel for q_pad
-    query-head rows (COMBINE_MAX_PARTIALS // q_pad), at least one packing group each."""
-    slots = NUM_SMS * PROGRAMS_PER_SM // max(1, batch * num_kv_heads)
-    return max(1, min(num_groups, min(slots, common.COMBINE_MAX_PARTIALS // q_pad) - extra))
+def default_num_splits(batch: int, num_kv_heads: int, num_groups: int) -> int:
+    """Splits per (sequence, kv head): one wave of PROGRAMS_PER_SM one-warp programs per SM, at least one packing
+    group each. The sinks' and open region's program comes on top (it is short: it takes a slot left free, or one
+    that a short program frees); one split fewer would lengthen the longest split by a group where the groups
+    divide evenly (1 x 32K: 128 groups), so none is given up for it, even where its row takes the partials past
+    what common.combine_splits merges in one kernel (batch 1: 129 rows, merged by lse_combine)."""
+    slots = NUM_SMS * PROGRAMS_PER_SM
+    return max(1, min(num_groups, slots // max(1, batch * num_kv_heads)))
 
 
 def kernel_constexprs(*, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, pages_per_seq: int,
@@ -84,7 +86,8 @@ def kernel_constexprs(*, num_q_heads: int, num_kv_heads: int, head_dim: int, pag
 
 
 def _open_state(q, open_k, open_v, sink_k, sink_v, kv_lens, *, num_sink_tokens, window, pages_per_seq, page_size):
-    """float32 attention of q over the sinks and the open region: (acc [S, H, 8, D], m base 2, l [S, H, 8])."""
+    """float32 attention of q over the sinks and the open region: (acc [S, H, pad, D], m base 2, l [S, H, pad]),
+    pad = common.q_per_kv_pad(query heads per kv head), the kernel's OPAD."""
     S, Hq, D = q.shape
     H = open_k.shape[1]
     G = Hq // H
@@ -209,8 +212,7 @@ def hack_gluon_decode_attention(q, k_codes, k_scale=None, k_min=None, k_sums=Non
         raise NotImplementedError("the gluon kernel needs Triton >= 3.6 (triton.experimental.gluon), not installed")
     window = window or partition_size
     groups = page_indices.shape[1] * page_size // 256
-    splits = num_splits or default_num_splits(S, H, groups, extra=int(open_in_kernel),
-                                              q_pad=common.q_per_kv_pad(Hq // H))
+    splits = num_splits or default_num_splits(S, H, groups)
     return _gluon_decode(q, k_codes, k_scale, k_min, v_codes, v_scale, v_min, open_k, open_v,
                          sink_k if num_sink_tokens else None, sink_v if num_sink_tokens else None, page_indices,
                          kv_lens, num_sink_tokens=num_sink_tokens, window=window, num_splits=splits, maxnreg=maxnreg,

@@ -395,7 +395,8 @@ def _group(m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3, grp, pid, ksm, vsm, k
     return m_i, l_i, nu0_i, nu1_i, acc0, acc1, acc2, acc3
 
 
-# DENSE: the sinks and the open region (bf16 rows) in the first program of each (sequence, kv head): plain
+# DENSE: the sinks and the open region (bf16 rows) in one program of each (sequence, kv head) (3: a program of
+# their own; 2: the first split's, before its groups): plain
 # [rows, 32] / [32, rows] tiles converted into the mma operands (once per program, not in the loop); q and the
 # softmax weights as two bf16 parts (hi + lo: ~16-bit products against the exact bf16 K / V)
 DENSE_K = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))  # [R, 32] K rows: 8 channels a lane
@@ -446,7 +447,8 @@ def _dense(m_i, l_i, acc0, acc1, acc2, acc3, ok_ptr, ov_ptr, sk_ptr, sv_ptr, num
            QPK: gl.constexpr, D: gl.constexpr, W: gl.constexpr, NS: gl.constexpr, QK_SCALE: gl.constexpr):
     # the open region (W rows at ok_ptr / ov_ptr, num_open real) and the NS sinks (a tile of 16 rows at sk_ptr /
     # sv_ptr, num_sink real; NS <= 16) into the running state (acc in real units). Every load is issued before any
-    # math: one memory latency for this work, which lengthens one program of each (sequence, kv head)
+    # math; they exceed the registers, so the loaded values spill and several memory latencies pass (~14 us on an
+    # H100 at 60 open tokens: bench/NOTES_gluon.md, session 27), hence DENSE 3's program of its own
     ok0, ok1, ok2, ok3, ov0, ov1, ov2, ov3 = _dense_load(ok_ptr, ov_ptr, num_open, D, W)
     if NS > 0:
         sk0, sk1, sk2, sk3, sv0, sv1, sv2, sv3 = _dense_load(sk_ptr, sv_ptr, num_sink, D, 16)
@@ -521,9 +523,9 @@ def hack_gluon_decode_kernel(
     # k_codes u8[N, H, PAGE // 4, D]; k_scale, k_min f16[N, H, PAGE // P, D]
     # v_codes u8[N, H, D, PAGE // 4]; v_scale, v_min f16[N, H, PAGE, 2] (token t, channel group g at 2 t + g)
     # open_k, open_v bf16[S, H, W, D]; sink_k, sink_v bf16[S, H, NS, D] (NS 0: any array, not read)
-    # out: acc f32[S, H, ROWS, OPAD, D]; m (natural log units), l f32[S, H, ROWS, OPAD], rows 0 .. SPLITS - 1
-    # written (ROWS >= SPLITS: common.split_slots; the rest left as they are); OPAD: QPK rounded up to a power of two
-    # (common.q_per_kv_pad), the query heads of a row
+    # out: acc f32[S, H, ROWS, OPAD, D]; m (natural log units), l f32[S, H, ROWS, OPAD], one row per program written
+    # (rows 0 .. SPLITS - 1, and SPLITS with DENSE 3; ROWS may be more: common.split_slots, the rest left as they
+    # are); OPAD: QPK rounded up to a power of two (common.q_per_kv_pad), the query heads of a row
     # DENSE 3: one more program per (sequence, kv head), program_id(2) == SPLITS (grid SPLITS + 1), attends to the
     # sinks and the open region's tokens (NS <= 16) and to no sealed group; 2: the first program does, before its
     # groups; 0: the sealed blocks only (the caller attends to the rest)

@@ -40,13 +40,15 @@ def run(case, q, c, **kw):
     (G8_PAGE8P_CASE, 3, None, "operand"), (G1_CASE, 2, None, "operand"), (G2_CASE, 2, None, "direct"),
     (ODD_CASE, 3, None, "direct"), (G8_PAGE8P_CASE, 2, None, "direct"), (G8_PAGE8P_CASE, 17, None, "operand"),
     (dataclasses.replace(ODD_CASE, ns=0), 3, None, "operand"),
-    (dataclasses.replace(G7_CASE, ns=16), 2, None, "operand")],
+    (dataclasses.replace(G7_CASE, ns=16), 2, None, "operand"), (G1_CASE, 17, None, "operand"),
+    (G2_CASE, 17, None, "operand")],
     ids=["odd_s1", "odd_s5_r168_direct", "g4_s3", "g7_s2_r200", "more_splits_than_groups", "g8_page8P_over_capacity",
-         "g1", "g2_direct", "odd_s3_direct", "g8_page8P_direct", "g8_page8P_s17_merge_kernel", "odd_ns0", "g7_ns16"])
+         "g1", "g2_direct", "odd_s3_direct", "g8_page8P_direct", "g8_page8P_s17_merge_kernel", "odd_ns0", "g7_ns16",
+         "g1_s17_merge_kernel", "g2_s17_merge_kernel"])
 def test_gluon_kernel_within_2x_naive(case, splits, maxnreg, staging):
-    """Sinks and the open region in the kernel (the default), every staging; 17 splits: the partials merged by
-    common.combine_splits' kernel (32 rows, 15 never written); no sinks (their pointers stand in for nothing) and
-    a full 16-row sink tile."""
+    """Sinks and the open region in the kernel (the default: a program of their own), every staging; 17 splits:
+    18 programs' partials merged by common.combine_splits' kernel (32 rows, 14 never written; rows of 8, 1 and 2
+    query heads); no sinks (their pointers stand in for nothing) and a full 16-row sink tile."""
     q, c = build(case, seed=3)
     out = run(case, q, c, num_splits=splits, maxnreg=maxnreg, staging=staging)
     assert np.isfinite(out).all() and (out[np.asarray(case.kv_lens) == 0] == 0).all()
@@ -225,15 +227,13 @@ def test_gluon_via_dispatch_on_a_real_cache():
     check_vs_dequantized(out, layer, page_indices, lengths, q, atol=2e-3)
 
 
-@pytest.mark.parametrize("batch,heads,groups,q_per_kv", [(1, 8, 128, 4), (1, 8, 512, 4), (8, 8, 128, 4),
-                                                         (1, 4, 512, 8), (2, 8, 4, 4), (64, 8, 512, 4)])
-def test_default_splits_one_wave_and_one_merge_kernel(batch, heads, groups, q_per_kv):
-    """The splits and the dense program fill at most one wave of one-warp programs, never more splits than
-    groups, and their partial rows stay within what combine_splits merges in one kernel."""
-    from pallas_kernels import common
-    pad = 1 << (q_per_kv - 1).bit_length()
-    splits = gd.default_num_splits(batch, heads, groups, extra=1, q_pad=pad)
-    programs = splits + 1
+@pytest.mark.parametrize("batch,heads,groups", [(1, 8, 128), (1, 8, 512), (8, 8, 128), (2, 8, 4), (64, 8, 512),
+                                                (200, 8, 64)])
+def test_default_splits_fill_one_wave_of_groups(batch, heads, groups):
+    """The splits over the sealed groups fill at most one wave of one-warp programs (the dense program comes on
+    top), never more splits than groups, at least one."""
+    splits = gd.default_num_splits(batch, heads, groups)
     assert 1 <= splits <= groups
-    assert programs * batch * heads <= gd.NUM_SMS * gd.PROGRAMS_PER_SM or splits == 1
-    assert (1 << (programs - 1).bit_length()) * pad <= common.COMBINE_MAX_PARTIALS
+    assert splits * batch * heads <= gd.NUM_SMS * gd.PROGRAMS_PER_SM or splits == 1
+    # a full wave where the groups allow it: one more split would not fit
+    assert splits == groups or (splits + 1) * batch * heads > gd.NUM_SMS * gd.PROGRAMS_PER_SM
