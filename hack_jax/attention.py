@@ -81,7 +81,8 @@ _PALLAS = {
     ("gluon", "decode", "hack"): ("pallas_kernels.gluon_decode_attention", "hack_gluon_decode_attention"),
 }
 _WINDOW_KERNELS = {("pallas", "decode")}  # the (impl, kind) whose kivi kernels take QuantConfig.window
-_BITS_KERNELS = {("pallas", "decode")}  # ... and 4-bit codes (QuantConfig.bits); the fused kernel too
+# ... and 4-bit codes (QuantConfig.bits); the fused decode kernel too
+_BITS_KERNELS = {("pallas", "decode"), ("pallas", "prefill")}
 
 
 def decode_attention(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens, impl="reference",
@@ -277,8 +278,7 @@ def _pallas(impl, kind, layer):
                                   f"with impl='reference'")
     if layer.config.bits != 2 and (impl, kind) not in _BITS_KERNELS:
         raise NotImplementedError(f"impl={impl!r} has no {kind} kernel for {layer.config.bits}-bit codes "
-                                  f"(bits={layer.config.bits}); decode with impl='pallas', prefill with "
-                                  f"impl='reference'")
+                                  f"(bits={layer.config.bits}); use impl='pallas'")
     module, name = _PALLAS[impl, kind, fmt]
     try:
         kernel = getattr(importlib.import_module(module), name)
@@ -325,8 +325,8 @@ def cached_prefix_state(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens,
     (reference.online_softmax_merge).
       impl="reference" (and every layer without a prefix kernel): the jnp reference, the numerics
         of prefill_attention(impl="reference"); state (acc unnormalized, m, l).
-      impl="pallas" with a 2-bit hack kivi layer (no window beyond the open block): the HACK prefill
-        kernel in prefix mode (pallas_kernels.prefill_attention, prefix=True) on the codes; state
+      impl="pallas" with a hack kivi layer of 2- or 4-bit codes (no window beyond the open block): the
+        HACK prefill kernel in prefix mode (pallas_kernels.prefill_attention, prefix=True) on the codes; state
         (normalized out, lse, 1), the same softmax. kernel_options: `interpret`, and `dot_dtype`
         (one of the prefill kernel's; default: its PREFIX_DOT_DTYPE, the scale-folded f16 operands of
         the model's decode steps); others (the decode kernel's launch settings) are ignored.
@@ -352,7 +352,7 @@ def cached_prefix_state(q, layer: kv_cache.LayerCache, *, page_indices, kv_lens,
 
 def _has_prefix_kernel(impl, layer) -> bool:
     """Whether cached_prefix_state runs a kernel: impl="pallas" on a kivi hack layer that the prefill
-    kernel reads (no window beyond the open block, 2-bit codes: `_pallas`'s rules)."""
+    kernel reads (no window beyond the open block, 2- or 4-bit codes: `_pallas`'s rules)."""
     if impl != "pallas" or not isinstance(layer, kv_cache.KiviPages):
         return False
     return ((not layer.config.window or (impl, "prefill") in _WINDOW_KERNELS)

@@ -1,7 +1,7 @@
 """Prefill: write a prompt (or its next chunk) into a cache layer and attend to it, causally.
 
 `prefill(q, k, v, layer, ...) -> (layer, out)` is the one call the model makes per layer. The
-fresh K/V are written once through `kv_cache.write_prefill` (2-bit for "hack"); the attention is
+fresh K/V are written once through `kv_cache.write_prefill` (2- or 4-bit codes for "hack"); the attention is
 chosen by `attention`:
 
   "auto" | "cudnn" | "xla" | "pallas" | "reference"  (exact prefill, the default "auto"):
@@ -29,7 +29,7 @@ chosen by `attention`:
 
   "homomorphic": the paper's numerics (HACK.md §3-§5): write first, then
     attention.prefill_attention over the cache (impl / kernel_options pick the reference or the
-    Pallas kernel). NOT causal for "hack": a query sees its own 64-token block as 2-bit codes whose
+    Pallas kernel). NOT causal for "hack": a query sees its own 64-token block as codes whose
     per-block min/max include the block's later tokens (issue 17.2), so changing a future token
     moves earlier rows. Kept as an option for the paper's numbers, never the default: making it
     causal means attending the query's own block in 16 bits, i.e. exactly what the exact path

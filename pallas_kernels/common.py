@@ -578,31 +578,36 @@ def lse_combine(m, l, acc, axes):
 # plane is a traced shift and the INT8 transients are its own per-block quantizations.
 
 
-def dynamic_plane(tile: jax.Array, shift: jax.Array, dtype, *, asm: bool) -> jax.Array:
-    """Plane `shift // 2` of a packed u8 code tile as dot operands of `dtype` (bf16, f16 or int8),
-    same shape, for a traced i32 `shift` in {0, 2, 4, 6}: `(byte >> shift) & 3`.
+def dynamic_plane(tile: jax.Array, shift: jax.Array, dtype, *, asm: bool, bits: int = 2) -> jax.Array:
+    """Plane `shift // bits` of a packed u8 code tile as dot operands of `dtype` (bf16, f16 or int8),
+    same shape, for a traced i32 `shift` in {0, 2, 4, 6} (2-bit codes) or {0, 4} (4-bit):
+    `(byte >> shift) & (2**bits - 1)`.
 
     asm (GPU only) works on 4 bytes per 32-bit register by inline PTX: `t = (word >> shift) &
-    0x03030303` (the shift moves other bytes' bits only into bits 2..7, which the mask drops), then
+    0x03030303` (4 bits: 0x0F0F0F0F; the shift moves other bytes' bits only into the bits above the
+    code, which the mask drops), then
       int8: t itself (4 codes);
       bf16 / f16: two PRMTs put 0x43 / 0x64 above each code byte (bf16 0x43cc = 128 + c, f16 0x64cc =
         1024 + c, exact) and one 16-bit x2 FMA per pair subtracts 128 / 1024 (exact): no
         integer-to-float converts (I2F.BF16 runs at a quarter of the ALU rate).
     2 + 1.5 instructions per 4 codes (16-bit) instead of ~6 per code. Without asm: jnp shifts and
     converts (interpret mode), the same values."""
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 2 or 4, got {bits=}")
     if not asm:
-        return ((tile >> shift.astype(jnp.uint8)) & jnp.uint8(3)).astype(dtype)
+        return ((tile >> shift.astype(jnp.uint8)) & jnp.uint8(2**bits - 1)).astype(dtype)
+    mask = "0x03030303" if bits == 2 else "0x0F0F0F0F"
     shifts = jnp.broadcast_to(jnp.asarray(shift, jnp.int32), tile.shape)
     if dtype == jnp.int8:
         [out] = pltriton.elementwise_inline_asm(
-            "{ .reg .b32 t; shr.b32 t, $1, $2; and.b32 $0, t, 0x03030303; }", args=[tile, shifts],
+            f"{{ .reg .b32 t; shr.b32 t, $1, $2; and.b32 $0, t, {mask}; }}", args=[tile, shifts],
             constraints="=r,r,r,r,r,r", pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, jnp.int8)])
         return out
     # (magic byte, 1.0 x2, -magic x2, FMA type) of the 16-bit planes
     hi, one, off, fma = ((0x64646464, 0x3C003C00, 0xE400E400, "f16x2") if dtype == jnp.float16
                          else (0x43434343, 0x3F803F80, 0xC300C300, "bf16x2"))
     [out] = pltriton.elementwise_inline_asm(
-        "{ .reg .b32 t, hi, one, off; shr.b32 t, $2, $3; and.b32 t, t, 0x03030303; "
+        f"{{ .reg .b32 t, hi, one, off; shr.b32 t, $2, $3; and.b32 t, t, {mask}; "
         f"mov.b32 hi, {hi:#010x}; mov.b32 one, {one:#010x}; mov.b32 off, {off:#010x}; "
         "prmt.b32 $0, t, hi, 0x5140; prmt.b32 $1, t, hi, 0x7362; "
         f"fma.rn.{fma} $0, $0, one, off; fma.rn.{fma} $1, $1, one, off; }}",

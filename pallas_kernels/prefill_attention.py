@@ -1,9 +1,9 @@
-"""HACK prefill attention on the paged INT2 cache (kivi layout), one Pallas kernel lowered to Triton.
+"""HACK prefill attention on the paged INT2 (or 4-bit) cache (kivi layout), one Pallas kernel lowered to Triton.
 
 Computes, for every sequence s, query row t (position q_start[s] + t) and query head h (kv head
 h // q_per_kv), causal attention softmax(q K^T / sqrt(head_dim)) V over the keys at positions
 <= q_start[s] + t (and < kv_lens[s]), exactly as docs/DESIGN.md "Homomorphic attention semantics"
-(layout="kivi") defines it on the 2-bit codes: nothing is dequantized. Per (query tile, sealed
+(layout="kivi") defines it on the 2-bit (or 4-bit) codes: nothing is dequantized. Per (query tile, sealed
 block b): Q*sigma_b quantized INT8 per (row, channel group); QK^T as an integer dot on the K codes
 plus the K code sums and q.mu_b terms; block-local softmax weights W (masked keys out of the max,
 W = 0 for them); W*tau quantized INT8 per (row, channel group) over the block; PV as an integer dot
@@ -20,7 +20,8 @@ layer into these arrays.
 
 Shapes and dtypes (P = partition_size, Pc = min(v_group or P, head_dim), NP = num_channel_groups =
 head_dim // Pc, bpp = page_size // P blocks per page, S = batch, H = num_kv_heads, ns =
-num_sink_tokens; DESIGN.md "Paged cache layout"):
+num_sink_tokens; DESIGN.md "Paged cache layout"), shown for 2-bit codes; with bits = 4 (QuantConfig.bits)
+the code arrays hold page_size // 2 rows / columns (packing groups of 2 blocks, one nibble plane each):
   q          float[S, T, num_q_heads, head_dim]          -> out f32[S, T, num_q_heads, head_dim]
   k_codes    u8[num_pages, H, page_size // 4, head_dim]   (planar per packing group of 4 blocks)
   k_scale, k_min  f16[num_pages, H, bpp, head_dim]
@@ -32,7 +33,7 @@ num_sink_tokens; DESIGN.md "Paged cache layout"):
   page_indices i32[S, pages_per_seq];  kv_lens i32[S] tokens held, this prompt (chunk) included
   q_start    i32[S] position of query row 0 (0: a whole prompt; > 0: a chunk after a cached prefix);
              rows at or past kv_lens return 0.
-Supported: partition_size and head_dim powers of two >= 32, page_size a multiple of 4 * partition_size,
+Supported: partition_size and head_dim powers of two >= 32, page_size a multiple of (8 // bits) * partition_size,
 v_group None or a power of two >= 32, any GQA ratio (q_per_kv padded to a power of two), any T.
 
 Structure. Grid (S, H, query tiles), the heaviest (last) tiles first. A program holds block_q query
@@ -41,7 +42,7 @@ q_per_kv_pad + g: GQA folded into the dot's M, so each K/V block is read once fo
 heads), q / sqrt(head_dim) held in registers as NP [R, Pc] float32 tiles. It walks the sealed blocks
 the tile can see, first those every row sees whole (no mask), then the diagonal ones (causal mask).
 Per block and channel group: the block's plane of the packed [P, Pc] K and [Pc, P] V code tiles
-(plane = the block's slot in its packing group, a traced shift: `common.dynamic_plane`), the
+(plane = the block's slot in its packing group, a traced shift of 2 or 4 bits: `common.dynamic_plane`), the
 per-token metadata (kappa, tau, nu) of all channel groups as [P, NP] tiles split in registers (Triton
 pipelines them into shared memory), two integer dots, the INT8 quantizations
 (`common.quantize_rows_int8_ffma`) and the corrections, one merge. Sinks (elementwise: ns is no dot
@@ -91,7 +92,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 
-NUM_PLANES = 4  # 2-bit codes per byte = blocks per packing group (DESIGN.md "2-bit packing")
 DotDtype = Literal["bf16", "int8", "folded_f16", "folded_bf16"]
 DOT_DTYPES = get_args(DotDtype)
 FOLDED = ("folded_f16", "folded_bf16")  # scale-folded operands: no INT8 requantization (module docstring)
@@ -108,15 +108,15 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
                          k_min_ref, k_sums_ref, v_codes_ref, v_scale_ref, v_min_ref, v_sums_ref,
                          open_k_ref, open_v_ref, *refs, partition_size, num_channel_groups, q_per_kv_pad,
                          block_q, num_q_tiles, num_sink_tokens, num_pages, max_blocks, dot_dtype, interpret,
-                         prefix):
+                         prefix, bits):
     # kv_lens_ref, q_start_ref  i32[S]
     # page_indices_ref  i32[S, pages_per_seq]
     # q_ref             float[block_q, q_per_kv_pad, D]   this tile: positions x the kv head's query heads
-    # k_codes_ref       u8[N, H, page_size // 4, D]
+    # k_codes_ref       u8[N, H, page_size // C, D]   C = 8 // bits blocks (planes) per packing group
     # k_scale_ref, k_min_ref  f16[N, H, bpp, D]
     # k_sums_ref        u8|u16[N, H, page_size, NP]   (k_sums_ref, v_sums_ref: None without code sums; the
     #                   folded modes never read them)
-    # v_codes_ref       u8[N, H, D, page_size // 4]   (token-major)
+    # v_codes_ref       u8[N, H, D, page_size // C]   (token-major)
     # v_scale_ref, v_min_ref  f16[N, H, page_size, NP]
     # v_sums_ref        u8|u16[N, H, bpp, D]
     # open_k_ref, open_v_ref  bf16[S, H, P, D]
@@ -132,6 +132,7 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
     bpp = k_scale_ref.shape[2]
     op_dtype = OPERAND_DTYPES[dot_dtype]
     folded = dot_dtype in FOLDED
+    C = common.num_planes(bits)  # blocks per packing group
     asm = not interpret  # inline PTX has no interpret-mode rule; the jnp forms give the same values
 
     kv_len = jnp.clip(kv_lens_ref[b], 0, ns + max_blocks * P)  # beyond the capacity: clipped
@@ -161,10 +162,10 @@ def _hack_prefill_kernel(kv_lens_ref, q_start_ref, page_indices_ref, q_ref, k_co
         pid = page_indices_ref[b, _div(k, bpp)]
         pid = jnp.where((pid >= 0) & (pid < num_pages), pid, 0)
         slot = _mod(k, bpp)
-        code_rows = pl.ds(_div(slot, NUM_PLANES) * P, P)  # the packing group's K code rows / V columns
-        shift = 2 * _mod(slot, NUM_PLANES)  # i32: the block's plane in its packing group
+        code_rows = pl.ds(_div(slot, C) * P, P)  # the packing group's K code rows / V columns
+        shift = bits * _mod(slot, C)  # i32: the block's plane in its packing group
         tokens = pl.ds(slot * P, P)
-        plane = lambda tile_u8: common.dynamic_plane(tile_u8, shift, op_dtype, asm=asm)
+        plane = lambda tile_u8: common.dynamic_plane(tile_u8, shift, op_dtype, asm=asm, bits=bits)
 
         # the per-token metadata of all channel groups as [P, NP] tiles, split in registers
         cols = lambda ref, f: [f(x.reshape(P)) for x in jnp.split(ref[pid, h, tokens, :], NP, axis=1)]
@@ -353,10 +354,10 @@ def default_config(*, num_q_heads: int, num_kv_heads: int, q_len: int, dot_dtype
 
 
 @functools.partial(jax.jit, static_argnames=("partition_size", "num_sink_tokens", "config", "interpret",
-                                             "prefix"))
+                                             "prefix", "bits"))
 def _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                   sink_k, sink_v, page_indices, kv_lens, q_start, *, partition_size, num_sink_tokens,
-                  config, interpret, prefix):
+                  config, interpret, prefix, bits):
     batch, q_len, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, _, _ = k_codes.shape
     page_size, num_channel_groups = v_scale.shape[2], v_scale.shape[3]  # [N, H, page_size, NP], as k_sums
@@ -379,7 +380,7 @@ def _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v
         _hack_prefill_kernel, partition_size=partition_size, num_channel_groups=num_channel_groups,
         q_per_kv_pad=pad, block_q=block_q, num_q_tiles=tiles, num_sink_tokens=num_sink_tokens,
         num_pages=num_pages, max_blocks=page_indices.shape[1] * (page_size // partition_size),
-        dot_dtype=config.dot_dtype, interpret=interpret, prefix=prefix)
+        dot_dtype=config.dot_dtype, interpret=interpret, prefix=prefix, bits=bits)
     kernel = common.without_operand(kernel, 11, v_sums is not None)  # ref positions, the higher first
     kernel = common.without_operand(kernel, 7, k_sums is not None)
     out_shape, out_specs = jax.ShapeDtypeStruct(qg.shape, jnp.float32), q_tile
@@ -407,7 +408,7 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
                            v_group: int | None = None, q_start=None, dot_dtype: DotDtype | None = None,
                            config: KernelConfig | None = None, interpret: bool = False, bits: int = 2,
                            prefix: bool = False):
-    """HACK causal prefill attention over the paged INT2 kivi cache (module docstring; shapes there).
+    """HACK causal prefill attention over the paged INT2 (or 4-bit) kivi cache (module docstring; shapes there).
     With prefix=True: the cached-prefix half of a chunked prefill instead (every query row after the
     kv_lens cached tokens, all of them visible; returns the log-sum-exp too).
 
@@ -431,7 +432,7 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
         PREFIX_DOT_DTYPE with prefix=True or without code sums (ignored if config is given).
       config: KernelConfig; None picks default_config(...).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
-      bits: the cache's code width (QuantConfig.bits); only 2 (NotImplementedError otherwise).
+      bits: the cache's code width (QuantConfig.bits): 2 or 4.
       prefix: every row is a query after all kv_lens cached tokens (a chunk's queries over the tokens
         cached before it): no causal mask, no row beyond the sequence.
 
@@ -446,7 +447,6 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
         concrete), a bad dot_dtype, config or block_q; dot_dtype "bf16" / "int8" (the INT8 numerics, which
         read the code sums) without k_sums / v_sums.
     """
-    common.require_2bit("hack_prefill_attention", bits)
     page_indices, kv_lens, q_start = common.as_index_arrays(page_indices, kv_lens, q_start)
     if not hasattr(q, "shape"):
         raise TypeError(f"q must be an array, got {type(q).__name__}")
@@ -457,7 +457,7 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
     common.check_kivi_inputs(q_row, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums,
                              open_k, open_v, sink_k, sink_v, page_indices, kv_lens,
                              partition_size=partition_size, num_sink_tokens=num_sink_tokens,
-                             v_group=v_group)
+                             v_group=v_group, bits=bits)
     if prefix and q_start is not None:
         raise ValueError("q_start must be None with prefix=True (every row sits after the kv_lens cached tokens)")
     if dot_dtype is None:
@@ -477,7 +477,8 @@ def hack_prefill_attention(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale,
         sink_k = sink_v = None
     return _hack_prefill(q, k_codes, k_scale, k_min, k_sums, v_codes, v_scale, v_min, v_sums, open_k, open_v,
                          sink_k, sink_v, page_indices, kv_lens, q_start, partition_size=partition_size,
-                         num_sink_tokens=num_sink_tokens, config=config, interpret=interpret, prefix=bool(prefix))
+                         num_sink_tokens=num_sink_tokens, config=config, interpret=interpret, prefix=bool(prefix),
+                         bits=bits)
 
 
 def resolve_config(*, num_q_heads: int, num_kv_heads: int, q_len: int, dot_dtype: DotDtype = "bf16",

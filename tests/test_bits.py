@@ -3,10 +3,11 @@ packing group (a byte holds block 2g's code in its low nibble and block 2g + 1's
 
 The cache (written by prefill, appends or both, shuffled page table, poisoned beyond each length) is
 decoded by the float64 twin's own NumPy reader (tests/twin.py, the bit order of DESIGN.md "packing")
-and compared with the library's dequantization; the paged reference and the Pallas decode kernel
-(interpret mode, both operand families; the fused append + decode kernel) with the twin's homomorphic
-attention on the same codes, at the attention suite's tolerances (tier a); 4-bit against the
-unquantized K/V and against 2-bit (tier c, at the cache and at the model level).
+and compared with the library's dequantization; the paged reference, the Pallas decode kernel (interpret
+mode, both operand families; the fused append + decode kernel) and the prefill kernel (whole prompts and a
+chunk's cached prefix) with the twin's homomorphic attention on the same codes, at the attention suite's
+tolerances (tier a); 4-bit against the unquantized K/V and against 2-bit (tier c, at the cache and at the
+model level).
 """
 
 import dataclasses
@@ -316,6 +317,54 @@ def test_prefill_reference():
     check(out, twin.np_cache_attention(q, cache, q_pos), cache, "reference", "kivi")
 
 
+@pytest.mark.parametrize("impl", ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name,dot_dtype", [("b4", "bf16"), ("b4_page4", "bf16"), ("b4_page4", "int8")])
+def test_prefill_kernel(name, dot_dtype, impl):
+    """The HACK prefill kernel (impl="pallas", the INT8-requantized operands as bf16 or int8 dots) on 4-bit codes
+    vs the twin's homomorphic attention (transient INT8 as the kernel's), chunks at and across block edges; rows
+    at or past a sequence's length return 0."""
+    cache = _cache(CONFIGS[name])
+    t = 40
+    q = make_q((len(LENGTHS), t, NUM_Q_HEADS, HEAD_DIM), seed=6)
+    q_start = np.asarray((0, 0, 0, 0, 0, 10, 0, 30, 28, 60, 100, 93, 270), np.int32)
+    out = np.asarray(attention.prefill_attention(q, cache.layer, page_indices=cache.table, kv_lens=cache.lengths,
+                                                 q_start=q_start, **_impl(impl, dot_dtype=dot_dtype)))
+    q_pos = q_start[:, None] + np.arange(t)[None, :]
+    check(out, twin.np_cache_attention(q, cache, q_pos), cache, impl, "kivi")
+    assert (out[q_pos >= cache.lengths[:, None]] == 0).all()
+
+
+@pytest.mark.parametrize("impl", ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_prefix_kernel_folded_within_2x_naive(impl):
+    """attention.cached_prefix_state(impl="pallas") on 4-bit codes: the prefill kernel in prefix mode with its
+    default scale-folded f16 operands (every row after the cached tokens). Its normalized output vs exact
+    attention over the dequantized cache (float64 twin): at most 2x the error of the same f16 rounding done
+    naively, plus float32 order; the log-sum-exp vs float64 logits over the twin's own decode of the keys; an
+    empty slot gives l = 0."""
+    cache = _cache(B4_PAGE4, lengths=TRIP_LENGTHS + (0,))
+    t = 3
+    q = make_q((len(cache.lengths), t, NUM_Q_HEADS, HEAD_DIM), seed=8)
+    state = attention.cached_prefix_state(q, cache.layer, page_indices=cache.table, kv_lens=cache.lengths,
+                                          **_impl(impl))
+    out = np.asarray(state.acc) / np.where(np.asarray(state.l) > 0, np.asarray(state.l), 1)[..., None]
+    q_pos = np.broadcast_to((cache.lengths - 1)[:, None], (len(cache.lengths), t))
+    exact = twin.np_cache_attention(q, cache, q_pos, transient_int8=False)
+    naive = twin.np_cache_attention(q, cache, q_pos, round_to=np.float16)
+    held = cache.lengths > 0
+    err, naive_err = np.abs(out - exact)[held].max(), np.abs(naive - exact)[held].max()
+    assert 0 < naive_err and err <= 2 * naive_err + TIGHT * np.abs(cache.v).max(), (err, naive_err)
+    assert (np.asarray(state.l)[~held] == 0).all()
+    lse = np.asarray(state.m) + np.log(np.where(np.asarray(state.l) > 0, np.asarray(state.l), 1))
+    for s, (k, _) in enumerate(twin.dequantized(cache)):  # the twin's own NumPy decode, f64[n, H, D]
+        if not held[s]:
+            continue
+        k = k.repeat(NUM_Q_HEADS // NUM_KV_HEADS, axis=1)
+        logits = np.einsum("thd,nhd->thn", np.asarray(q[s], np.float64), k) / np.sqrt(HEAD_DIM)
+        top = logits.max(-1)
+        want = top + np.log(np.exp(logits - top[..., None]).sum(-1))
+        assert np.abs(lse[s] - want).max() <= 2e-3, (s, np.abs(lse[s] - want).max())
+
+
 def test_quantization_error_vs_2bit():
     """Tier (c), reported: relative error of decode attention vs float attention on the unquantized K/V,
     4-bit against 2-bit on the same K/V (pytest -s prints both). 4 bits carry 5x finer steps."""
@@ -408,20 +457,16 @@ def test_paths_without_4bit_kernels_refuse():
         with pytest.raises(NotImplementedError, match="bits=4"):
             attention.decode_attention(q, cache.layer, page_indices=cache.table, kv_lens=cache.lengths, impl=impl,
                                        interpret=True)
-    with pytest.raises(NotImplementedError, match="bits=4"):
-        attention.prefill_attention(q[:, None], cache.layer, page_indices=cache.table, kv_lens=cache.lengths,
-                                    impl="pallas", interpret=True)
     arrays, static = attention.kernel_args(cache.layer)
     assert static["bits"] == 4
     from pallas_kernels.decode_attention import hack_decode_attention
     from pallas_kernels.dequant_decode_attention import dequant_decode_attention
     from pallas_kernels.prefill_attention import hack_prefill_attention
-    for fn, qq in ((dequant_decode_attention, q), (hack_prefill_attention, q[:, None])):
-        with pytest.raises(NotImplementedError, match="2-bit codes only"):
-            fn(qq, *arrays, cache.table, cache.lengths, interpret=True, **static)
-    with pytest.raises(ValueError, match="4-bit cache"):  # the arrays say 4 bits, the caller 2
-        hack_decode_attention(q, *arrays, cache.table, cache.lengths, interpret=True, partition_size=P,
-                              num_sink_tokens=NS)
+    with pytest.raises(NotImplementedError, match="2-bit codes only"):
+        dequant_decode_attention(q, *arrays, cache.table, cache.lengths, interpret=True, **static)
+    for fn, qq in ((hack_decode_attention, q), (hack_prefill_attention, q[:, None])):
+        with pytest.raises(ValueError, match="4-bit cache"):  # the arrays say 4 bits, the caller 2
+            fn(qq, *arrays, cache.table, cache.lengths, interpret=True, partition_size=P, num_sink_tokens=NS)
 
 
 # ----------------------------------------------------------------------------- model, CLI, eval

@@ -21,6 +21,8 @@ LENGTHS = np.array([150, 70, 0], np.int32)
 PAGES_PER_SEQ = 2
 FORMATS = {"hack": QuantConfig(), "bf16": QuantConfig(kv_format="bf16"),
            "float32": QuantConfig(kv_format="float32")}
+# hack4 (only where a test names it): blocks of 32, so a 100- or 132-token prefix fills both packing groups of a page
+CONFIGS = {**FORMATS, "hack4": QuantConfig(bits=4, partition_size=32)}
 EXACT_CPU = ("reference", "xla", "pallas")  # the backends that run here (cudnn: tests/gpu)
 
 
@@ -37,7 +39,7 @@ def make_qkv(seed=0):
 
 
 def setup(fmt, lengths=LENGTHS):
-    cfg = FORMATS[fmt]
+    cfg = CONFIGS[fmt]
     sinks = kv_cache.sink_tokens(cfg)
     alloc = paging.PageAllocator(1 + S * PAGES_PER_SEQ, S, PAGES_PER_SEQ, cfg.page_size, sinks)
     for s in reversed(range(S)):  # pages handed out in reverse: a non-identity table
@@ -222,19 +224,20 @@ def test_chunked_matches_its_float64_oracle_and_stores_one_shot_bytes(fmt, cuts)
 
 @pytest.mark.parametrize("mode", ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("cuts", [[100], [68, 132]], ids=str)
-def test_chunked_prefix_through_the_hack_kernel(cuts, mode):
+@pytest.mark.parametrize("fmt", ["hack", "hack4"])
+def test_chunked_prefix_through_the_hack_kernel(fmt, cuts, mode):
     """impl="pallas" (Pallas interpret mode, or compiled on the GPU): the cached prefix is read by the
-    HACK prefill kernel in prefix mode on the codes (scale-folded f16 operands by default), inside
+    HACK prefill kernel in prefix mode on the 2- or 4-bit codes (scale-folded f16 operands by default), inside
     hack_jax.prefill as a model layer calls it. Each chunk vs float64 attention over the prefix as
     stored: within 1e-2 * max|V| and, chunk by chunk, a mean error no larger than the reference
     (INT8 requantized) path's plus float32 slack; the cache holds the same bytes."""
     q, k, v = make_qkv(2)
-    layer, outs = chunked("hack", q, k, v, cuts, impl="pallas", interpret=mode == "interpret")
-    ref_layer, ref_outs = chunked("hack", q, k, v, cuts)
+    layer, outs = chunked(fmt, q, k, v, cuts, impl="pallas", interpret=mode == "interpret")
+    ref_layer, ref_outs = chunked(fmt, q, k, v, cuts)
     for a, b in zip(jax.tree.leaves(layer), jax.tree.leaves(ref_layer)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     scale = np.abs(v).max()
-    for i, want in enumerate(chunk_oracles("hack", q, k, v, cuts)):
+    for i, want in enumerate(chunk_oracles(fmt, q, k, v, cuts)):
         err, ref_err = np.abs(outs[i] - want), np.abs(ref_outs[i] - want)
         print(f"\nchunk {i}: kernel prefix max {err.max():.2e} mean {err.mean():.2e}; reference prefix "
               f"max {ref_err.max():.2e} mean {ref_err.mean():.2e}")

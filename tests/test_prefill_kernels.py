@@ -216,19 +216,20 @@ def test_hack_kernel_single_sequence_lengths(dot_dtype, mode):
         check_close(out, ref, np.abs(case.v).max(), mode, label=f"{dot_dtype} n={n}")
 
 
-def run_prefill_helpers(tile, x, dot_dtype, mode):
-    """common.dynamic_plane (every plane, the shift read from memory: traced) and
+def run_prefill_helpers(tile, x, dot_dtype, mode, bits=2):
+    """common.dynamic_plane (every plane of `bits`-bit codes, the shift read from memory: traced) and
     common.quantize_rows_int8_ffma in one small Pallas kernel, as the prefill kernel calls them (inline
     PTX and FFMA rounding on the GPU, jnp in interpret mode); the planes as `dot_dtype`'s operands (the
-    folded modes' f16 / bf16), the quantizer's codes as int8 or bf16. Returns (planes f32[4,
+    folded modes' f16 / bf16), the quantizer's codes as int8 or bf16. Returns (planes f32[8 // bits,
     *tile.shape], codes f32[*x.shape], s f32[rows], mf f32[rows])."""
     plane_op = hack_mod.OPERAND_DTYPES[dot_dtype]
     op = jnp.int8 if dot_dtype == "int8" else jnp.bfloat16
     interpret = mode == "interpret"
+    planes = 8 // bits
 
     def kernel(shift_ref, tile_ref, x_ref, planes_ref, codes_ref, s_ref, mf_ref):
-        for j in range(hack_mod.NUM_PLANES):
-            plane = common.dynamic_plane(tile_ref[...], shift_ref[j], plane_op, asm=not interpret)
+        for j in range(planes):
+            plane = common.dynamic_plane(tile_ref[...], shift_ref[j], plane_op, asm=not interpret, bits=bits)
             planes_ref[j, :, :] = plane.astype(jnp.float32)
         codes, s, mf = common.quantize_rows_int8_ffma(x_ref[...], op, interpret=interpret)
         codes_ref[...] = codes.astype(jnp.float32)
@@ -236,10 +237,10 @@ def run_prefill_helpers(tile, x, dot_dtype, mode):
         mf_ref[...] = mf
 
     rows = x.shape[0]
-    out_shape = [jax.ShapeDtypeStruct((hack_mod.NUM_PLANES,) + tile.shape, jnp.float32),
+    out_shape = [jax.ShapeDtypeStruct((planes,) + tile.shape, jnp.float32),
                  jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.float32),
                  jax.ShapeDtypeStruct((rows,), jnp.float32)]
-    shifts = jnp.arange(0, 8, 2, dtype=jnp.int32)
+    shifts = jnp.arange(0, 8, bits, dtype=jnp.int32)
     ins = (shifts, jnp.asarray(tile), jnp.asarray(x))
     outs = common.pallas_call(kernel, out_shape=out_shape, in_specs=[common.full_spec(a) for a in ins],
                               out_specs=[common.full_spec(o) for o in out_shape], interpret=interpret,
@@ -248,11 +249,13 @@ def run_prefill_helpers(tile, x, dot_dtype, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("dot_dtype", hack_mod.DOT_DTYPES)
-def test_prefill_plane_and_int8_helpers_match_numpy(dot_dtype, mode):
+def test_prefill_plane_and_int8_helpers_match_numpy(dot_dtype, bits, mode):
     """The prefill kernel's two in-kernel helpers against NumPy oracles (on the GPU: the inline-PTX
     unpack and the FFMA-rounded quantizer; interpret mode: their jnp forms). dynamic_plane: plane j of
-    every byte is (byte >> 2j) & 3, exactly (as int8, bf16 or f16 operands). quantize_rows_int8_ffma
+    every byte is (byte >> 2j) & 3 at 2 bits, (byte >> 4j) & 15 at 4, exactly (as int8, bf16 or f16
+    operands). quantize_rows_int8_ffma
     (int8 or bf16 codes): the scale and folded minimum
     equal the float32 quantizer contract's (oracles.q8_rows) bit for bit, and the codes too except
     where (x - mf) / s lies within float32 rounding of a half-integer (the ffma form multiplies by the
@@ -264,8 +267,9 @@ def test_prefill_plane_and_int8_helpers_match_numpy(dot_dtype, mode):
     x = rng.normal(0, 2, (32, 64)).astype(np.float32)
     x[0] = 3.0
     x[1, :] = np.float32(-1.5) + np.float32(0.25) * rng.integers(0, 256, 64).astype(np.float32)
-    planes, codes, s, mf = run_prefill_helpers(tile, x, dot_dtype, mode)
-    expect_planes = np.stack([(tile >> (2 * j)) & 3 for j in range(4)]).astype(np.float32)
+    planes, codes, s, mf = run_prefill_helpers(tile, x, dot_dtype, mode, bits)
+    expect_planes = np.stack([(tile.astype(np.int64) // 2 ** (bits * j)) % 2**bits
+                              for j in range(8 // bits)]).astype(np.float32)
     np.testing.assert_array_equal(planes, expect_planes)
     qc, qs, qm = q8_rows(x)
     np.testing.assert_array_equal(s, qs.astype(np.float32))
@@ -657,12 +661,13 @@ def test_kernels_lower_to_triton_for_cuda(geo, config):
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("dot_dtype", [None, "bf16"])
-def test_prefix_mode_lowers_to_triton_for_cuda(dot_dtype):
+@pytest.mark.parametrize("dot_dtype,bits", [(None, 2), ("bf16", 2), (None, 4)])
+def test_prefix_mode_lowers_to_triton_for_cuda(dot_dtype, bits):
     """cached_prefix_state(impl="pallas") at Llama-3.1-8B heads: one Triton kernel, the prefix mode
-    (default scale-folded f16 operands, and the INT8 requantized ones)."""
+    (default scale-folded f16 operands, and the INT8 requantized ones; 2- and 4-bit codes)."""
     geo = Geometry(t_len=4096, num_kv_heads=8, group=4, head_dim=128)
-    layer = jax.eval_shape(lambda: kv_cache.init_layer(geo.config, num_kv_heads=8, head_dim=128, num_pages=5,
+    config = dataclasses.replace(geo.config, bits=bits)
+    layer = jax.eval_shape(lambda: kv_cache.init_layer(config, num_kv_heads=8, head_dim=128, num_pages=5,
                                                        max_seqs=2))
     q = jax.ShapeDtypeStruct((2, geo.t_len, 32, 128), jnp.bfloat16)
     ints, table = jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 3), jnp.int32)

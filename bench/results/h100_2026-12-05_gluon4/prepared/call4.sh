@@ -11,7 +11,7 @@ export PYTHONPATH="/tmp/site:$PYTHONPATH"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > $O/env.txt 2>&1
 (XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_gluon_decode.py \
   tests/test_triton_decode.py -k "gluon or dispatch" > $O/tests.log 2>&1; echo "rc $?" >> $O/tests.log); pk
-timeout 160 python bench/bench_decode_attention.py --out $O/dec --impls hack gluon bf16 --hack-dots folded_f16 \
+timeout 230 python bench/bench_decode_attention.py --out $O/dec --impls hack gluon hack4 bf16 --hack-dots folded_f16 \
   --shapes llama3.1-8b:8:32768 llama3.1-8b:8:131072 llama3.1-8b:1:32768 llama3.1-8b:1:131072 llama3.1-8b:8:1024 \
   --reps 3 --no-plot > $O/dec.log 2>&1; pk
 timeout 70 python bench/bench_decode_attention.py --out $O/dec_splits --impls hack gluon gluons32 gluons64 \
